@@ -1,0 +1,122 @@
+"""The engine protocol (DESIGN.md §3) and the records that cross it.
+
+Every backend (embedded, SGLang) implements `Engine`. Calls are made from trainer-side threads:
+`generate` returns a `Future` at once so a producer can keep many requests in flight, and the
+control calls (`load_adapter`, `activate`, `pause_generation`, ...) block until the engine has
+done them. Names follow SGLang's so the SGLang backend is a thin mapping.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+PauseMode = Literal["in_place", "retract", "abort"]
+PAUSE_MODES: tuple[str, ...] = ("in_place", "retract", "abort")
+FinishReason = Literal["stop", "length", "abort"]
+
+# `slot` argument of `generate`: an adapter slot (0 or 1), None for the base model without any
+# adapter, or ACTIVE for whatever slot `activate` chose last (the base model before any activate).
+ACTIVE = "active"
+Slot = int | None | Literal["active"]
+
+
+class EngineError(RuntimeError):
+    """A request or call the engine refused (bad input). The engine keeps serving."""
+
+
+class EngineDeadError(EngineError):
+    """The engine process died or stopped answering."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. temperature 0 means greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # per-request generator; None = the engine's own stream
+
+    def check(self) -> None:
+        """Raise EngineError naming the first value out of range."""
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise EngineError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise EngineError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass
+class Completion:
+    """One finished request.
+
+    `logprobs[i]` is the log-probability of `output_ids[i]` under the policy's sampling
+    distribution before truncation: log_softmax(logits / temperature) (temperature 1 when
+    greedy), i.e. without top-k/top-p filtering. This is what the trainer recomputes, so the two
+    can be compared token by token (`logprob_diff`).
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    slot: int | None  # the slot the request ran on (None = base weights)
+    version_start: int  # version of the weights the request started with
+    version_end: int  # the engine's active version when it finished
+    t_start: float = 0.0  # time.time() when the engine admitted it
+    t_end: float = 0.0  # time.time() when it finished
+    meta: dict = field(default_factory=dict)  # caller's tag, returned unchanged
+
+
+@dataclass
+class EngineStats:
+    tokens_generated: int = 0
+    busy_s: float = 0.0  # wall time spent computing (prefill + decode)
+    paused_s: float = 0.0  # total wall time spent paused
+    running: int = 0
+    waiting: int = 0
+    prefix_cache_entries: int = 0
+    prefix_cache_hits: int = 0
+    active_slot: int | None = None
+    slot_versions: tuple[int | None, int | None] = (None, None)
+    base_version: int = 0
+    paused: bool = False
+
+
+class Engine(Protocol):
+    """What the trainer side holds. All calls are thread-safe."""
+
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE, meta: dict | None = None
+    ) -> Future[Completion]: ...
+
+    def load_adapter(
+        self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
+    ) -> None: ...
+
+    def activate(self, slot: int | None) -> None: ...
+
+    def pause_generation(self, mode: PauseMode = "in_place") -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def continue_generation(self) -> None: ...
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...

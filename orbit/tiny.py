@@ -1,0 +1,103 @@
+"""Build a tiny Llama- or Qwen2-architecture model offline: random init, local tokenizer.
+
+The result is an ordinary Hugging Face checkpoint (config.json, model.safetensors, tokenizer
+files) that `AutoModelForCausalLM` / `AutoTokenizer` load. Nothing is fetched from a hub.
+Deterministic: the same arch and seed give the same bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+ARCHS = ("llama", "qwen2")
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+VOCAB_SIZE = 384
+
+_WORDS = (
+    "the a an of to and in is it that for on with as was at by be this from or have not are but "
+    "one two three four five six seven eight nine ten red blue green cat dog sun moon star tree "
+    "orbit model train step reward answer question yes no say repeat number plus minus times "
+    "equals count list word letter pattern hello world good bad fast slow up down left right"
+).split()
+
+
+def _corpus(seed: int) -> list[str]:
+    """Synthetic text: words, digits and arithmetic, enough for a small byte-level BPE."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(3000):
+        kind = rng.random()
+        if kind < 0.5:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))))
+        elif kind < 0.8:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*")
+            lines.append(f"{a} {op} {b} = {eval(f'{a}{op}{b}')}")
+        else:
+            lines.append(" ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") * rng.randint(1, 4)
+                                  for _ in range(rng.randint(2, 8))))
+    return lines
+
+
+def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        dtype="float32",
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+
+
+def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a tiny random-init checkpoint with its tokenizer to `out` and return the path."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(seed)
+    config = tiny_config(arch, len(tok), tok)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a little larger than the default init, so the random model has opinions
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
