@@ -1,0 +1,94 @@
+"""The `orbit` command line: train, recipe check, model tiny."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from orbit.config import RecipeError, load_recipe
+from orbit.modes import MODE_NAMES
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LoRA/OFT adapters.")
+recipe_app = typer.Typer(no_args_is_help=True, help="Recipe tools.")
+model_app = typer.Typer(no_args_is_help=True, help="Models built offline.")
+app.add_typer(recipe_app, name="recipe")
+app.add_typer(model_app, name="model")
+console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
+
+ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
+EngineChoice = Enum("EngineChoice", {"embedded": "embedded", "sglang": "sglang"}, type=str)
+ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2"}, type=str)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="recipe YAML"),
+    mode: ModeChoice | None = typer.Option(None, help="loop mode (overrides the recipe)"),
+    steps: int | None = typer.Option(None, help="train steps (overrides trainer.steps)"),
+    out: Path | None = typer.Option(None, help="run directory (overrides out)"),
+    engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
+    resume: Path | None = typer.Option(None, help="continue the run in this directory"),
+    quiet: bool = typer.Option(False, help="no live view"),
+) -> None:
+    """Train an adapter with RL: `orbit train recipes/tiny.yaml --mode double-buffer`."""
+    from orbit.run import Interrupted
+    from orbit.run import train as run_train
+
+    overrides = {
+        "mode": mode.value if mode else None,
+        "trainer.steps": steps,
+        "out": str(resume or out) if (resume or out) else None,
+        "engine.backend": engine.value if engine else None,
+    }
+    try:
+        r = load_recipe(recipe, overrides)
+    except RecipeError as err:
+        _fail(f"bad recipe {recipe}:\n{err}")
+    try:
+        result = run_train(r, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
+    except RecipeError as err:
+        _fail(str(err))
+    except Interrupted as err:
+        err_console.print(f"[bold yellow]{err}[/]", highlight=False)
+        raise typer.Exit(130) from None
+    console.print(
+        f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
+        f"(metrics.jsonl, timeline.jsonl, adapter/)"
+    )
+
+
+@recipe_app.command("check")
+def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
+    """Validate a recipe without running anything."""
+    try:
+        r = load_recipe(file)
+    except RecipeError as err:
+        _fail(f"bad recipe {file}:\n{err}")
+    console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend})")
+
+
+@model_app.command("tiny")
+def model_tiny(
+    out: Path = typer.Argument(..., help="output directory"),
+    arch: ArchChoice = typer.Option(ArchChoice.llama, help="architecture"),
+    seed: int = typer.Option(0, help="init seed"),
+) -> None:
+    """Build a tiny random-init model with a locally trained tokenizer (no hub access)."""
+    from orbit.tiny import build_tiny_model
+
+    path = build_tiny_model(out, arch=arch.value, seed=seed)
+    console.print(f"tiny {arch.value} model written to {path}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,189 @@
+"""The recipe: schema, YAML loading and validation with field-path errors.
+
+A bad recipe fails here, before any compute, with the field path, the bad value and what is
+allowed. Flags from the command line are applied with `override` and validated the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orbit.modes import MODE_NAMES
+
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run. The message names the field, the value and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AdapterConfig(_Section):
+    type: Literal["lora", "oft"] = "lora"
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    oft_block_size: int = Field(8, ge=2, le=1024, description="OFT block size (must divide in_features)")
+    target_modules: list[Literal[ADAPTER_TARGETS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+
+
+class EngineConfig(_Section):
+    backend: Literal["embedded", "sglang"] = "embedded"
+    max_inflight: int = Field(32, ge=1, le=4096, description="requests the producer keeps in flight")
+    max_running: int = Field(32, ge=1, le=4096, description="requests the engine decodes at once")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    threads: int = Field(1, ge=1, le=256, description="torch threads of the engine process")
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(4, ge=2, le=1024, description="completions per prompt (GRPO group)")
+    prompts_per_step: int = Field(4, ge=1, le=4096)
+    max_new_tokens: int = Field(32, ge=1, le=32768)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    replenish: bool = Field(True, description="submit a fresh prompt for every group dropped as stale")
+
+
+class LossConfig(_Section):
+    ratio: Literal["truncate", "clip"] = Field(
+        "truncate", description="truncate: min(ratio, truncate_max) importance weight; clip: PPO clip"
+    )
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
+    truncate_max: float = Field(2.0, ge=1.0)
+    kl_coef: float = Field(0.0, ge=0.0, description="KL to the base model; 0 = off")
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    steps: int = Field(20, ge=1)
+    save_every: int = Field(10, ge=1, description="checkpoint the adapter every N steps")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    threads: int = Field(1, ge=1, le=256)
+    micro_batch: int = Field(0, ge=0, description="samples per forward/backward; 0 = the whole batch")
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class TaskConfig(_Section):
+    name: Literal["pattern"] = "pattern"
+    target: str = Field("yes", min_length=1, description="pattern task: the word to emit")
+
+
+class Recipe(_Section):
+    model: Path
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    mode: Literal[MODE_NAMES] = "double-buffer"  # type: ignore[valid-type]
+    max_staleness: int | None = Field(
+        1, ge=0, description="drop groups older than this many steps and replenish; null = keep all"
+    )
+    seed: int = 0
+    out: Path = Path("runs/latest")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        if self.engine.max_inflight < self.rollout.group_size:
+            # The producer submits whole groups; fewer slots than one group never completes one.
+            raise ValueError(
+                f"engine.max_inflight ({self.engine.max_inflight}) must be >= rollout.group_size "
+                f"({self.rollout.group_size}), else no group ever completes"
+            )
+        if self.max_staleness is not None and not self.rollout.replenish:
+            # Dropped groups would not be replaced: the pipeline drains and the trainer waits forever.
+            raise ValueError(
+                "rollout.replenish: false with max_staleness set would drop stale groups without "
+                "replacing them and hang the trainer; set rollout.replenish: true or max_staleness: null"
+            )
+        return self
+
+
+def _fmt_loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = _fmt_loc(e["loc"])
+        value = e.get("input")
+        if not e["loc"]:  # a cross-field rule: its message names the fields itself
+            lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key (value {value!r})")
+        elif e["type"] == "missing":
+            lines.append(f"{loc}: required field is missing")
+        else:
+            lines.append(f"{loc}: {e['msg']} (got {value!r})")
+    return "\n".join(lines)
+
+
+def _check_paths(recipe: Recipe) -> None:
+    model = recipe.model
+    if not model.is_dir():
+        raise RecipeError(f"model: no such directory {str(model)!r} (build one with `orbit model tiny DIR`)")
+    if not (model / "config.json").exists():
+        raise RecipeError(f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)")
+
+
+def _check_supported(recipe: Recipe) -> None:
+    if recipe.engine.backend == "sglang":
+        raise RecipeError("engine.backend: 'sglang' is not available yet (allowed now: 'embedded')")
+
+
+def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
+    """Validate a recipe dict. Raises RecipeError with every bad field listed."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe must be a mapping of sections, got {type(data).__name__}")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_explain(err)) from None
+    _check_supported(recipe)
+    if check_paths:
+        _check_paths(recipe)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, check_paths: bool = True) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides (`{"trainer.steps": 5}`), validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {str(path)!r}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    data = data if data is not None else {}
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, dotted, value)
+    return parse_recipe(data, check_paths=check_paths)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"{dotted}: cannot override inside a non-mapping value")
+    node[leaf] = value
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,389 @@
+"""Our own decoder for Llama/Qwen2-family Hugging Face checkpoints.
+
+Reads config.json + model.safetensors (or a sharded model.safetensors.index.json) and runs the
+forward pass with plain tensors, no nn.Module: on a tiny model the per-op Python overhead is the
+cost, so the projections that share an input run as one matmul (q|k|v, gate|up) and adapters act
+on the slices (see slots.py). Weights stay addressable by their HF names (`params()`), as views
+into the fused tensors, so `update_weights` writes them in place.
+
+Numerics follow transformers' Llama/Qwen2 code: RMSNorm in float32, RoPE tables computed in
+float32 from the checkpoint's rope settings and cast to the engine dtype, grouped-query attention
+with scale head_dim**-0.5.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from orbit.engine.base import EngineError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Projections that read the same input run fused; adapters address the member modules.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+MODULES: tuple[str, ...] = tuple(m for members in GROUPS.values() for m in members)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts of a checkpoint that the engine needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    tie_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(out_features, in_features) of a projection, e.g. 'self_attn.k_proj'."""
+        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, \
+            self.intermediate_size
+        return {
+            "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
+        }[module]
+
+
+def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
+    """eos from config.json and generation_config.json (transformers' generate uses the latter)."""
+    ids: set[int] = set()
+    sources = [raw]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return tuple(sorted(ids))
+
+
+def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
+    """Parse config.json; reject what this decoder does not implement."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    mtype = raw.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(f"model_type {mtype!r} not supported by the embedded engine ({SUPPORTED_MODEL_TYPES})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise EngineError(f"hidden_act {raw['hidden_act']!r} not supported (silu only)")
+    if raw.get("use_sliding_window"):
+        raise EngineError("sliding-window attention is not supported by the embedded engine")
+    heads = raw["num_attention_heads"]
+    rope = _rope_parameters(raw)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise EngineError("partial_rotary_factor != 1 is not supported")
+    spec = ModelSpec(
+        model_type=mtype,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=_eos_ids(path, raw),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+    )
+    return spec, raw
+
+
+def _rope_parameters(raw: dict) -> dict:
+    """New-style `rope_parameters`, or the older `rope_theta` + `rope_scaling` pair."""
+    if raw.get("rope_parameters"):
+        return dict(raw["rope_parameters"])
+    params = dict(raw.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    return params
+
+
+def rope_frequencies(path: str | Path, raw: dict, spec: ModelSpec, max_context: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) for the checkpoint's rope settings.
+
+    The default type is computed here (the formula of transformers' compute_default_rope_parameters)
+    so the engine process does not pay the ~3 s transformers import; every other type comes from
+    transformers' ROPE_INIT_FUNCTIONS with the HF config object.
+    """
+    params = _rope_parameters(raw)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = spec.head_dim
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    # dynamic/longrope switch frequencies by sequence length; a static table matches them only
+    # while every sequence stays within the original length.
+    original = params.get("original_max_position_embeddings", spec.max_position_embeddings)
+    limit = spec.max_position_embeddings if "dynamic" in rope_type else original
+    if ("dynamic" in rope_type or rope_type == "longrope") and max_context > limit:
+        raise EngineError(f"rope_type {rope_type!r} needs max_context <= {limit}, got {max_context}")
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise EngineError(f"rope_type {rope_type!r} not supported")
+    hf_config = AutoConfig.from_pretrained(str(path))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of every shard named by model.safetensors.index.json."""
+    path = Path(path)
+    single = path / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        raise EngineError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(path / shard)))
+    return state
+
+
+@dataclass
+class Linear:
+    """One fused projection: `weight` rows are the member modules' outputs, in order."""
+
+    weight: torch.Tensor  # [sum of out_features, in_features]
+    bias: torch.Tensor | None
+    parts: tuple[tuple[str, int, int], ...]  # (module, first output column, end column)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    def group(self, name: str) -> Linear:
+        return getattr(self, name)
+
+
+# How a forward reaches the adapters: (layer index, group name, linear, input) -> output.
+Project = Callable[[int, str, Linear, torch.Tensor], torch.Tensor]
+# How a forward attends: (layer index, q [n,H,T,D], k [n,Hkv,T,D], v) -> [n,H,T,D].
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def plain_linear(layer: int, group: str, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, lin.weight, lin.bias)
+
+
+class Decoder:
+    """Llama/Qwen2 forward over plain tensors. Not thread-safe; one engine owns it."""
+
+    def __init__(self, path: str | Path, *, max_context: int | None = None, dtype: str = "float32",
+                 device: str = "cpu") -> None:
+        if dtype not in DTYPES:
+            raise EngineError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        self.spec, raw = read_spec(path)
+        self.max_context = max_context or min(self.spec.max_position_embeddings, 4096)
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        inv_freq, self.attention_scaling = rope_frequencies(path, raw, self.spec, self.max_context)
+        self._inv_freq = inv_freq
+        self._build(load_checkpoint(path))
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _build(self, state: dict[str, torch.Tensor]) -> None:
+        """Fuse per-module HF tensors into the layer structs, on self.device in self.dtype."""
+        s = self.spec
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise EngineError(f"checkpoint lacks tensor {name!r}")
+            return state[name].to(device=self.device, dtype=self.dtype)
+
+        def fuse(prefix: str, members: tuple[str, ...]) -> Linear:
+            weights, biases, parts, start = [], [], [], 0
+            for m in members:
+                w = take(f"{prefix}.{m}.weight")
+                b = state.get(f"{prefix}.{m}.bias")
+                weights.append(w)
+                biases.append(b)
+                parts.append((m, start, start + w.shape[0]))
+                start += w.shape[0]
+            bias = None
+            if any(b is not None for b in biases):  # a member without bias gets zeros, not exported
+                bias = torch.cat([(b if b is not None else torch.zeros(w.shape[0])).to(self.device, self.dtype)
+                                  for b, w in zip(biases, weights, strict=True)])
+                self._bias_members.update(f"{prefix}.{m}" for m, b in zip(members, biases, strict=True)
+                                          if b is not None)
+            return Linear(torch.cat(weights).contiguous(), bias, tuple(parts))
+
+        self._bias_members: set[str] = set()
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed if s.tie_embeddings else take("lm_head.weight")
+        self.layers = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}"
+            self.layers.append(Layer(
+                attn_norm=take(f"{p}.input_layernorm.weight"),
+                mlp_norm=take(f"{p}.post_attention_layernorm.weight"),
+                **{g: fuse(p, members) for g, members in GROUPS.items()},
+            ))
+        freqs = torch.outer(torch.arange(self.max_context, dtype=torch.float), self._inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.attention_scaling).to(self.device, self.dtype)
+        self.sin = (emb.sin() * self.attention_scaling).to(self.device, self.dtype)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """HF name -> tensor (views into the fused weights; writing one writes the model)."""
+        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm,
+               "lm_head.weight": self.lm_head}  # tied: the same tensor as the embedding
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}"
+            out[f"{p}.input_layernorm.weight"] = layer.attn_norm
+            out[f"{p}.post_attention_layernorm.weight"] = layer.mlp_norm
+            for g in GROUPS:
+                lin = layer.group(g)
+                for m, a, b in lin.parts:
+                    out[f"{p}.{m}.weight"] = lin.weight[a:b]
+                    if f"{p}.{m}" in self._bias_members:
+                        out[f"{p}.{m}.bias"] = lin.bias[a:b]
+        return out
+
+    def to(self, device: str | torch.device) -> None:
+        """Move all weights (release_memory/resume_memory on CUDA). Views are rebuilt."""
+        state = {k: v.to(device) for k, v in self.params().items()}
+        self.device = torch.device(device)
+        self._build(state)
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' RMSNorm: statistics in float32, scale applied in the input dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                project: Project) -> torch.Tensor:
+        """Run all layers over tokens [n, T] at positions [n, T]; return hidden [n*T, hidden]."""
+        s = self.spec
+        n, t = tokens.shape
+        h_q, h_kv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        cos = self.cos[positions].unsqueeze(2)  # [n, T, 1, D], shared by q and k heads
+        sin = self.sin[positions].unsqueeze(2)
+        h = F.embedding(tokens.reshape(-1), self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.attn_norm)
+            qkv = project(i, "qkv", layer.qkv, x)
+            # q and k are adjacent columns of the fused output: one rope call rotates both
+            qk = self._rope(qkv[:, : (h_q + h_kv) * d].view(n, t, h_q + h_kv, d), cos, sin)
+            q = qk[:, :, :h_q].transpose(1, 2)
+            k = qk[:, :, h_q:].transpose(1, 2)
+            v = qkv[:, (h_q + h_kv) * d:].view(n, t, h_kv, d).transpose(1, 2)
+            a = attend(i, q, k, v).transpose(1, 2).reshape(n * t, h_q * d)
+            h = h + project(i, "o", layer.o, a)
+            x = self._norm(h, layer.mlp_norm)
+            gate, up = project(i, "gate_up", layer.gate_up, x).chunk(2, dim=-1)
+            h = h + project(i, "down", layer.down, F.silu(gate) * up)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head, in float32 for the sampler."""
+        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+
+    def prefill(self, tokens: torch.Tensor, project: Project = plain_linear,
+                store: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Causal forward over right-padded tokens [n, T] from position 0; returns hidden [n, T, hidden].
+
+        Padding sits after each sequence's last token, so causal masking alone keeps it out of
+        every real position. `store(layer, k, v)` receives each layer's keys/values [n, Hkv, T, D].
+        """
+        n, t = tokens.shape
+        positions = torch.arange(t, device=self.device).expand(n, t)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if store is not None:
+                store(i, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        return self._layers(tokens, positions, attend, project).view(n, t, -1)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, k_cache: list[torch.Tensor],
+               v_cache: list[torch.Tensor], kv_len: int, project: Project = plain_linear) -> torch.Tensor:
+        """One token per row: tokens/positions [n]; row r uses cache row r. Returns hidden [n, hidden].
+
+        The new key/value is written at `positions[r]`, then each row attends over its first
+        positions[r]+1 cache entries (`kv_len` = the longest of them).
+        """
+        n = tokens.shape[0]
+        s = self.spec
+        rows = torch.arange(n, device=self.device)
+        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None]).view(n, 1, 1, kv_len)
+        groups = s.num_heads // s.num_kv_heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = k_cache[i], v_cache[i]
+            kc[rows, :, positions] = k[:, :, 0]
+            vc[rows, :, positions] = v[:, :, 0]
+            # one query per row: the G query heads of a kv head become G query positions, so no
+            # repeat of the cache is needed
+            qg = q.reshape(n, s.num_kv_heads, groups, s.head_dim)
+            out = F.scaled_dot_product_attention(qg, kc[:n, :, :kv_len], vc[:n, :, :kv_len], attn_mask=mask)
+            return out.reshape(n, s.num_heads, 1, s.head_dim)
+
+        return self._layers(tokens.view(n, 1), positions.view(n, 1), attend, project)
+
+
+def check_tensor(name: str, t: object, shape: tuple[int, ...]) -> None:
+    """Shared validation of pushed tensors: type, float dtype, shape, finiteness."""
+    if not isinstance(t, torch.Tensor):
+        raise EngineError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise EngineError(f"{name}: dtype {t.dtype} is not a floating-point dtype")
+    if tuple(t.shape) != tuple(shape):
+        raise EngineError(f"{name}: shape {tuple(t.shape)} does not match expected {tuple(shape)}")
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise EngineError(f"{name}: contains {bad} NaN/Inf value(s)")
+
+
+def validate_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Check a full-weight push against the model; return name -> destination view. Changes nothing."""
+    params = decoder.params()
+    if not tensors:
+        raise EngineError("update_weights: no tensors given")
+    for name, t in tensors.items():
+        if name not in params:
+            raise EngineError(f"update_weights: unknown parameter name {name!r}")
+        check_tensor(f"update_weights: {name}", t, tuple(params[name].shape))
+    return params

@@ -1,0 +1,158 @@
+"""Step metrics (DESIGN §6), timeline events on one clock, JSON-lines writers and the live view."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+# The fields every metrics.jsonl line carries (the five-panel comparison reads these).
+METRIC_FIELDS = (
+    "mode", "step", "version", "update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s",
+    "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
+    "stale_dropped",
+)
+
+
+@dataclass
+class StepMetrics:
+    mode: str
+    step: int
+    version: int  # adapter version after this step's optimizer update
+    update_weights_s: float
+    train_wait_s: float
+    rollout_tok_per_dev_s: float
+    step_s: float
+    staleness_mean: float
+    staleness_max: int
+    engine_paused_s: float
+    logprob_diff: float | None  # engine vs trainer on tokens of exactly the current weights
+    reward_mean: float
+    loss: float
+    stale_dropped: int
+    train_s: float = 0.0
+    tokens_generated: int = 0
+    logprob_diff_tokens: int = 0
+    policy_drift: float | None = None  # same mean abs diff, over samples of older weights
+    grad_norm: float = 0.0
+    full_push: bool = False
+    resubmitted: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return json.dumps({k: _clean(v) for k, v in d.items()})
+
+
+def _clean(v):
+    """JSON has no NaN: report missing measurements as null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class JsonlWriter:
+    """Append-only JSON lines, flushed on every write so Ctrl-C loses nothing."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.flush()
+            self._f.close()
+
+
+class Timeline:
+    """Events (actor, kind, t0, t1, version) on the wall clock shared by trainer and engine."""
+
+    def __init__(self, path: Path) -> None:
+        self._out = JsonlWriter(path)
+
+    def event(self, actor: str, kind: str, t0: float, t1: float, version: int | None, **extra) -> None:
+        row = {"actor": actor, "kind": kind, "t0": t0, "t1": t1, "version": version, **extra}
+        self._out.write(json.dumps(row))
+
+    def span(self, actor: str, kind: str, version: int | None, **extra) -> _Span:
+        return _Span(self, actor, kind, version, extra)
+
+    def close(self) -> None:
+        self._out.close()
+
+
+class _Span:
+    """`with timeline.span(...)`: records the event when the block ends; `.seconds` after."""
+
+    def __init__(self, timeline: Timeline, actor: str, kind: str, version, extra) -> None:
+        self.timeline, self.actor, self.kind, self.version, self.extra = timeline, actor, kind, version, extra
+        self.seconds = 0.0
+
+    def __enter__(self) -> _Span:
+        self.t0 = time.time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        t1 = time.time()
+        self.seconds = t1 - self.t0
+        self.timeline.event(self.actor, self.kind, self.t0, t1, self.version, **self.extra)
+
+
+class LiveView:
+    """A rich progress bar plus the latest step's figures. Silent when `enabled` is False."""
+
+    def __init__(self, mode: str, total_steps: int, start_step: int, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn(f"[bold]{mode}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
+        self.flips = 0
+        self.last: StepMetrics | None = None
+        self._live = Live(self._render(), refresh_per_second=4) if enabled else None
+
+    def __enter__(self) -> LiveView:
+        if self._live:
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live:
+            self._live.__exit__(*exc)
+
+    def update(self, m: StepMetrics, flipped: bool) -> None:
+        self.flips += int(flipped)
+        self.last = m
+        self.progress.update(self.task, completed=m.step + 1)
+        if self._live:
+            self._live.update(self._render())
+
+    def _render(self):
+        table = Table(box=None, show_header=True, header_style="bold cyan")
+        for col in ("step", "reward", "step s", "train wait s", "push s", "staleness", "dropped",
+                    "logprob diff", "flips"):
+            table.add_column(col, justify="right")
+        m = self.last
+        if m is not None:
+            diff = "-" if m.logprob_diff is None or not math.isfinite(m.logprob_diff) else f"{m.logprob_diff:.2e}"
+            table.add_row(
+                str(m.step), f"{m.reward_mean:.3f}", f"{m.step_s:.2f}", f"{m.train_wait_s:.2f}",
+                f"{m.update_weights_s:.3f}", f"{m.staleness_mean:.2f}/{m.staleness_max}",
+                str(m.stale_dropped), diff, str(self.flips),
+            )
+        return RichGroup(self.progress, table)

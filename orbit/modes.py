@@ -1,0 +1,33 @@
+"""The five loop modes are two choices (DESIGN.md §1): a loop kind and a push strategy.
+
+The loop and the push are separate pieces (orbit/loop.py, orbit/sync.py); a mode only selects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Loop = Literal["serial", "overlapped"]
+Push = Literal["full", "adapter", "double-buffer"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    loop: Loop
+    push: Push
+    what_crosses: str
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("sync", "serial", "full", "all model weights (adapter merged in)"),
+        Mode("sync-adapter", "serial", "adapter", "adapter tensors, into the one slot"),
+        Mode("async-full", "overlapped", "full", "all model weights"),
+        Mode("async-adapter", "overlapped", "adapter", "adapter tensors, into the one slot"),
+        Mode("double-buffer", "overlapped", "double-buffer", "adapter tensors into the inactive slot"),
+    )
+}
+MODE_NAMES = tuple(MODES)

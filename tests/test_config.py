@@ -1,0 +1,121 @@
+"""Bad recipes and bad flags fail before any compute, naming the field, value and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orbit.config import RecipeError, load_recipe, parse_recipe
+from orbit.modes import MODES
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_are_valid(tiny_llama):
+    r = parse_recipe({"model": str(tiny_llama)})
+    assert r.mode == "double-buffer" and r.engine.backend == "embedded"
+
+
+def test_repo_recipes_are_valid(tiny_llama):
+    for path in Path(__file__).resolve().parent.parent.glob("recipes/*.yaml"):
+        load_recipe(path, {"model": str(tiny_llama)})
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"adapter": {"type": "lorx"}}, ["adapter.type", "'lora' or 'oft'", "lorx"]),
+        ({"adapter": {"rank": 3}}, ["adapter.rank", "unknown key"]),
+        ({"bogus": 1}, ["bogus", "unknown key"]),
+        ({"engine": {"max_inflight": 0}}, ["engine.max_inflight", "greater than or equal to 1", "0"]),
+        ({"engine": {"backend": "vllm"}}, ["engine.backend", "'embedded' or 'sglang'"]),
+        ({"rollout": {"top_p": 1.5}}, ["rollout.top_p", "1.5"]),
+        ({"rollout": {"group_size": "four"}}, ["rollout.group_size", "four"]),
+        ({"mode": "turbo"}, ["mode", "double-buffer", "turbo"]),
+        ({"trainer": {"lr": -1}}, ["trainer.lr", "-1"]),
+        ({"adapter": {"target_modules": ["qkv"]}}, ["adapter.target_modules", "q_proj", "qkv"]),
+        ({"engine": {"device": "tpu"}}, ["engine.device", "tpu"]),
+        ({"max_staleness": -1}, ["max_staleness", "-1"]),
+    ],
+)
+def test_bad_field_names_field_value_and_allowed(tiny_llama, patch, expected):
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({"model": str(tiny_llama), **patch})
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_missing_model_path():
+    with pytest.raises(RecipeError, match="model: no such directory"):
+        parse_recipe({"model": "/nonexistent/model"})
+    with pytest.raises(RecipeError, match="model: required field is missing"):
+        parse_recipe({})
+
+
+def test_drop_without_replenish_is_rejected(tiny_llama):
+    with pytest.raises(RecipeError, match="would drop stale groups without replacing them"):
+        parse_recipe({"model": str(tiny_llama), "max_staleness": 1, "rollout": {"replenish": False}})
+    parse_recipe({"model": str(tiny_llama), "max_staleness": None, "rollout": {"replenish": False}})
+
+
+def test_group_larger_than_inflight_is_rejected(tiny_llama):
+    with pytest.raises(RecipeError, match="engine.max_inflight"):
+        parse_recipe({"model": str(tiny_llama), "engine": {"max_inflight": 2}, "rollout": {"group_size": 4}})
+
+
+def test_not_yaml_and_not_found(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_modes_are_rows_of_loop_and_push():
+    assert {(m.loop, m.push) for m in MODES.values()} == {
+        ("serial", "full"), ("serial", "adapter"), ("overlapped", "full"),
+        ("overlapped", "adapter"), ("overlapped", "double-buffer"),
+    }
+
+
+def _orbit(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orbit.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_recipe_check(tmp_path, tiny_llama):
+    good = _write(tmp_path, {"model": str(tiny_llama)})
+    assert _orbit("recipe", "check", str(good)).returncode == 0
+    bad = _write(tmp_path, {"model": str(tiny_llama), "rollout": {"temperature": 0}})
+    res = _orbit("recipe", "check", str(bad))
+    assert res.returncode == 2 and "rollout.temperature" in res.stderr
+
+
+def test_cli_train_bad_flags_fail_before_compute(tmp_path, tiny_llama):
+    recipe = _write(tmp_path, {"model": str(tiny_llama), "out": str(tmp_path / "run")})
+    res = _orbit("train", str(recipe), "--mode", "turbo")
+    assert res.returncode == 2 and "turbo" in res.stderr
+    res = _orbit("train", str(recipe), "--steps", "0")
+    assert res.returncode == 2 and "trainer.steps" in res.stderr
+    res = _orbit("train", str(recipe), "--resume", str(tmp_path / "nothing-here"))
+    assert res.returncode == 2 and "no checkpoint" in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing was created or computed
+
+
+def test_cli_model_tiny_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    res = _orbit("model", "tiny", str(tmp_path / "m"), "--arch", "qwen2", "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert model.config.model_type == "qwen2" and tok.eos_token == "<eos>"
+    assert _orbit("model", "tiny", str(tmp_path / "x"), "--arch", "gpt2").returncode == 2
