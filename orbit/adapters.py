@@ -110,9 +110,9 @@ def merged_weights(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
                 continue  # a tied weight, already emitted under its first name
             seen.add(tensor.data_ptr())
             if owner is None:
-                out[key] = tensor.detach().to("cpu", copy=True)
+                out[key] = tensor.detach().to("cpu", copy=True).contiguous()
                 continue
-            param = rest[len(_BASE_LAYER):]
+            param = rest[len(_BASE_LAYER) :]
             if param == "weight":
                 tensor = _merged_weight(tuners[owner])
             out[f"{owner}.{param}"] = tensor.detach().to("cpu", copy=True).contiguous()

@@ -1,7 +1,8 @@
-"""The `orbit` command line: train, recipe check, model tiny."""
+"""The `orbit` command line: train, bench, recipe check, model tiny."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -44,6 +45,9 @@ def train(
     from orbit.run import Interrupted
     from orbit.run import train as run_train
 
+    # Ctrl-C must stop a run cleanly even when started with SIGINT ignored (e.g. a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     overrides = {
         "mode": mode.value if mode else None,
         "trainer.steps": steps,
@@ -65,6 +69,26 @@ def train(
         f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
         f"(metrics.jsonl, timeline.jsonl, adapter/)"
     )
+
+
+@app.command()
+def bench(
+    recipe: Path = typer.Argument(Path("bench/five-panel.yaml"), help="workload recipe"),
+    engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
+    steps: int = typer.Option(8, help="measured steps per mode"),
+    warmup: int = typer.Option(2, help="warm-up steps per mode, excluded from the figures"),
+    out: Path = typer.Option(Path("runs/bench"), help="output directory"),
+) -> None:
+    """Run the five modes on one workload: summary.json, a table and panels.png."""
+    from orbit.bench import run_bench
+
+    overrides = {"engine.backend": engine.value if engine else None}
+    try:
+        r = load_recipe(recipe, overrides)
+        result = run_bench(r, out, steps=steps, warmup=warmup, console=console)
+    except RecipeError as err:
+        _fail(f"bad bench arguments ({recipe}):\n{err}")
+    console.print(f"wrote {result.out / 'summary.json'} and {result.out / 'panels.png'}")
 
 
 @recipe_app.command("check")

@@ -6,6 +6,7 @@ allowed. Flags from the command line are applied with `override` and validated t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -140,6 +141,35 @@ def _check_paths(recipe: Recipe) -> None:
         raise RecipeError(f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)")
 
 
+def _in_features(model_config: dict) -> dict[str, int]:
+    """Input width of each adapter target, from a Llama/Qwen2-style config.json."""
+    hidden = model_config["hidden_size"]
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or hidden // heads
+    return {
+        "q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "gate_proj": hidden, "up_proj": hidden,
+        "o_proj": heads * head_dim, "down_proj": model_config["intermediate_size"],
+    }
+
+
+def _check_oft_block_size(recipe: Recipe) -> None:
+    """OFT splits each target's input into blocks: the block size must divide every width."""
+    if recipe.adapter.type != "oft":
+        return
+    try:
+        widths = _in_features(json.loads((recipe.model / "config.json").read_text()))
+    except (KeyError, ValueError):
+        return  # not a config we can read: peft's own check runs when the trainer starts
+    sizes = [widths[t] for t in recipe.adapter.target_modules]
+    if all(n % recipe.adapter.oft_block_size == 0 for n in sizes):
+        return
+    allowed = [b for b in range(2, min(sizes) + 1) if all(n % b == 0 for n in sizes)]
+    raise RecipeError(
+        f"adapter.oft_block_size: {recipe.adapter.oft_block_size} does not divide the input width of every "
+        f"target ({dict(zip(recipe.adapter.target_modules, sizes, strict=True))}); allowed: {allowed}"
+    )
+
+
 def _check_supported(recipe: Recipe) -> None:
     if recipe.engine.backend == "sglang":
         raise RecipeError("engine.backend: 'sglang' is not available yet (allowed now: 'embedded')")
@@ -156,6 +186,7 @@ def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
     _check_supported(recipe)
     if check_paths:
         _check_paths(recipe)
+        _check_oft_block_size(recipe)
     return recipe
 
 

@@ -91,6 +91,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
             seed=recipe.seed + 7919 * trainer.version,  # a resumed run continues with new prompts
             timeline=timeline,
         )
+        buffer.on_take = producer.wake
         if not serial:
             producer.grant((recipe.trainer.steps - trainer.version) * batch_groups)
             if recipe.rollout.replenish:

@@ -66,6 +66,16 @@ def _paused(engine: Engine, mode: PauseMode, change, timeline: Timeline | None, 
     return t1 - t0
 
 
+def _load(engine: Engine, slot: int, policy: PolicySource, timeline: Timeline | None, tensors=None, config=None):
+    """Write the policy's adapter into `slot`, recorded on the timeline as a `load_adapter` span."""
+    tensors = policy.adapter_tensors() if tensors is None else tensors
+    config = policy.adapter_config() if config is None else config
+    t0 = time.time()
+    engine.load_adapter(slot, tensors, config, policy.version)
+    if timeline:
+        timeline.event("engine", "load_adapter", t0, time.time(), policy.version, slot=slot)
+
+
 class FullPush:
     name = "full"
 
@@ -93,8 +103,7 @@ class AdapterPush:
         t0 = time.time()
         tensors, config = policy.adapter_tensors(), policy.adapter_config()
         paused = _paused(
-            engine, "retract",
-            lambda: engine.load_adapter(self.slot, tensors, config, policy.version),
+            engine, "retract", lambda: _load(engine, self.slot, policy, timeline, tensors, config),
             timeline, policy.version,
         )
         return PushResult(time.time() - t0, paused)
@@ -114,7 +123,7 @@ class DoubleBufferPush:
         t0 = time.time()
         inactive = 1 - self.active
         # The active slot keeps serving while the inactive one is written.
-        engine.load_adapter(inactive, policy.adapter_tensors(), policy.adapter_config(), policy.version)
+        _load(engine, inactive, policy, timeline)
         paused = _paused(engine, "in_place", lambda: engine.activate(inactive), timeline, policy.version)
         self.active = inactive
         return PushResult(time.time() - t0, paused, flipped=True)

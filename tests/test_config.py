@@ -119,3 +119,10 @@ def test_cli_model_tiny_loads_with_transformers(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert model.config.model_type == "qwen2" and tok.eos_token == "<eos>"
     assert _orbit("model", "tiny", str(tmp_path / "x"), "--arch", "gpt2").returncode == 2
+
+
+def test_oft_block_size_must_divide_targets(tiny_llama):
+    with pytest.raises(RecipeError, match=r"adapter.oft_block_size: 7 .* allowed: \[2, 4, 8, 16, 32\]"):
+        parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 7,
+                                                            "target_modules": ["q_proj", "down_proj"]}})
+    parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}})

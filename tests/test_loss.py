@@ -70,7 +70,8 @@ def test_clip_loss_and_gradient():
 @pytest.mark.parametrize("ratio", ["truncate", "clip"])
 def test_masked_tokens_do_not_contribute(ratio: str):
     cfg = LossConfig(ratio=ratio)
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.7, -1.1]], requires_grad=True)
+    nan = float("nan")
+    logp = torch.tensor([[-1.0, nan, -0.5], [float("-inf"), -0.7, nan]], requires_grad=True)
     behaviour = torch.tensor([[-1.1, float("nan"), -0.4], [float("-inf"), -0.9, 1e9]])
     mask = torch.tensor([[1, 0, 1], [0, 1, 0]])
     adv = torch.tensor([1.5, -0.5])
@@ -95,8 +96,8 @@ def test_num_tokens_lets_micro_batches_add_up():
     adv = torch.tensor([1.0, -2.0, 0.5])
     mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
     whole, _ = policy_loss(logp, behaviour, adv, mask, cfg)
-    parts = [policy_loss(logp[s], behaviour[s], adv[s], mask[s], cfg, num_tokens=5)[0] for s in (slice(0, 1),
-                                                                                                    slice(1, 3))]
+    halves = (slice(0, 1), slice(1, 3))
+    parts = [policy_loss(logp[s], behaviour[s], adv[s], mask[s], cfg, num_tokens=5)[0] for s in halves]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
 
 

@@ -42,6 +42,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # per-request generator; None = the engine's own stream
+    ignore_eos: bool = False  # True: only stop_token_ids (or max_new_tokens) end the request
 
     def check(self) -> None:
         """Raise EngineError naming the first value out of range."""
@@ -63,6 +64,9 @@ class Completion:
     distribution before truncation: log_softmax(logits / temperature) (temperature 1 when
     greedy), i.e. without top-k/top-p filtering. This is what the trainer recomputes, so the two
     can be compared token by token (`logprob_diff`).
+
+    When `finish_reason` is "stop", `output_ids` ends with the stop token (eos or one of
+    `stop_token_ids`) and `logprobs` has its logprob, as transformers' `generate` keeps it.
     """
 
     prompt_ids: list[int]
@@ -71,7 +75,8 @@ class Completion:
     finish_reason: FinishReason
     slot: int | None  # the slot the request ran on (None = base weights)
     version_start: int  # version of the weights the request started with
-    version_end: int  # the engine's active version when it finished
+    version_end: int  # version of the weights it finished with (same slot, or base); differs from
+    # version_start only when those weights changed under it (a push while it was paused)
     t_start: float = 0.0  # time.time() when the engine admitted it
     t_end: float = 0.0  # time.time() when it finished
     meta: dict = field(default_factory=dict)  # caller's tag, returned unchanged
@@ -90,6 +95,10 @@ class EngineStats:
     slot_versions: tuple[int | None, int | None] = (None, None)
     base_version: int = 0
     paused: bool = False
+    prefill_tokens: int = 0  # prompt (or retracted prompt+output) tokens run through a forward
+    aborted: int = 0  # requests finished with reason "abort", all causes
+    aborted_on_load: int = 0  # of those: running on a slot that load_adapter overwrote
+    retracted: int = 0  # running requests whose KV was dropped (pause "retract", release_memory)
 
 
 class Engine(Protocol):

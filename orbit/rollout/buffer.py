@@ -25,12 +25,14 @@ class GroupBuffer:
     """A thread-safe queue of groups. The trainer takes whole batches; stale groups are dropped.
 
     `on_drop(n)` is called for every drop so the producer can replenish: without that, the
-    pipeline would drain and `take` would wait forever.
+    pipeline would drain and `take` would wait forever. `on_take()` is called after every take:
+    a producer that stopped because a full batch was waiting must learn that there is room again.
     """
 
-    def __init__(self, max_staleness: int | None, on_drop=None) -> None:
+    def __init__(self, max_staleness: int | None, on_drop=None, on_take=None) -> None:
         self.max_staleness = max_staleness
         self.on_drop = on_drop or (lambda n: None)
+        self.on_take = on_take or (lambda: None)
         self._groups: deque[Group] = deque()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -71,4 +73,5 @@ class GroupBuffer:
                     self.on_drop(1)
                     continue
                 taken.append(group)
+        self.on_take()
         return Batch(groups=taken, wait_s=time.time() - t0, stale_dropped=dropped)

@@ -48,7 +48,7 @@ class Producer:
         self.group_size = group_size
         self.buffer = buffer
         self.max_inflight = max_inflight
-        self.max_buffered = max_buffered  # run-ahead bound: groups waiting for the trainer
+        self.max_buffered = max_buffered  # run-ahead bound: completed groups waiting for the trainer
         self.seed = seed
         self.timeline = timeline
         self._prompts = task.prompts(seed)
@@ -71,6 +71,10 @@ class Producer:
         with self._lock:
             self._granted += n_groups
         self._events.put(None)  # wake the thread
+
+    def wake(self) -> None:
+        """Re-check whether more groups may be submitted (the buffer made room)."""
+        self._events.put(None)
 
     def stop(self) -> None:
         self._stop.set()
@@ -97,7 +101,8 @@ class Producer:
 
     def _take_grant(self) -> bool:
         room = self._inflight + self.group_size <= self.max_inflight
-        ahead = len(self.buffer) + len(self._pending) < self.max_buffered
+        # Run-ahead bound: once a full batch waits for the trainer, more groups would only go stale.
+        ahead = len(self.buffer) < self.max_buffered
         with self._lock:
             if self._granted > 0 and room and ahead:
                 self._granted -= 1
@@ -142,5 +147,5 @@ class Producer:
         if self.timeline is not None:
             self.timeline.event(
                 "engine", "request", c.t_start, c.t_end, c.version_start,
-                slot=c.slot, tokens=len(c.output_ids), finish=c.finish_reason,
+                slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
             )

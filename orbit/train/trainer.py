@@ -179,10 +179,8 @@ class Trainer:
     def _logprobs(self, batch: _Batch) -> Tensor:
         """[B, T] log_softmax(logits / T) of the next token, from position `start` on."""
         keep = batch.input_ids.shape[1] - batch.start  # skip lm_head on prompt positions no one needs
-        logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
-        ).logits[:, :-1]
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep)
+        logp = torch.log_softmax(out.logits[:, :-1].float() / self.temperature, dim=-1)
         return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
 
     @torch.no_grad()

@@ -283,6 +283,8 @@ class Decoder:
     # ---- forward -------------------------------------------------------------------------------
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as below when nothing is cast
+            return F.rms_norm(x, weight.shape, weight, self.spec.rms_eps)
         # transformers' RMSNorm: statistics in float32, scale applied in the input dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_eps)

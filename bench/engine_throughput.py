@@ -1,0 +1,101 @@
+"""Decode throughput: the embedded engine (client + its own process) vs transformers' `generate`.
+
+Same tiny model (built offline with orbit.tiny), same 64 requests with long-tailed output lengths
+(lognormal max_new_tokens clipped to [8, 256], ignore_eos so every request runs to its length),
+same sampling (temperature 1), same torch thread count. transformers runs static batches: a
+batch lasts as long as its longest request. Only useful tokens count for both: each request's
+own max_new_tokens.
+
+    .venv/bin/python bench/engine_throughput.py [--arch llama] [--threads 1] [--batch 32] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import tempfile
+import time
+
+import torch
+
+from orbit.engine.base import SamplingParams
+from orbit.engine.embedded import start_embedded_engine
+from orbit.tiny import build_tiny_model
+
+
+def workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 384) for _ in range(rng.randint(8, 32))] for _ in range(n)]
+    lengths = [max(8, min(256, round(rng.lognormvariate(3.5, 0.9)))) for _ in range(n)]
+    return prompts, lengths
+
+
+def run_engine(client, prompts: list[list[int]], lengths: list[int]) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    futures = [client.generate(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True),
+                               slot=None)
+               for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    tokens = sum(len(f.result().output_ids) for f in futures)
+    return tokens, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def run_transformers(model, prompts: list[list[int]], lengths: list[int], batch: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    useful = 0
+    for i in range(0, len(prompts), batch):
+        ps, ns = prompts[i:i + batch], lengths[i:i + batch]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])  # left padding for generate
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+        assert out.shape[1] == width + max(ns), "a batch stopped early: eos must be off"
+        useful += sum(ns)  # what the requests asked for; the rest of each row is waste
+    return useful, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32, help="engine max_running and transformers batch size")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for each side")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per side; the best is reported")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    prompts, lengths = workload(args.requests, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(tmp, arch=args.arch, seed=0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None  # ignore_eos, as the engine requests do
+        client = start_embedded_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed)
+        try:
+            run_engine(client, prompts[:8], [16] * 8)  # warm-up both
+            run_transformers(model, prompts[:8], [16] * 8, 8)
+            eng, hf = [], []
+            for _ in range(args.repeat):  # alternate, so machine noise hits both sides alike
+                eng.append(run_engine(client, prompts, lengths))
+                hf.append(run_transformers(model, prompts, lengths, args.batch))
+        finally:
+            client.shutdown()
+
+    eng_tok, eng_s = min(eng, key=lambda r: r[1])
+    hf_tok, hf_s = min(hf, key=lambda r: r[1])
+    eng_rate, hf_rate = eng_tok / eng_s, hf_tok / hf_s
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch "
+          f"thread(s) per side, torch {torch.__version__}")
+    print(f"workload: {args.requests} requests, {args.arch} tiny model, output lengths {min(lengths)}..{max(lengths)} "
+          f"(mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} useful tokens, batch/max_running {args.batch}")
+    print(f"embedded engine (client + process): {eng_tok} tokens in {eng_s:.3f} s = {eng_rate:,.0f} tok/s")
+    print(f"transformers generate (static):     {hf_tok} tokens in {hf_s:.3f} s = {hf_rate:,.0f} tok/s")
+    print(f"ratio: {eng_rate / hf_rate:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Trainer-side handle of the engine process: implements the `Engine` protocol of base.py.
+
+Thread-safe: a producer thread calls `generate` while the trainer thread makes control calls.
+`generate` returns a Future at once; control calls block until the engine has done them. One
+reader thread resolves futures from the engine's pipe; it polls with a timeout and checks the
+process, so if the engine dies every pending future and every later call raises
+EngineDeadError within about a second instead of hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from orbit.engine.base import (
+    ACTIVE,
+    PAUSE_MODES,
+    Completion,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    PauseMode,
+    SamplingParams,
+    Slot,
+)
+from orbit.engine.embedded.engine import EngineOptions
+from orbit.engine.embedded.process import EngineInfo, engine_main
+
+_POLL_S = 0.2
+_STARTUP_TIMEOUT_S = 600.0
+
+
+def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_context: int | None = None,
+                          dtype: str = "float32", device: str = "cpu", threads: int = 1, seed: int = 0,
+                          prefix_cache_size: int = 64, max_prefill_tokens: int = 4096) -> EmbeddedClient:
+    """Spawn the engine process on a Hugging Face checkpoint directory and return its client."""
+    options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
+                            seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens)
+    ctx = mp.get_context("spawn")
+    commands = ctx.Queue()
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=engine_main, args=(str(model_path), options, threads, commands, writer),
+                          daemon=True, name="orbit-engine")
+    process.start()
+    writer.close()  # the engine must hold the only writer, so its death reads as EOF here
+    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    try:
+        while not reader.poll(_POLL_S):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise EngineDeadError(f"engine process failed to start (exit code {process.exitcode})")
+        kind, _, payload = reader.recv()
+    except (EOFError, OSError) as e:
+        process.join(5)
+        raise EngineDeadError(f"engine process failed to start (exit code {process.exitcode})") from e
+    if kind != "ready":
+        process.join(5)
+        raise payload
+    return EmbeddedClient(process, commands, reader, payload)
+
+
+class EmbeddedClient:
+    """Implements orbit.engine.base.Engine, plus `score` (teacher-forced logprobs)."""
+
+    def __init__(self, process, commands, results, info: EngineInfo) -> None:
+        self.info = info
+        self._process = process
+        self._commands = commands
+        self._results = results
+        self._pending: dict[int, tuple[Future, dict | None]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="orbit-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _submit(self, kind: str, payload: tuple, meta: dict | None = None) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            key = next(self._ids)
+            self._pending[key] = (fut, meta)
+            # under the lock: a dying reader cannot miss this future
+            self._commands.put((kind, key, payload))
+        return fut
+
+    def _call(self, method: str, *args: object) -> object:
+        return self._submit("call", (method, args)).result()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                if self._results.poll(_POLL_S):
+                    kind, key, payload = self._results.recv()
+                    self._dispatch(kind, key, payload)
+                elif not self._process.is_alive():
+                    raise EOFError
+        except (EOFError, OSError):
+            self._process.join(2)
+            self._fail_all(EngineDeadError("engine was shut down") if self._closing else EngineDeadError(
+                f"engine process {self.pid} died (exit code {self._process.exitcode})"))
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except BaseException as e:  # noqa: BLE001 - whatever broke, no caller may hang on it
+            self._fail_all(EngineDeadError(f"engine client reader failed: {e!r}"))
+
+    def _dispatch(self, kind: str, key: int | None, payload: object) -> None:
+        if kind == "crash":
+            raise EngineDeadError(f"engine process {self.pid} crashed:\n{payload}")
+        with self._lock:
+            fut, meta = self._pending.pop(key)  # type: ignore[arg-type]
+        if kind == "done":  # meta never crossed the process: hand back the caller's own object
+            payload.meta = meta if meta is not None else {}  # type: ignore[attr-defined]
+        try:
+            if kind in ("done", "reply"):
+                fut.set_result(payload)
+            else:  # "failed" / "error"
+                fut.set_exception(payload)  # type: ignore[arg-type]
+        except InvalidStateError:
+            pass  # the caller cancelled it; the engine's answer is dropped
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = error
+            pending, self._pending = self._pending, {}
+        # nobody reads the command queue any more: do not let its feeder thread block exit
+        self._commands.cancel_join_thread()
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(self._dead)
+
+    def _shared(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One copy into fresh shared memory; the queue then moves only handles.
+
+        A copy, not `share_memory_()` on the caller's tensors: that would move the trainer's live
+        parameters into shared memory. CUDA tensors for a CUDA engine go by CUDA IPC as they are
+        (the call blocks until the engine has copied them).
+        """
+        if not isinstance(tensors, dict):
+            raise EngineError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+        out = {}
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor):
+                t = t.detach()
+                if not (t.is_cuda and self.info.device.startswith("cuda")):
+                    t = torch.empty(t.shape, dtype=t.dtype).share_memory_().copy_(t)
+            out[name] = t
+        return out
+
+    # ---- the Engine protocol -------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
+                 meta: dict | None = None) -> Future[Completion]:
+        """Submit one request. Bad arguments raise EngineError here; an empty slot or a token id
+        outside the vocabulary fails the future with EngineError."""
+        if not isinstance(sampling, SamplingParams):
+            raise EngineError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        sampling.check()
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise EngineError("prompt_ids is empty")
+        if len(prompt) >= self.info.max_context:
+            raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {self.info.max_context} "
+                              f"(the prompt must leave room for at least one generated token)")
+        if slot not in (ACTIVE, None, 0, 1) or isinstance(slot, bool):
+            raise EngineError(f"slot must be 'active', None, 0 or 1, got {slot!r}")
+        return self._submit("generate", (prompt, sampling, slot), meta)
+
+    def score(self, prompt_ids: list[int], continuation_ids: list[int], slot: Slot = ACTIVE) -> list[float]:
+        """Teacher-forced logprobs (temperature 1) of each continuation token after the prompt."""
+        return self._call("score", list(prompt_ids), list(continuation_ids), slot)  # type: ignore[return-value]
+
+    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> None:
+        config = {k: getattr(v, "value", v) for k, v in adapter_config.items()} \
+            if isinstance(adapter_config, dict) else adapter_config
+        if isinstance(config, dict) and isinstance(config.get("target_modules"), set | frozenset):
+            config["target_modules"] = sorted(config["target_modules"])
+        self._call("load_adapter", slot, self._shared(tensors), config, version)
+
+    def activate(self, slot: int | None) -> None:
+        self._call("activate", slot)
+
+    def pause_generation(self, mode: PauseMode = "in_place") -> None:
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._call("pause_generation", mode)
+
+    def flush_cache(self) -> None:
+        self._call("flush_cache")
+
+    def continue_generation(self) -> None:
+        self._call("continue_generation")
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._call("update_weights", self._shared(tensors), version)
+
+    def release_memory(self) -> None:
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        self._call("resume_memory")
+
+    def stats(self) -> EngineStats:
+        return self._call("stats")  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        """Abort what is in flight, stop the process. Idempotent."""
+        self._closing = True
+        try:
+            self._call("shutdown")
+        except EngineDeadError:
+            pass
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+        self._fail_all(EngineDeadError("engine was shut down"))
+        self._commands.close()
+
+    def __enter__(self) -> EmbeddedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

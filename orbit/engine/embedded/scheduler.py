@@ -1,0 +1,75 @@
+"""Continuous batching: who waits, who runs, and which KV row each running sequence owns.
+
+Running sequences occupy pool rows 0..n-1 in order (`running[i].row == i`). When some finish,
+the last running rows move into the holes, so the batch stays a prefix of the pool and the
+number of KV copies equals the number of finished sequences, not the batch size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from orbit.engine.embedded.sequence import Sequence
+
+Move = tuple[int, int, int]  # (source row, destination row, positions to copy)
+
+
+class Scheduler:
+    def __init__(self, max_running: int, max_prefill_tokens: int) -> None:
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences into free rows, FIFO, within the prefill token budget.
+
+        At least one is admitted whenever a row is free, so a long prompt cannot starve.
+        """
+        admitted: list[Sequence] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running:
+            cost = self.waiting[0].num_tokens
+            if admitted and cost > budget:
+                break
+            seq = self.waiting.popleft()
+            budget -= cost
+            seq.row = len(self.running)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def remove(self, done: list[Sequence]) -> list[Move]:
+        """Take finished sequences out of `running`; return the KV row moves that refill the holes."""
+        gone = {id(s) for s in done}
+        holes = sorted(s.row for s in done)
+        for s in done:
+            s.row = -1
+        moves: list[Move] = []
+        for hole in holes:
+            while self.running and id(self.running[-1]) in gone:
+                self.running.pop()
+            if hole >= len(self.running):
+                continue  # the hole was in the tail that just got trimmed
+            last = self.running.pop()
+            moves.append((last.row, hole, last.num_tokens - 1))  # its KV covers all but the last token
+            last.row = hole
+            self.running[hole] = last
+        while self.running and id(self.running[-1]) in gone:
+            self.running.pop()
+        return moves
+
+    def take_running(self) -> list[Sequence]:
+        """Remove every running sequence (retract/abort); rows are released."""
+        out, self.running = self.running, []
+        for s in out:
+            s.row = -1
+        return out
+
+    def take_waiting(self) -> list[Sequence]:
+        out = list(self.waiting)
+        self.waiting.clear()
+        return out

@@ -1,0 +1,109 @@
+"""Five Gantt panels on one shared time axis, drawn from each mode's timeline.jsonl.
+
+Engine lanes: one bar per request, colored by the policy version it started with, packed into
+lanes as an interval schedule. Trainer lane: wait / train / push, with the engine's pause on
+top. At serial barriers the idle tail of each lane (waiting for the slowest sample) is hatched.
+Flips and weight updates are marked with vertical lines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from orbit.modes import MODES  # noqa: E402
+
+TRAINER_COLORS = {"wait": "#d9d9d9", "train": "#4c72b0", "push": "#dd8452", "save": "#8c8c8c"}
+PAUSE_COLOR = "#c44e52"
+VERSION_CMAP = plt.get_cmap("tab10")
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()]
+
+
+def pack_lanes(requests: list[dict]) -> list[int]:
+    """Greedy interval partitioning: each request gets the first lane free at its start."""
+    lane_end: list[float] = []
+    lanes = []
+    for r in requests:
+        for i, end in enumerate(lane_end):
+            if end <= r["t0"]:
+                lane_end[i] = r["t1"]
+                lanes.append(i)
+                break
+        else:
+            lane_end.append(r["t1"])
+            lanes.append(len(lane_end) - 1)
+    return lanes
+
+
+def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float) -> None:
+    requests = sorted(
+        (e for e in events if e["kind"] == "request" and e["t1"] > t0 and e["t0"] < t1), key=lambda e: e["t0"]
+    )
+    lanes = pack_lanes(requests)
+    n_lanes = max(lanes, default=-1) + 1
+    trainer_y = n_lanes + 1
+    for r, lane in zip(requests, lanes, strict=True):
+        aborted = r.get("finish") == "abort"
+        ax.broken_barh(
+            [(r["t0"] - t0, r["t1"] - r["t0"])], (lane + 0.1, 0.8),
+            facecolors="white" if aborted else VERSION_CMAP(r["version"] % 10),
+            edgecolors="black" if aborted else "none", linewidth=0.3,
+        )
+    if MODES[mode].loop == "serial":
+        _hatch_stragglers(ax, requests, lanes, events, t0)
+    for e in events:
+        if e["actor"] == "trainer" and e["kind"] in TRAINER_COLORS and e["t1"] > t0:
+            ax.broken_barh([(e["t0"] - t0, e["t1"] - e["t0"])], (trainer_y, 1.2),
+                           facecolors=TRAINER_COLORS[e["kind"]])
+        if e["actor"] == "engine" and e["kind"] == "paused" and e["t1"] > t0:
+            ax.broken_barh([(e["t0"] - t0, max(e["t1"] - e["t0"], 1e-3))], (trainer_y + 0.3, 0.6),
+                           facecolors=PAUSE_COLOR)
+            ax.axvline(e["t1"] - t0, color=PAUSE_COLOR, linestyle="--", linewidth=0.7, alpha=0.7)
+    ax.set_yticks([n_lanes / 2, trainer_y + 0.6], ["engine", "trainer"])
+    ax.set_ylim(-0.5, trainer_y + 1.7)
+    m = MODES[mode]
+    ax.set_title(f"{mode}  ({m.loop} loop, {m.push} push)", loc="left", fontsize=10)
+
+
+def _hatch_stragglers(ax, requests, lanes, events, t0) -> None:
+    """At each serial barrier, the time a lane sat idle waiting for the batch's slowest sample."""
+    for w in (e for e in events if e["actor"] == "trainer" and e["kind"] == "wait"):
+        last_end: dict[int, float] = {}
+        for r, lane in zip(requests, lanes, strict=True):
+            if w["t0"] <= r["t0"] and r["t1"] <= w["t1"] + 1e-3:
+                last_end[lane] = max(last_end.get(lane, 0.0), r["t1"])
+        for lane, end in last_end.items():
+            if w["t1"] - end > 0:
+                ax.broken_barh([(end - t0, w["t1"] - end)], (lane + 0.1, 0.8), facecolors="none",
+                               edgecolors="#999999", hatch="////", linewidth=0)
+
+
+def draw_panels(bench_dir: Path, windows: dict[str, tuple[float, float]], path: Path) -> Path:
+    """One panel per mode, all on the same time axis (seconds from each mode's first measured step)."""
+    modes = list(windows)
+    span = max(t1 - t0 for t0, t1 in windows.values())
+    fig, axes = plt.subplots(len(modes), 1, figsize=(14, 2.6 * len(modes)), sharex=True)
+    for ax, mode in zip(axes, modes, strict=True):
+        t0, t1 = windows[mode]
+        _draw_mode(ax, mode, _events(bench_dir / mode), t0, t1)
+        ax.set_xlim(0, span)
+    axes[-1].set_xlabel("seconds since the first measured step (one shared axis)")
+    legend = [Patch(facecolor=c, label=k) for k, c in TRAINER_COLORS.items()]
+    legend += [Patch(facecolor=PAUSE_COLOR, label="engine paused / flip"),
+               Patch(facecolor="none", edgecolor="#999999", hatch="////", label="straggler wait at barrier"),
+               Patch(facecolor="white", edgecolor="black", label="aborted request")]
+    legend += [Patch(facecolor=VERSION_CMAP(v), label=f"version {v} (mod 10)") for v in range(3)]
+    fig.legend(handles=legend, loc="upper center", ncol=6, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

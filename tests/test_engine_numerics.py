@@ -1,0 +1,217 @@
+"""The embedded engine computes what transformers (+ peft) computes, row by row, in any company."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from engine_helpers import hf_greedy, hf_logprobs, hf_model, max_diff, peft_adapter, prompts
+
+from orbit.engine.base import SamplingParams
+from orbit.engine.embedded import EngineCore, EngineOptions
+
+TOL = 1e-4
+ADAPTERS = {  # name -> (peft kind, config options)
+    "lora": ("lora", {}),
+    "lora-rslora-qv": ("lora", {"use_rslora": True, "r": 8, "target_modules": ["q_proj", "v_proj"]}),
+    "oft-cayley-neumann": ("oft", {}),
+    "oft-exact-cayley": ("oft", {"use_cayley_neumann": False, "oft_block_size": 8}),
+    "oft-coft-block-share": ("oft", {"coft": True, "eps": 1e-3, "block_share": True}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """In-process engines run on one torch thread, as the engine process does: on a shared 2-core
+    machine two OpenMP threads fighting another process's work slow every op down many times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _core(path, **options) -> EngineCore:
+    return EngineCore(str(path), EngineOptions(**options))
+
+
+def _continuations(n: int, seed: int) -> list[list[int]]:
+    return prompts(n, seed=seed + 100, low=4, high=20)
+
+
+def test_base_logprobs_match_transformers(tiny_any):
+    core, ref = _core(tiny_any), hf_model(tiny_any)
+    items = list(zip(prompts(4), _continuations(4, 0), strict=True))
+    batched = core.score_batch([(p, c, None) for p, c in items])  # padded batch of different lengths
+    for (p, c), got in zip(items, batched, strict=True):
+        want = hf_logprobs(ref, p, c)
+        assert max_diff(core.score(p, c, None), want) <= TOL
+        assert max_diff(got, want) <= TOL
+
+
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
+def test_adapter_in_slot_matches_peft(tiny_any, adapter):
+    kind, options = ADAPTERS[adapter]
+    model, tensors, config = peft_adapter(tiny_any, kind, seed=1, **options)
+    core = _core(tiny_any)
+    core.load_adapter(1, tensors, config, version=7)
+    base = hf_model(tiny_any)
+    for p, c in zip(prompts(3, seed=2), _continuations(3, 2), strict=True):
+        want = hf_logprobs(model, p, c)
+        assert max_diff(core.score(p, c, 1), want) <= TOL
+        # the adapter really moves the logprobs (else the comparison above proves nothing)
+        assert max_diff(hf_logprobs(base, p, c), want) > 10 * TOL
+
+
+@pytest.mark.parametrize("adapter", [None, "lora", "oft-cayley-neumann"])
+def test_greedy_generation_matches_transformers_generate(tiny_any, adapter):
+    # more prompts than rows: admissions happen mid-decode. peft's OFT recomputes its rotations
+    # every step, so the adapter cases generate less.
+    n, rows = (6, 3) if adapter is None else (4, 2)
+    core = _core(tiny_any, max_running=rows)
+    slot = None
+    model = hf_model(tiny_any)
+    if adapter is not None:
+        kind, options = ADAPTERS[adapter]
+        model, tensors, config = peft_adapter(tiny_any, kind, seed=3, **options)
+        core.load_adapter(0, tensors, config, version=1)
+        slot = 0
+    eos = core.spec.eos_token_ids[0]
+    ps = prompts(n, seed=4)
+    lengths = [40, 12, 33, 40, 25, 40][:n] if adapter is None else [24, 8, 20, 24]
+    rids = [core.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0), slot)
+            for p, n in zip(ps, lengths, strict=True)]
+    done = dict(core.run_until_idle())
+    for rid, p, n in zip(rids, ps, lengths, strict=True):
+        c = done[rid]
+        assert c.output_ids == hf_greedy(model, p, n, eos)
+        assert c.finish_reason == ("stop" if c.output_ids[-1] == eos else "length")
+        # greedy logprobs are log_softmax at temperature 1
+        assert max_diff(c.logprobs, hf_logprobs(model, p, c.output_ids)) <= TOL
+
+
+def test_sampled_logprobs_are_the_untruncated_policy(tiny_llama):
+    """logprobs = log_softmax(logits / T) of the sampled token, before top-k/top-p."""
+    core, ref = _core(tiny_llama), hf_model(tiny_llama)
+    p = prompts(1, seed=5)[0]
+    for sp in (SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.8, top_k=20, seed=3),
+               SamplingParams(max_new_tokens=24, temperature=0.5, seed=4)):
+        rid = core.submit(p, sp, None)
+        c = dict(core.run_until_idle())[rid]
+        with torch.no_grad():
+            logits = ref(torch.tensor([p + c.output_ids])).logits[0, len(p) - 1:-1]
+        want = torch.log_softmax(logits / sp.temperature, -1).gather(1, torch.tensor(c.output_ids)[:, None])
+        assert max_diff(c.logprobs, want.squeeze(1).tolist()) <= TOL
+        if sp.top_k:  # and the tokens respect the truncation
+            ranks = (logits > logits.gather(1, torch.tensor(c.output_ids)[:, None])).sum(-1)
+            assert int(ranks.max()) < sp.top_k
+
+
+def test_top_k_one_is_greedy(tiny_qwen2):
+    core = _core(tiny_qwen2)
+    p = prompts(1, seed=6)[0]
+    greedy = core.submit(p, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), None)
+    top1 = core.submit(p, SamplingParams(max_new_tokens=20, temperature=1.3, top_k=1, seed=1, ignore_eos=True), None)
+    tiny_p = core.submit(p, SamplingParams(max_new_tokens=20, temperature=1.3, top_p=1e-6, seed=2, ignore_eos=True),
+                         None)
+    done = dict(core.run_until_idle())
+    assert done[top1].output_ids == done[greedy].output_ids == done[tiny_p].output_ids
+
+
+def _three_slot_core(path):
+    """Slot 0 LoRA, slot 1 OFT, plus the base: the three kinds of row of a mixed batch."""
+    core = _core(path, max_running=8)
+    _, lora, lora_cfg = peft_adapter(path, "lora", seed=11)
+    _, oft, oft_cfg = peft_adapter(path, "oft", seed=12)
+    core.load_adapter(0, lora, lora_cfg, version=1)
+    core.load_adapter(1, oft, oft_cfg, version=2)
+    return core
+
+
+def test_mixed_batch_rows_match_alone(tiny_any):
+    core = _three_slot_core(tiny_any)
+    ps = prompts(3, seed=7)
+    jobs = [(p, slot, SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, top_p=0.95, seed=i,
+                                     ignore_eos=True))
+            for i, (p, slot) in enumerate((p, s) for p in ps for s in (0, 1, None))]
+    alone = []
+    for p, slot, sp in jobs:
+        rid = core.submit(p, sp, slot)
+        alone.append(dict(core.run_until_idle())[rid])
+    rids = [core.submit(p, sp, slot) for p, slot, sp in jobs]  # all nine in one batch
+    together = dict(core.run_until_idle())
+    for rid, a, (p, slot, _) in zip(rids, alone, jobs, strict=True):
+        t = together[rid]
+        assert t.slot == a.slot == slot
+        assert t.output_ids == a.output_ids  # per-request seed: same tokens whatever the company
+        assert max_diff(t.logprobs, a.logprobs) <= 1e-5
+        assert max_diff(core.score(p, t.output_ids, slot), t.logprobs) <= TOL
+    # the three slots really differ on the same prompt
+    first = [together[r].logprobs[0] for r in rids[:3]]
+    assert len({round(x, 3) for x in first}) == 3
+    # and a mixed teacher-forced batch agrees with scoring each row alone
+    items = [(p, together[r].output_ids, slot) for r, (p, slot, _) in zip(rids, jobs, strict=True)]
+    for got, (p, c, slot) in zip(core.score_batch(items), items, strict=True):
+        assert max_diff(got, core.score(p, c, slot)) <= 1e-5
+
+
+def test_full_weight_push_equals_adapter_slot(tiny_llama):
+    """update_weights with peft's merged weights serves what the LoRA slot serves."""
+    model, tensors, config = peft_adapter(tiny_llama, "lora", seed=13)
+    core = _core(tiny_llama)
+    core.load_adapter(0, tensors, config, version=1)
+    merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+    p, c = prompts(1, seed=8)[0], _continuations(1, 8)[0]
+    via_slot = core.score(p, c, 0)
+    before = core.score(p, c, None)
+    core.update_weights(merged, version=5)
+    assert core.stats().base_version == 5
+    assert max_diff(core.score(p, c, None), via_slot) <= TOL
+    assert max_diff(before, via_slot) > 10 * TOL
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 128},
+])
+def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
+    """Non-default rope types come from transformers' ROPE_INIT_FUNCTIONS (inv_freq and attention scaling)."""
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    core, ref = _core(tmp_path), hf_model(tmp_path)
+    p, c = prompts(1, seed=9, low=40, high=41)[0], _continuations(1, 9)[0]
+    assert max_diff(core.score(p, c, None), hf_logprobs(ref, p, c)) <= TOL
+    assert max_diff(core.score(p, c, None), _core(tiny_llama).score(p, c, None)) > 10 * TOL  # it mattered
+
+
+def test_sharded_checkpoint(tiny_qwen2, tmp_path):
+    hf_model(tiny_qwen2).save_pretrained(tmp_path, max_shard_size="150KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    p, c = prompts(1, seed=10)[0], _continuations(1, 10)[0]
+    assert _core(tmp_path).score(p, c, None) == _core(tiny_qwen2).score(p, c, None)
+
+
+def test_adapter_dtypes_are_converted_and_low_precision_runs(tiny_llama):
+    model, tensors, config = peft_adapter(tiny_llama, "oft", seed=14)
+    p, c = prompts(1, seed=11)[0], _continuations(1, 11)[0]
+    want = hf_logprobs(model, p, c)
+    core = _core(tiny_llama)
+    core.load_adapter(0, {k: v.double() for k, v in tensors.items()}, config, version=1)
+    assert max_diff(core.score(p, c, 0), want) <= TOL
+    for dtype in ("bfloat16", "float16"):  # engine dtype: weights, KV and adapters converted
+        low = _core(tiny_llama, dtype=dtype)
+        low.load_adapter(0, {k: v.to(torch.bfloat16) for k, v in tensors.items()}, config, version=1)
+        assert max_diff(low.score(p, c, 0), want) <= 0.1
+        out = _run_one(low, p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), 0)
+        assert len(out.output_ids) == 8
+
+
+def _run_one(core: EngineCore, prompt: list[int], sampling: SamplingParams, slot):
+    rid = core.submit(prompt, sampling, slot)
+    return dict(core.run_until_idle())[rid]

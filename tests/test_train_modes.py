@@ -1,0 +1,178 @@
+"""End to end on the embedded engine: every mode trains, writes its metrics, and behaves as designed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orbit.config import parse_recipe
+from orbit.metrics import METRIC_FIELDS
+from orbit.modes import MODE_NAMES
+from orbit.run import train
+
+LOGPROB_DIFF_MAX = 1e-3  # fp32 engine vs fp32 trainer on the same tokens
+
+
+def _recipe(model: Path, out: Path, **patch) -> dict:
+    data = {
+        "model": str(model),
+        "adapter": {"type": "lora", "r": 4, "alpha": 8},
+        "engine": {"max_inflight": 16, "max_running": 16},
+        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
+        "trainer": {"lr": 0.01, "steps": 3, "save_every": 2},
+        "out": str(out),
+        "seed": 1,
+    }
+    for key, value in patch.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return data
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _timeline(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", MODE_NAMES)
+def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
+    recipe = parse_recipe(_recipe(tiny_llama, tmp_path / mode, mode=mode, max_staleness=2))
+    result = train(recipe, live=False)
+    assert result.steps_done == 3
+    rows = _metrics(tmp_path / mode)
+    assert [r["step"] for r in rows] == [0, 1, 2] and [r["version"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        missing = [f for f in METRIC_FIELDS if f not in row]
+        assert not missing, f"{mode}: missing {missing}"
+        assert row["mode"] == mode and row["step_s"] > 0 and row["rollout_tok_per_dev_s"] >= 0
+        assert row["full_push"] == (mode in ("sync", "async-full"))
+        if mode in ("sync", "sync-adapter"):
+            assert row["staleness_max"] == 0 and row["staleness_mean"] == 0
+        else:
+            assert 0 <= row["staleness_max"] <= 2
+    assert sum(r["tokens_generated"] for r in rows) > 0
+    assert rows[0]["logprob_diff"] is not None and rows[0]["logprob_diff"] < LOGPROB_DIFF_MAX
+    kinds = {(e["actor"], e["kind"]) for e in _timeline(tmp_path / mode)}
+    assert {("trainer", "wait"), ("trainer", "train"), ("trainer", "push"), ("engine", "request")} <= kinds
+    assert (tmp_path / mode / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.timeout(180)  # a drained pipeline would hang: the timeout fails the test
+@pytest.mark.parametrize("mode, k", [("async-adapter", 0), ("double-buffer", 0), ("async-full", 1)])
+def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
+    recipe = parse_recipe(_recipe(
+        tiny_llama, tmp_path / "run", mode=mode, max_staleness=k,
+        # many requests in flight per batch, so groups are routinely left behind by a push
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24},
+        trainer={"steps": 6},
+    ))
+    train(recipe, live=False)
+    rows = _metrics(tmp_path / "run")
+    assert len(rows) == 6
+    assert all(r["staleness_max"] <= k for r in rows)
+    if k == 0:
+        assert sum(r["stale_dropped"] for r in rows) > 0, "the drop path was never exercised"
+
+
+def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, tiny_llama):
+    recipe = parse_recipe(_recipe(
+        tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=None,
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24}, trainer={"steps": 6},
+    ))
+    train(recipe, live=False)
+    events = _timeline(tmp_path / "run")
+    loads = [e for e in events if e["kind"] == "load_adapter"]
+    requests = [e for e in events if e["kind"] == "request" and e["finish"] != "abort"]
+    assert len(loads) >= 6 and requests
+    for req in requests:
+        for load in loads:
+            if load["slot"] == req["slot"]:
+                overlap = min(req["t1"], load["t1"]) - max(req["t0"], load["t0"])
+                assert overlap <= 0, f"request on slot {req['slot']} ran while that slot was written"
+        assert req["version"] == req["version_end"], "a request saw its slot change under it"
+
+
+@pytest.mark.parametrize("adapter", [
+    {"type": "lora", "r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]},
+    {"type": "oft", "oft_block_size": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]},
+])
+def test_reward_rises_in_double_buffer(tmp_path, tiny_llama, adapter):
+    lr = 0.02 if adapter["type"] == "lora" else 0.01
+    recipe = parse_recipe(_recipe(
+        tiny_llama, tmp_path / "run", mode="double-buffer", adapter=adapter, max_staleness=1,
+        engine={"max_inflight": 32, "max_running": 32},
+        rollout={"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 16},
+        trainer={"steps": 24, "lr": lr, "save_every": 100},
+    ))
+    train(recipe, live=False)
+    rewards = [r["reward_mean"] for r in _metrics(tmp_path / "run")]
+    q = len(rewards) // 4
+    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    assert last > first + 0.15, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    diffs = [r["logprob_diff"] for r in _metrics(tmp_path / "run") if r["logprob_diff"] is not None]
+    assert diffs and max(diffs) < LOGPROB_DIFF_MAX
+
+
+def test_ctrl_c_saves_a_loadable_adapter_and_resume_continues(tmp_path, tiny_llama):
+    run_dir = tmp_path / "run"
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(yaml.safe_dump(_recipe(
+        tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 400, "save_every": 1000},
+    )))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orbit.cli", "train", str(recipe_path), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "interrupted at step" in err and "--resume" in err
+    done = len(_metrics(run_dir))
+    state = json.loads((run_dir / "adapter" / "trainer_state.json").read_text())
+    assert state["version"] >= done >= 2
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), run_dir / "adapter")
+
+    res = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "train", str(recipe_path), "--resume", str(run_dir),
+         "--steps", str(state["version"] + 2), "--quiet"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert res.returncode == 0, res.stderr
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows[-2:]] == [state["version"], state["version"] + 1]
+    assert json.loads((run_dir / "adapter" / "trainer_state.json").read_text())["version"] == state["version"] + 2
+
+
+def test_existing_run_is_not_overwritten(tmp_path, tiny_llama):
+    from orbit.config import RecipeError
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(RecipeError, match="already holds a run"):
+        train(parse_recipe(_recipe(tiny_llama, run_dir)), live=False)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'

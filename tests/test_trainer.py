@@ -1,0 +1,314 @@
+"""The trainer and the adapter helpers on the tiny offline checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from orbit import adapters
+from orbit.config import AdapterConfig, LossConfig, TrainerConfig
+from orbit.rollout.sample import Sample
+from orbit.train.trainer import Trainer
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = AdapterConfig(type="lora", r=4, alpha=8.0)
+OFT = AdapterConfig(type="oft", oft_block_size=8, target_modules=ALL_TARGETS)
+
+
+def _trainer(path: Path, adapter: AdapterConfig = LORA, temperature: float = 1.0, seed: int = 0, **cfg) -> Trainer:
+    return Trainer(path, adapter, TrainerConfig(**cfg), temperature=temperature, seed=seed)
+
+
+def _sample(prompt, output, behaviour=None, advantage=0.0, version=(0, 0), mask=None) -> Sample:
+    return Sample(
+        prompt_ids=list(prompt),
+        output_ids=list(output),
+        behaviour_logprobs=list(behaviour) if behaviour is not None else [0.0] * len(output),
+        reward=0.0,
+        version_start=version[0],
+        version_end=version[1],
+        loss_mask=list(mask) if mask is not None else [],
+        advantage=advantage,
+    )
+
+
+SAMPLES = [  # different prompt and output lengths, so padding and offsets matter
+    _sample([1, 40, 41, 42], [50, 51, 52]),
+    _sample([1, 60], [70, 71, 72, 73, 74]),
+    _sample([1, 80, 81], [90]),
+]
+
+
+def _scored(advantages: list[float]) -> list[Sample]:
+    """SAMPLES with fixed engine logprobs and the given advantages (an off-policy batch)."""
+    return [
+        _sample(s.prompt_ids, s.output_ids, [-4.0] * len(s.output_ids), a)
+        for s, a in zip(SAMPLES, advantages, strict=True)
+    ]
+
+
+def _perturb(trainer: Trainer, std: float, seed: int = 1) -> None:
+    """Move the adapter away from its identity init so merges and forwards are non-trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(torch.randn(p.shape, generator=gen) * std)
+
+
+def _plain_logprobs(model, samples: list[Sample], temperature: float) -> list[list[float]]:
+    """One unpadded sequence at a time through a plain transformers model."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor([s.prompt_ids + s.output_ids])).logits[0]
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            first = len(s.prompt_ids) - 1
+            out.append([logp[first + i, tok].item() for i, tok in enumerate(s.output_ids)])
+    return out
+
+
+def _plain_model(path: Path, weights: dict[str, torch.Tensor] | None = None):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected
+        assert set(missing) <= {"lm_head.weight"}  # tied to the embedding in Qwen2
+        if missing:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def _on_policy(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
+    """The samples as if the engine had generated them with the trainer's current weights."""
+    lps = trainer.logprobs(samples)
+    v = (trainer.version, trainer.version)
+    return [
+        _sample(s.prompt_ids, s.output_ids, lp, s.advantage, v, s.loss_mask) for s, lp in zip(samples, lps, strict=True)
+    ]
+
+
+# -- logprobs --------------------------------------------------------------------------------
+
+
+def test_logprobs_match_plain_transformers_base(tiny_any: Path):
+    trainer = _trainer(tiny_any, OFT, temperature=0.7, micro_batch=2)  # fresh OFT = identity
+    expected = _plain_logprobs(_plain_model(tiny_any), SAMPLES, 0.7)
+    got = trainer.logprobs(SAMPLES)
+    for g, e in zip(got, expected, strict=True):
+        assert g == pytest.approx(e, abs=1e-5)
+
+
+@pytest.mark.parametrize("adapter", [LORA, OFT], ids=["lora", "oft"])
+def test_logprobs_match_plain_transformers_with_adapter(tiny_llama: Path, adapter: AdapterConfig):
+    trainer = _trainer(tiny_llama, adapter, temperature=0.7)
+    _perturb(trainer, 0.05)
+    expected = _plain_logprobs(_plain_model(tiny_llama, trainer.merged_weights()), SAMPLES, 0.7)
+    base = _plain_logprobs(_plain_model(tiny_llama), SAMPLES, 0.7)
+    got = trainer.logprobs(SAMPLES)
+    for g, e, b in zip(got, expected, base, strict=True):
+        assert g == pytest.approx(e, abs=1e-5)
+        assert max(abs(x - y) for x, y in zip(g, b, strict=True)) > 1e-3  # the adapter really changed them
+
+
+# -- step ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adapter", [LORA, OFT], ids=["lora", "oft"])
+def test_steps_raise_the_rewarded_continuation(tiny_llama: Path, adapter: AdapterConfig):
+    trainer = _trainer(tiny_llama, adapter, lr=1e-2)
+    good = _sample([1, 40, 41], [100, 101, 102], advantage=1.0)
+    bad = _sample([1, 40, 41], [200, 201, 202], advantage=-1.0)
+    before = [sum(lp) for lp in trainer.logprobs([good, bad])]
+    for _ in range(4):
+        trainer.step(_on_policy(trainer, [good, bad]))
+    after = [sum(lp) for lp in trainer.logprobs([good, bad])]
+    assert after[0] > before[0] + 0.5
+    assert after[1] < before[1] - 0.5
+
+
+def test_version_and_logprob_diff(tiny_llama: Path):
+    trainer = _trainer(tiny_llama)
+    assert trainer.version == 0
+    lps = trainer.logprobs(SAMPLES)
+    fresh = _sample(
+        SAMPLES[0].prompt_ids, SAMPLES[0].output_ids, [x + 0.25 for x in lps[0]], 1.0, (0, 0), mask=[1, 0, 1]
+    )
+    # generated across a flip: not exactly the current weights, so it counts as drift
+    stale = _sample(SAMPLES[1].prompt_ids, SAMPLES[1].output_ids, [x - 0.5 for x in lps[1]], -1.0, (0, 1))
+    result = trainer.step([fresh, stale])
+    assert trainer.version == result.version == 1
+    assert result.logprob_diff == pytest.approx(0.25, abs=1e-5)
+    assert result.logprob_diff_tokens == 2  # the loss-masked token is left out
+    assert result.policy_drift == pytest.approx(0.5, abs=1e-5)
+    assert result.policy_drift_tokens == 5
+    assert result.tokens == 7 and result.samples == 2
+    assert math.isnan(result.kl)
+    result = trainer.step([fresh])  # version 0 samples are stale now
+    assert trainer.version == result.version == 2
+    assert math.isnan(result.logprob_diff) and result.logprob_diff_tokens == 0
+    assert result.policy_drift_tokens == 2
+
+
+def test_masked_tokens_do_not_affect_the_update(tiny_llama: Path):
+    samples = []
+    for garbage in (0.0, -1e9):  # the behaviour logprob of a tool token must not matter
+        s = _sample([1, 40], [50, 51, 52, 53], [-5.0, garbage, garbage, -4.0], 1.0, mask=[1, 0, 0, 1])
+        samples.append([s, _sample([1, 60], [70, 71], [-5.0, -5.0], -1.0)])
+    updated = []
+    for batch in samples:
+        trainer = _trainer(tiny_llama)
+        trainer.step(batch)
+        updated.append(trainer.adapter_tensors())
+    for name, t in updated[0].items():
+        assert torch.equal(t, updated[1][name]), name
+
+
+def test_micro_batches_give_the_same_update(tiny_llama: Path):
+    samples = _scored([1.0, -0.5, 2.0])
+    results, tensors = [], []
+    for micro in (0, 1):
+        trainer = _trainer(tiny_llama, micro_batch=micro)
+        _perturb(trainer, 0.05)  # so LoRA A and B both get gradients
+        results.append(trainer.step(samples))
+        tensors.append(trainer.adapter_tensors())
+    assert results[0].loss == pytest.approx(results[1].loss, rel=1e-5)
+    assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=1e-4)
+    for name, t in tensors[0].items():
+        torch.testing.assert_close(t, tensors[1][name], rtol=1e-4, atol=1e-6)
+
+
+def test_gradients_are_clipped(tiny_llama: Path):
+    trainer = _trainer(tiny_llama, max_grad_norm=0.01)
+    _perturb(trainer, 0.05)
+    result = trainer.step(_scored([1.0, 1.0, 1.0]))
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.params])).item()
+    assert result.grad_norm > 0.1  # reported before clipping
+    assert clipped == pytest.approx(0.01, rel=1e-3)
+
+
+def test_kl_to_base_model(tiny_llama: Path):
+    trainer = _trainer(tiny_llama, loss=LossConfig(kl_coef=0.1), lr=1e-2)
+    first = trainer.step(_on_policy(trainer, SAMPLES[:1]))
+    assert first.kl == pytest.approx(0.0, abs=1e-7)  # LoRA starts as the identity
+    _perturb(trainer, 0.1)
+    assert trainer.step(_on_policy(trainer, SAMPLES[:1])).kl > 1e-4
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def test_save_load_resumes_exactly(tiny_llama: Path, tmp_path: Path):
+    batch = _scored([1.0, -1.0, 0.5])
+    cfg = dict(lr=1e-2, weight_decay=0.01)
+    a = _trainer(tiny_llama, **cfg)
+    a.step(batch)
+    a.step(batch)
+    a.save(tmp_path / "ckpt")
+    drawn = torch.rand(4)  # the RNG state travels with the checkpoint
+
+    b = Trainer.resume(tmp_path / "ckpt", tiny_llama, LORA, TrainerConfig(**cfg), temperature=1.0, seed=123)
+    assert b.version == a.version == 2
+    assert torch.equal(torch.rand(4), drawn)
+    for name, t in a.adapter_tensors().items():
+        assert torch.equal(t, b.adapter_tensors()[name]), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for key, state in sa["state"].items():
+        for field, value in state.items():
+            assert torch.equal(value, sb["state"][key][field]), (key, field)
+
+    a.step(batch)
+    b.step(batch)  # training continues exactly
+    for name, t in a.adapter_tensors().items():
+        assert torch.equal(t, b.adapter_tensors()[name]), name
+    assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["version"] == 2
+
+
+def test_saved_adapter_loads_with_peft(tiny_llama: Path, tmp_path: Path):
+    trainer = _trainer(tiny_llama, OFT)
+    _perturb(trainer, 0.05)
+    trainer.save(tmp_path / "ckpt")
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ckpt").eval()
+    ids = torch.tensor([SAMPLES[0].prompt_ids + SAMPLES[0].output_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=0, atol=1e-6)
+    for name, t in adapters.adapter_tensors(loaded).items():
+        assert torch.equal(t, trainer.adapter_tensors()[name]), name
+
+
+def test_load_rejects_another_adapter(tiny_llama: Path, tmp_path: Path):
+    _trainer(tiny_llama, OFT).save(tmp_path / "oft")
+    with pytest.raises(ValueError, match="does not match"):
+        _trainer(tiny_llama, LORA).load(tmp_path / "oft")
+
+
+# -- adapters --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adapter", [LORA, OFT], ids=["lora", "oft"])
+def test_merged_weights(tiny_any: Path, adapter: AdapterConfig):
+    trainer = _trainer(tiny_any, adapter)
+    _perturb(trainer, 0.05)
+    before = {n: t.clone() for n, t in trainer.model.state_dict().items()}
+
+    merged = trainer.merged_weights()
+
+    with safe_open(str(tiny_any / "model.safetensors"), "pt") as f:
+        assert set(merged) == set(f.keys())
+    after = trainer.model.state_dict()
+    assert before.keys() == after.keys()
+    for name, t in before.items():
+        assert torch.equal(t, after[name]), f"merged_weights disturbed {name}"
+
+    ids = torch.tensor([SAMPLES[1].prompt_ids + SAMPLES[1].output_ids])
+    with torch.no_grad():
+        want = trainer.model.eval()(ids).logits
+        got = _plain_model(tiny_any, merged)(ids).logits
+        unmerged = _plain_model(tiny_any)(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (unmerged - want).abs().max().item() > 1e-3  # the test can tell a missing merge
+
+
+def test_adapter_tensors_and_config(tiny_llama: Path):
+    trainer = _trainer(tiny_llama)
+    tensors = trainer.adapter_tensors()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    assert len(tensors) == 2 * 4 * 2  # layers x targets x (A, B)
+    assert all(t.is_contiguous() and not t.requires_grad for t in tensors.values())
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[name].zero_()  # a copy: the trainer's weights are untouched
+    assert trainer.adapter_tensors()[name].abs().sum() > 0
+    config = trainer.adapter_config()
+    assert json.loads(json.dumps(config)) == config
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    oft = _trainer(tiny_llama, OFT).adapter_tensors()
+    assert oft["base_model.model.model.layers.0.self_attn.q_proj.oft_R.weight"].shape == (8, 28)  # 64 / 8 blocks
+
+
+def test_peft_config_fields():
+    lora = adapters.peft_config(AdapterConfig(type="lora", r=16, alpha=32.0, dropout=0.1, target_modules=["q_proj"]))
+    assert isinstance(lora, peft.LoraConfig)
+    assert (lora.r, lora.lora_alpha, lora.lora_dropout, set(lora.target_modules)) == (16, 32.0, 0.1, {"q_proj"})
+    oft = adapters.peft_config(AdapterConfig(type="oft", oft_block_size=16, dropout=0.1))
+    assert isinstance(oft, peft.OFTConfig)
+    assert (oft.r, oft.oft_block_size, oft.module_dropout) == (0, 16, 0.1)
+
+
+def test_bad_oft_block_size_is_rejected(tiny_llama: Path):
+    # hidden 64 and intermediate 160: 64 divides q_proj's in_features but not down_proj's
+    bad = AdapterConfig(type="oft", oft_block_size=64, target_modules=["q_proj", "down_proj"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"adapter\.oft_block_size.*allowed values: \[2, 4, 8, 16, 32\]"):
+        adapters.peft_config(bad, model)
+    with pytest.raises(ValueError, match=r"adapter\.oft_block_size"):
+        _trainer(tiny_llama, bad)
+    adapters.peft_config(bad.model_copy(update={"oft_block_size": 32}), model)  # 32 divides both
