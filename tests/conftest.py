@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from orbit.tiny import build_tiny_model
 
@@ -32,3 +33,13 @@ def tiny_qwen2() -> Path:
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_any(request) -> Path:
     return tiny_model(request.param)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """In-process engines run on one torch thread, as the engine process does: on a shared 2-core
+    machine two OpenMP threads fighting another process's work slow every op down many times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

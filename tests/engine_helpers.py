@@ -8,7 +8,14 @@ import torch
 from peft import LoraConfig, OFTConfig, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
+from orbit.engine.embedded import EngineCore, EngineOptions
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def engine_core(path, **options) -> EngineCore:
+    """The embedded engine in-process (the unit under test without its process wrapper)."""
+    return EngineCore(str(path), EngineOptions(**options))
 
 
 def hf_model(path: Path):

@@ -10,26 +10,15 @@ import time
 
 import pytest
 import torch
-from engine_helpers import max_diff, peft_adapter, prompts
+from engine_helpers import engine_core, max_diff, peft_adapter, prompts
 
 from orbit.engine.base import ACTIVE, EngineDeadError, EngineError, SamplingParams
-from orbit.engine.embedded import EngineCore, EngineOptions, start_embedded_engine
+from orbit.engine.embedded import EngineCore, start_embedded_engine
 
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """In-process engines run on one torch thread, as the engine process does: on a shared 2-core
-    machine two OpenMP threads fighting another process's work slow every op down many times."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _core(path, **options) -> EngineCore:
-    return EngineCore(str(path), EngineOptions(**options))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run(core: EngineCore, jobs: list[tuple[list[int], SamplingParams, object]]) -> list:
@@ -49,9 +38,9 @@ def _steps(core: EngineCore, n: int) -> None:
 def test_group_shares_prompt_prefill_and_flush_drops_it(tiny_llama):
     p = prompts(1, seed=30, low=10, high=12)[0]
     group = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
-    alone = [_run(_core(tiny_llama), [(p, sp, None)])[0] for sp in group]  # each computes its own prefill
+    alone = [_run(engine_core(tiny_llama), [(p, sp, None)])[0] for sp in group]  # each computes its own prefill
 
-    core = _core(tiny_llama, prefix_cache_size=2)
+    core = engine_core(tiny_llama, prefix_cache_size=2)
     together = _run(core, [(p, sp, None) for sp in group])
     st = core.stats()
     assert (st.prefill_tokens, st.prefix_cache_hits, st.prefix_cache_entries) == (len(p), 3, 1)
@@ -79,8 +68,8 @@ def test_group_shares_prompt_prefill_and_flush_drops_it(tiny_llama):
 
 def test_pause_in_place_resumes_without_recompute(tiny_llama):
     ps, late = prompts(3, seed=40), prompts(1, seed=41)[0]
-    ref = _run(_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = _core(tiny_llama)
+    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
+    core = engine_core(tiny_llama)
     rids = [core.submit(p, GREEDY, None) for p in ps]
     _steps(core, 5)
     before = core.stats()
@@ -102,8 +91,8 @@ def test_pause_in_place_resumes_without_recompute(tiny_llama):
 
 def test_pause_retract_recomputes_and_keeps_logprobs(tiny_llama):
     ps = prompts(3, seed=42)
-    ref = _run(_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = _core(tiny_llama)
+    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
+    core = engine_core(tiny_llama)
     rids = [core.submit(p, GREEDY, None) for p in ps]
     _steps(core, 5)
     before = core.stats()
@@ -122,8 +111,8 @@ def test_pause_retract_recomputes_and_keeps_logprobs(tiny_llama):
 
 def test_pause_abort_finishes_running_and_waiting(tiny_llama):
     ps = prompts(3, seed=43)
-    ref = _run(_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = _core(tiny_llama, max_running=2)  # the third waits
+    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
+    core = engine_core(tiny_llama, max_running=2)  # the third waits
     rids = [core.submit(p, GREEDY, None) for p in ps]
     _steps(core, 4)
     core.pause_generation("abort")
@@ -143,7 +132,7 @@ def test_pause_abort_finishes_running_and_waiting(tiny_llama):
 
 
 def test_active_binds_at_submission(tiny_llama):
-    core = _core(tiny_llama)
+    core = engine_core(tiny_llama)
     for slot, seed in ((0, 1), (1, 2)):
         _, tensors, config = peft_adapter(tiny_llama, "lora", seed=seed)
         core.load_adapter(slot, tensors, config, version=slot + 1)
@@ -158,14 +147,14 @@ def test_active_binds_at_submission(tiny_llama):
     c = _run(core, [(prompts(1)[0], GREEDY, ACTIVE)])[0]
     assert (c.slot, c.version_start, c.version_end) == (None, 0, 0)
     with pytest.raises(EngineError, match="slot"):
-        _core(tiny_llama).submit(prompts(1)[0], GREEDY, 1)  # empty slot
+        engine_core(tiny_llama).submit(prompts(1)[0], GREEDY, 1)  # empty slot
     with pytest.raises(EngineError, match="empty"):
-        _core(tiny_llama).activate(1)
+        engine_core(tiny_llama).activate(1)
 
 
 def test_overwriting_a_busy_slot_aborts_only_its_requests(tiny_llama):
     adapters = [peft_adapter(tiny_llama, "lora", seed=s)[1:] for s in (51, 52, 53)]
-    core = _core(tiny_llama)
+    core = engine_core(tiny_llama)
     core.load_adapter(0, *adapters[0], version=1)
     core.load_adapter(1, *adapters[1], version=2)
     ps = prompts(2, seed=50)
@@ -192,7 +181,7 @@ def test_overwriting_a_paused_slot_keeps_bindings(tiny_llama):
     old, new = (peft_adapter(tiny_llama, "lora", seed=s)[1:] for s in (61, 62))
     ps = prompts(2, seed=60)
     for mode in ("in_place", "retract"):
-        core = _core(tiny_llama)
+        core = engine_core(tiny_llama)
         core.load_adapter(0, *old, version=1)
         core.activate(0)
         ref = _run(core, [(p, GREEDY, 0) for p in ps])
@@ -214,8 +203,8 @@ def test_overwriting_a_paused_slot_keeps_bindings(tiny_llama):
 
 def test_release_and_resume_memory(tiny_llama):
     ps = prompts(3, seed=70)
-    ref = _run(_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = _core(tiny_llama)
+    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
+    core = engine_core(tiny_llama)
     rids = [core.submit(p, GREEDY, None) for p in ps]
     _steps(core, 4)
     core.release_memory()

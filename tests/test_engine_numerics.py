@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import hf_greedy, hf_logprobs, hf_model, max_diff, peft_adapter, prompts
+from engine_helpers import engine_core, hf_greedy, hf_logprobs, hf_model, max_diff, peft_adapter, prompts
 
 from orbit.engine.base import SamplingParams
-from orbit.engine.embedded import EngineCore, EngineOptions
+from orbit.engine.embedded import EngineCore
 
 TOL = 1e-4
 ADAPTERS = {  # name -> (peft kind, config options)
@@ -22,18 +22,7 @@ ADAPTERS = {  # name -> (peft kind, config options)
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """In-process engines run on one torch thread, as the engine process does: on a shared 2-core
-    machine two OpenMP threads fighting another process's work slow every op down many times."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _core(path, **options) -> EngineCore:
-    return EngineCore(str(path), EngineOptions(**options))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _continuations(n: int, seed: int) -> list[list[int]]:
@@ -41,7 +30,7 @@ def _continuations(n: int, seed: int) -> list[list[int]]:
 
 
 def test_base_logprobs_match_transformers(tiny_any):
-    core, ref = _core(tiny_any), hf_model(tiny_any)
+    core, ref = engine_core(tiny_any), hf_model(tiny_any)
     items = list(zip(prompts(4), _continuations(4, 0), strict=True))
     batched = core.score_batch([(p, c, None) for p, c in items])  # padded batch of different lengths
     for (p, c), got in zip(items, batched, strict=True):
@@ -54,7 +43,7 @@ def test_base_logprobs_match_transformers(tiny_any):
 def test_adapter_in_slot_matches_peft(tiny_any, adapter):
     kind, options = ADAPTERS[adapter]
     model, tensors, config = peft_adapter(tiny_any, kind, seed=1, **options)
-    core = _core(tiny_any)
+    core = engine_core(tiny_any)
     core.load_adapter(1, tensors, config, version=7)
     base = hf_model(tiny_any)
     for p, c in zip(prompts(3, seed=2), _continuations(3, 2), strict=True):
@@ -69,7 +58,7 @@ def test_greedy_generation_matches_transformers_generate(tiny_any, adapter):
     # more prompts than rows: admissions happen mid-decode. peft's OFT recomputes its rotations
     # every step, so the adapter cases generate less.
     n, rows = (6, 3) if adapter is None else (4, 2)
-    core = _core(tiny_any, max_running=rows)
+    core = engine_core(tiny_any, max_running=rows)
     slot = None
     model = hf_model(tiny_any)
     if adapter is not None:
@@ -93,7 +82,7 @@ def test_greedy_generation_matches_transformers_generate(tiny_any, adapter):
 
 def test_sampled_logprobs_are_the_untruncated_policy(tiny_llama):
     """logprobs = log_softmax(logits / T) of the sampled token, before top-k/top-p."""
-    core, ref = _core(tiny_llama), hf_model(tiny_llama)
+    core, ref = engine_core(tiny_llama), hf_model(tiny_llama)
     p = prompts(1, seed=5)[0]
     for sp in (SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.8, top_k=20, seed=3),
                SamplingParams(max_new_tokens=24, temperature=0.5, seed=4)):
@@ -109,7 +98,7 @@ def test_sampled_logprobs_are_the_untruncated_policy(tiny_llama):
 
 
 def test_top_k_one_is_greedy(tiny_qwen2):
-    core = _core(tiny_qwen2)
+    core = engine_core(tiny_qwen2)
     p = prompts(1, seed=6)[0]
     greedy = core.submit(p, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), None)
     top1 = core.submit(p, SamplingParams(max_new_tokens=20, temperature=1.3, top_k=1, seed=1, ignore_eos=True), None)
@@ -119,9 +108,9 @@ def test_top_k_one_is_greedy(tiny_qwen2):
     assert done[top1].output_ids == done[greedy].output_ids == done[tiny_p].output_ids
 
 
-def _three_slot_core(path):
+def _three_slotengine_core(path):
     """Slot 0 LoRA, slot 1 OFT, plus the base: the three kinds of row of a mixed batch."""
-    core = _core(path, max_running=8)
+    core = engine_core(path, max_running=8)
     _, lora, lora_cfg = peft_adapter(path, "lora", seed=11)
     _, oft, oft_cfg = peft_adapter(path, "oft", seed=12)
     core.load_adapter(0, lora, lora_cfg, version=1)
@@ -130,7 +119,7 @@ def _three_slot_core(path):
 
 
 def test_mixed_batch_rows_match_alone(tiny_any):
-    core = _three_slot_core(tiny_any)
+    core = _three_slotengine_core(tiny_any)
     ps = prompts(3, seed=7)
     jobs = [(p, slot, SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, top_p=0.95, seed=i,
                                      ignore_eos=True))
@@ -159,7 +148,7 @@ def test_mixed_batch_rows_match_alone(tiny_any):
 def test_full_weight_push_equals_adapter_slot(tiny_llama):
     """update_weights with peft's merged weights serves what the LoRA slot serves."""
     model, tensors, config = peft_adapter(tiny_llama, "lora", seed=13)
-    core = _core(tiny_llama)
+    core = engine_core(tiny_llama)
     core.load_adapter(0, tensors, config, version=1)
     merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
     p, c = prompts(1, seed=8)[0], _continuations(1, 8)[0]
@@ -184,28 +173,28 @@ def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
     config = json.loads((tmp_path / "config.json").read_text())
     config["rope_parameters"] = {"rope_theta": 10000.0, **rope}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    core, ref = _core(tmp_path), hf_model(tmp_path)
+    core, ref = engine_core(tmp_path), hf_model(tmp_path)
     p, c = prompts(1, seed=9, low=40, high=41)[0], _continuations(1, 9)[0]
     assert max_diff(core.score(p, c, None), hf_logprobs(ref, p, c)) <= TOL
-    assert max_diff(core.score(p, c, None), _core(tiny_llama).score(p, c, None)) > 10 * TOL  # it mattered
+    assert max_diff(core.score(p, c, None), engine_core(tiny_llama).score(p, c, None)) > 10 * TOL  # it mattered
 
 
 def test_sharded_checkpoint(tiny_qwen2, tmp_path):
     hf_model(tiny_qwen2).save_pretrained(tmp_path, max_shard_size="150KB")
     assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
     p, c = prompts(1, seed=10)[0], _continuations(1, 10)[0]
-    assert _core(tmp_path).score(p, c, None) == _core(tiny_qwen2).score(p, c, None)
+    assert engine_core(tmp_path).score(p, c, None) == engine_core(tiny_qwen2).score(p, c, None)
 
 
 def test_adapter_dtypes_are_converted_and_low_precision_runs(tiny_llama):
     model, tensors, config = peft_adapter(tiny_llama, "oft", seed=14)
     p, c = prompts(1, seed=11)[0], _continuations(1, 11)[0]
     want = hf_logprobs(model, p, c)
-    core = _core(tiny_llama)
+    core = engine_core(tiny_llama)
     core.load_adapter(0, {k: v.double() for k, v in tensors.items()}, config, version=1)
     assert max_diff(core.score(p, c, 0), want) <= TOL
     for dtype in ("bfloat16", "float16"):  # engine dtype: weights, KV and adapters converted
-        low = _core(tiny_llama, dtype=dtype)
+        low = engine_core(tiny_llama, dtype=dtype)
         low.load_adapter(0, {k: v.to(torch.bfloat16) for k, v in tensors.items()}, config, version=1)
         assert max_diff(low.score(p, c, 0), want) <= 0.1
         out = _run_one(low, p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), 0)
