@@ -4,8 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TINY := .cache/tiny/llama-s0
+SMALL := .cache/small/llama-s0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-engine clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,7 +28,13 @@ test: install
 	$(BIN)/ruff check orbit tests bench
 	$(BIN)/pytest -q
 
-bench: install
+$(SMALL)/model.safetensors: | $(BIN)/orbit
+	$(BIN)/orbit model tiny $(SMALL) --arch llama --seed 0 --size small
+
+bench: install $(SMALL)/model.safetensors
+	$(BIN)/orbit bench bench/five-panel.yaml --steps 8 --warmup 2 --out runs/bench
+
+bench-engine: install
 	$(BIN)/python bench/engine_throughput.py
 
 clean:

@@ -23,6 +23,7 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
 EngineChoice = Enum("EngineChoice", {"embedded": "embedded", "sglang": "sglang"}, type=str)
+SizeChoice = Enum("SizeChoice", {"tiny": "tiny", "small": "small"}, type=str)
 ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2"}, type=str)
 
 
@@ -106,12 +107,13 @@ def model_tiny(
     out: Path = typer.Argument(..., help="output directory"),
     arch: ArchChoice = typer.Option(ArchChoice.llama, help="architecture"),
     seed: int = typer.Option(0, help="init seed"),
+    size: SizeChoice = typer.Option(SizeChoice.tiny, help="tiny (tests, demo) or small (~3M params, bench)"),
 ) -> None:
     """Build a tiny random-init model with a locally trained tokenizer (no hub access)."""
     from orbit.tiny import build_tiny_model
 
-    path = build_tiny_model(out, arch=arch.value, seed=seed)
-    console.print(f"tiny {arch.value} model written to {path}")
+    path = build_tiny_model(out, arch=arch.value, seed=seed, size=size.value)
+    console.print(f"{size.value} {arch.value} model written to {path}")
 
 
 if __name__ == "__main__":

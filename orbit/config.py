@@ -53,6 +53,9 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    stop: list[str] = Field(
+        default_factory=list, description="stop strings besides eos; each must be one token of the model's tokenizer"
+    )
     replenish: bool = Field(True, description="submit a fresh prompt for every group dropped as stale")
 
 

@@ -57,6 +57,18 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
+def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
+    """eos plus the recipe's stop strings, each of which must be exactly one token."""
+    ids = [tokenizer.eos_token_id]
+    for text in stop:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise RecipeError(f"rollout.stop: {text!r} is {len(encoded)} tokens {encoded} for this tokenizer; "
+                              "each stop string must be exactly one token")
+        ids.append(encoded[0])
+    return tuple(ids)
+
+
 def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Console | None = None) -> RunResult:
     console = console or Console()
     run_dir = Path(recipe.out)
@@ -65,10 +77,11 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     mode = MODES[recipe.mode]
     t0 = time.time()
 
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
+    stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
     trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed)
     if resume:
         trainer.load(run_dir / "adapter")
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     task = make_task(recipe.task, tokenizer)
     metrics = JsonlWriter(run_dir / "metrics.jsonl")
     timeline = Timeline(run_dir / "timeline.jsonl")
@@ -82,7 +95,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
         buffer = GroupBuffer(recipe.max_staleness if mode.loop == "overlapped" else None)
         serial = mode.loop == "serial"
         producer = Producer(
-            engine, task, sampling_params(recipe.rollout, (tokenizer.eos_token_id,)),
+            engine, task, sampling_params(recipe.rollout, stop_ids),
             recipe.rollout.group_size, buffer,
             # A serial batch is one barrier: submit all of it at once.
             max_inflight=max(recipe.engine.max_inflight, batch_groups * recipe.rollout.group_size)

@@ -15,6 +15,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 ARCHS = ("llama", "qwen2")
+# Shapes: "tiny" for tests and the demo; "small" (~3M parameters) for the bench, where a step must
+# cost enough that generation and training, not Python overhead, dominate.
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 VOCAB_SIZE = 384
 
@@ -60,14 +68,10 @@ def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast):
+def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, size: str = "tiny"):
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention
+        **SIZES[size],  # both sizes use grouped-query attention
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         pad_token_id=tok.pad_token_id,
@@ -82,20 +86,22 @@ def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast):
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 
-def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny") -> Path:
     """Write a tiny random-init checkpoint with its tokenizer to `out` and return the path."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(seed)
-    config = tiny_config(arch, len(tok), tok)
+    config = tiny_config(arch, len(tok), tok, size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # a little larger than the default init, so the random model has opinions
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, 0.08 * (64 / config.hidden_size) ** 0.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
     model.save_pretrained(out, safe_serialization=True)

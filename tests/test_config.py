@@ -126,3 +126,28 @@ def test_oft_block_size_must_divide_targets(tiny_llama):
         parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 7,
                                                             "target_modules": ["q_proj", "down_proj"]}})
     parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}})
+
+
+def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
+    from transformers import AutoTokenizer
+
+    from orbit.run import stop_token_ids, train
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert stop_token_ids(tok, ["=", "]"]) == (tok.eos_token_id, tok.encode("=")[0], tok.encode("]")[0])
+    recipe = parse_recipe({"model": str(tiny_llama), "rollout": {"stop": ["no such stop word"]},
+                           "out": str(tmp_path / "run")})
+    with pytest.raises(RecipeError, match="rollout.stop: 'no such stop word' is .* tokens"):
+        train(recipe, live=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_small_size_preset(tmp_path):
+    from transformers import AutoConfig
+
+    from orbit.tiny import build_tiny_model
+
+    cfg = AutoConfig.from_pretrained(build_tiny_model(tmp_path / "s", size="small"))
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (256, 4, 4)
+    with pytest.raises(ValueError, match="size must be one of"):
+        build_tiny_model(tmp_path / "x", size="huge")

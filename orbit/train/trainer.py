@@ -122,7 +122,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(sum(1 for m in s.loss_mask if m) for s in samples)
         totals = _Totals()
-        for chunk in self._chunks(samples):
+        # Similar lengths share a micro-batch, so long-tailed outputs pad little (the loss is a
+        # token sum: order does not change it).
+        by_length = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.output_ids))
+        for chunk in self._chunks(by_length):
             batch = self._collate(chunk)
             logp = self._logprobs(batch)
             ref = self._ref_logprobs(batch) if self.cfg.loss.kl_coef > 0 else None
