@@ -21,7 +21,7 @@ from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
 from orbit.rollout.buffer import GroupBuffer
 from orbit.rollout.groups import sampling_params
-from orbit.rollout.producer import Producer
+from orbit.rollout.producer import Producer, max_ahead_groups
 from orbit.sync import make_push
 from orbit.tasks import make_task
 from orbit.train.trainer import Trainer
@@ -100,7 +100,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
             # A serial batch is one barrier: submit all of it at once.
             max_inflight=max(recipe.engine.max_inflight, batch_groups * recipe.rollout.group_size)
             if serial else recipe.engine.max_inflight,
-            max_buffered=batch_groups,
+            max_ahead=max_ahead_groups(batch_groups, recipe.max_staleness if not serial else 0),
             seed=recipe.seed + 7919 * trainer.version,  # a resumed run continues with new prompts
             timeline=timeline,
         )

@@ -29,6 +29,12 @@ class _Pending:
     attempts: list[int] = field(default_factory=list)
 
 
+def max_ahead_groups(prompts_per_step: int, max_staleness: int | None) -> int:
+    """How many groups may be in flight or buffered so that none is older than `max_staleness`
+    when trained: (K + 1) batches; two batches (one-step-off) when staleness is unbounded."""
+    return prompts_per_step * (2 if max_staleness is None else max_staleness + 1)
+
+
 class Producer:
     def __init__(
         self,
@@ -38,7 +44,7 @@ class Producer:
         group_size: int,
         buffer: GroupBuffer,
         max_inflight: int,
-        max_buffered: int,
+        max_ahead: int,
         seed: int,
         timeline: Timeline | None = None,
     ) -> None:
@@ -48,7 +54,7 @@ class Producer:
         self.group_size = group_size
         self.buffer = buffer
         self.max_inflight = max_inflight
-        self.max_buffered = max_buffered  # run-ahead bound: completed groups waiting for the trainer
+        self.max_ahead = max_ahead  # run-ahead bound: groups in flight or waiting for the trainer
         self.seed = seed
         self.timeline = timeline
         self._prompts = task.prompts(seed)
@@ -101,8 +107,9 @@ class Producer:
 
     def _take_grant(self) -> bool:
         room = self._inflight + self.group_size <= self.max_inflight
-        # Run-ahead bound: once a full batch waits for the trainer, more groups would only go stale.
-        ahead = len(self.buffer) < self.max_buffered
+        # Run-ahead bound: a group with A groups ahead of it is trained about A / batch steps later,
+        # so more than that would only go stale (see `max_ahead_groups`).
+        ahead = len(self.buffer) + len(self._pending) < self.max_ahead
         with self._lock:
             if self._granted > 0 and room and ahead:
                 self._granted -= 1
