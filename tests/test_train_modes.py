@@ -122,8 +122,9 @@ def test_reward_rises_in_double_buffer(tmp_path, tiny_llama, adapter):
     q = len(rewards) // 4
     first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
     assert last > first + 0.15, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
-    diffs = [r["logprob_diff"] for r in _metrics(tmp_path / "run") if r["logprob_diff"] is not None]
-    assert diffs and max(diffs) < LOGPROB_DIFF_MAX
+    diffs = [r["logprob_diff"] for r in _metrics(tmp_path / "run")]
+    assert None not in diffs, "logprob_diff must be measured every step"
+    assert max(diffs) < LOGPROB_DIFF_MAX
 
 
 def test_ctrl_c_saves_a_loadable_adapter_and_resume_continues(tmp_path, tiny_llama):

@@ -150,10 +150,15 @@ def test_version_and_logprob_diff(tiny_llama: Path):
     assert result.policy_drift_tokens == 5
     assert result.tokens == 7 and result.samples == 2
     assert math.isnan(result.kl)
-    result = trainer.step([fresh])  # version 0 samples are stale now
+    # Version 0 samples are stale now. With no sample of the current weights in the batch, the
+    # trainer re-scores them under the version-0 adapter it kept: the diff is numerics, not drift.
+    result = trainer.step([fresh, stale])
     assert trainer.version == result.version == 2
+    assert result.logprob_diff == pytest.approx(0.25, abs=1e-5) and result.logprob_diff_tokens == 2
+    assert result.policy_drift_tokens == 7  # both differ from the current weights
+    # A sample across a flip (0 -> 1) has no single version to re-score it with.
+    result = trainer.step([stale])
     assert math.isnan(result.logprob_diff) and result.logprob_diff_tokens == 0
-    assert result.policy_drift_tokens == 2
 
 
 def test_masked_tokens_do_not_affect_the_update(tiny_llama: Path):

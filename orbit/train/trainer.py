@@ -22,6 +22,8 @@ from orbit.config import AdapterConfig, TrainerConfig
 from orbit.rollout.sample import Sample
 from orbit.train.loss import LossStats, policy_loss
 
+SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
+RESCORE_SAMPLES = 8  # at most this many stale samples re-scored per step (one extra no-grad forward)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 
@@ -39,7 +41,7 @@ class StepResult:
     kl: float  # NaN unless loss.kl_coef > 0
     tokens: int  # trained-on tokens (loss_mask 1)
     samples: int
-    logprob_diff: float  # mean |trainer - engine| logprob on samples made by exactly these weights
+    logprob_diff: float  # mean |trainer - engine| logprob, each sample under the weights that made it
     logprob_diff_tokens: int
     policy_drift: float  # the same mean on the stale samples
     policy_drift_tokens: int
@@ -111,6 +113,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.pad_id = base.config.pad_token_id or 0
         self.version = 0
+        self._snapshots: dict[int, list[Tensor]] = {}
+        self._snapshot()
 
     # -- training ---------------------------------------------------------------------------
 
@@ -134,6 +138,8 @@ class Trainer:
             )
             loss.backward()
             totals.add(loss, stats, (logp.detach() - batch.behaviour).abs(), batch)
+        if totals.diff_tokens[0] == 0:
+            self._rescore_stale(samples, totals)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             # An update now would put NaN into the adapter that the engine serves next.
@@ -141,7 +147,36 @@ class Trainer:
             raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at version {self.version}")
         self.optimizer.step()
         self.version += 1
+        self._snapshot()
         return self._result(totals, grad_norm, len(samples))
+
+    def _snapshot(self) -> None:
+        """Keep a copy of the adapter at this version (adapters are small)."""
+        self._snapshots[self.version] = [p.detach().clone() for p in self.params]
+        for old in [v for v in self._snapshots if v <= self.version - SNAPSHOTS]:
+            del self._snapshots[old]
+
+    @torch.no_grad()
+    def _rescore_stale(self, samples: list[Sample], totals: _Totals) -> None:
+        """Engine-vs-trainer agreement when every sample is stale (overlapped modes): re-score a few
+        samples under the exact adapter version that generated them, so `logprob_diff` measures
+        numerics every step rather than policy drift."""
+        chosen = [s for s in samples if s.version_start == s.version_end in self._snapshots][:RESCORE_SAMPLES]
+        current = [p.detach().clone() for p in self.params]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for version in sorted({s.version_start for s in chosen}):
+                for p, old in zip(self.params, self._snapshots[version], strict=True):
+                    p.copy_(old)
+                batch = self._collate([s for s in chosen if s.version_start == version])
+                diff = (self._logprobs(batch) - batch.behaviour).abs()[batch.loss_mask]
+                totals.diff[0] += float(diff.sum())
+                totals.diff_tokens[0] += diff.numel()
+        finally:
+            for p, now in zip(self.params, current, strict=True):
+                p.copy_(now)
+            self.model.train(was_training)
 
     def _result(self, t: _Totals, grad_norm: float, n_samples: int) -> StepResult:
         return StepResult(
@@ -269,6 +304,8 @@ class Trainer:
         )
         state = json.loads((directory / STATE_FILE).read_text())
         self.version = int(state["version"])
+        self._snapshots.clear()
+        self._snapshot()
         self._set_rng(state["rng"])
 
     @classmethod
