@@ -90,12 +90,15 @@ def adapter_config_dict(peft_model: peft.PeftModel) -> dict:
     return json.loads(json.dumps(config))  # enums -> str, tuples -> lists
 
 
-def merged_weights(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
+def merged_weights(peft_model: peft.PeftModel, only_adapted: bool = False) -> dict[str, torch.Tensor]:
     """The full base state dict under the checkpoint's own names, adapter merged in.
 
     Computed functionally from each base weight and peft's `get_delta_weight`: the model is never
     merged in place (OFT's unmerge inverts a matrix and drifts). Tied weights appear once, under
     the first name, as in the saved checkpoint. Every tensor is a fresh CPU copy.
+
+    `only_adapted=True`: just the merged weight matrices of the modules the adapter wraps (the
+    only ones it changes), e.g. for pushing an OFT policy to an engine that serves LoRA only.
     """
     base = peft_model.get_base_model()
     tuners = {name: m for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)}
@@ -106,6 +109,8 @@ def merged_weights(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
             owner, rest = _tuner_owner(key, tuners)
             if owner is not None and not rest.startswith(_BASE_LAYER):
                 continue  # the adapter's own parameters
+            if only_adapted and (owner is None or rest != _BASE_LAYER + "weight"):
+                continue  # unchanged by the adapter (biases too: LoRA and OFT leave them alone)
             if tensor.data_ptr() in seen:
                 continue  # a tied weight, already emitted under its first name
             seen.add(tensor.data_ptr())

@@ -1,4 +1,4 @@
-"""The `orbit` command line: train, bench, recipe check, model tiny."""
+"""The `orbit` command line: train, eval, bench, recipe check, model tiny."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
 EngineChoice = Enum("EngineChoice", {"embedded": "embedded", "sglang": "sglang"}, type=str)
 SizeChoice = Enum("SizeChoice", {"tiny": "tiny", "small": "small"}, type=str)
 ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2"}, type=str)
+WarmTaskChoice = Enum("WarmTaskChoice", {"arith": "arith", "zorplex": "zorplex"}, type=str)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -45,6 +46,7 @@ def train(
     """Train an adapter with RL: `orbit train recipes/tiny.yaml --mode double-buffer`."""
     from orbit.run import Interrupted
     from orbit.run import train as run_train
+    from orbit.tasks import TaskError
 
     # Ctrl-C must stop a run cleanly even when started with SIGINT ignored (e.g. a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -63,6 +65,8 @@ def train(
         result = run_train(r, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
     except RecipeError as err:
         _fail(str(err))
+    except TaskError as err:
+        _fail(f"the task failed: {err}", code=1)
     except Interrupted as err:
         err_console.print(f"[bold yellow]{err}[/]", highlight=False)
         raise typer.Exit(130) from None
@@ -97,9 +101,20 @@ def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
     """Validate a recipe without running anything."""
     try:
         r = load_recipe(file)
+        task = _check_task_builds(r)
     except RecipeError as err:
         _fail(f"bad recipe {file}:\n{err}")
-    console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend})")
+    console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task {task})")
+
+
+def _check_task_builds(r) -> str:
+    """Build the recipe's task with the model's tokenizer (one-token markers, templates, the factory)."""
+    from transformers import AutoTokenizer
+
+    from orbit.tasks import make_task
+
+    task = make_task(r.task, AutoTokenizer.from_pretrained(r.model))
+    return getattr(task, "name", r.task.name)
 
 
 @model_app.command("tiny")
@@ -108,12 +123,51 @@ def model_tiny(
     arch: ArchChoice = typer.Option(ArchChoice.llama, help="architecture"),
     seed: int = typer.Option(0, help="init seed"),
     size: SizeChoice = typer.Option(SizeChoice.tiny, help="tiny (tests, demo) or small (~3M params, bench)"),
+    task: WarmTaskChoice | None = typer.Option(
+        None, help="warm start: a short supervised pass on this task, so RL starts from partial competence"
+    ),
 ) -> None:
-    """Build a tiny random-init model with a locally trained tokenizer (no hub access)."""
+    """Build a tiny random-init model with a locally trained tokenizer (no hub access).
+
+    With --task, the model gets the task tokenizer and a deterministic supervised warm start,
+    cached under $ORBIT_CACHE (default .cache)/warm."""
+    if task is not None:
+        from orbit.warmstart import warm_start
+
+        path = warm_start(out, task.value, arch=arch.value, seed=seed, size=size.value,
+                          log=lambda m: console.print(m, highlight=False))
+        console.print(f"{size.value} {arch.value} model warm-started on {task.value} written to {path}")
+        return
     from orbit.tiny import build_tiny_model
 
     path = build_tiny_model(out, arch=arch.value, seed=seed, size=size.value)
     console.print(f"{size.value} {arch.value} model written to {path}")
+
+
+@app.command("eval")
+def eval_cmd(
+    target: Path = typer.Argument(..., help="run directory (base vs trained), adapter directory, or model directory"),
+    task: str | None = typer.Option(
+        None, help="task: a built-in name, module:factory or a .jsonl file (default: the run's recipe task)"
+    ),
+    n: int = typer.Option(200, help="held-out prompts"),
+    model: Path | None = typer.Option(None, help="base model directory (default: from the run's recipe)"),
+    max_new_tokens: int | None = typer.Option(None, help="tokens per model turn (default: the recipe's)"),
+    seed: int = typer.Option(0, help="which held-out prompts (the eval split's stream seed)"),
+    threads: int = typer.Option(1, help="engine threads"),
+) -> None:
+    """Held-out accuracy, format rate, turns, tool calls and failure modes; writes eval.json."""
+    from orbit.eval import resolve_target, run_eval
+    from orbit.tasks import TaskError
+
+    try:
+        t = resolve_target(target, task, model, max_new_tokens)
+        run_eval(t, n=n, seed=seed, threads=threads, console=console)
+    except RecipeError as err:
+        _fail(str(err))
+    except TaskError as err:
+        _fail(f"the task failed: {err}", code=1)
+    console.print(f"wrote {t.out / 'eval.json'}")
 
 
 if __name__ == "__main__":

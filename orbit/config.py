@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from orbit.modes import MODE_NAMES
 
@@ -80,9 +80,73 @@ class TrainerConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
+BUILTIN_TASKS = ("pattern", "arith", "zorplex", "jsonl")
+# The options each built-in task takes; every other option must stay unset (null) for it.
+TASK_OPTIONS = {
+    "pattern": ("target",),
+    "arith": ("max_digits", "ops", "template", "chat"),
+    "zorplex": ("min_hops", "max_hops", "max_turns", "template", "result_format", "call_format", "call_end", "chat"),
+    "jsonl": ("path", "eval_path", "holdout_every", "template", "chat"),
+}
+
+
 class TaskConfig(_Section):
-    name: Literal["pattern"] = "pattern"
-    target: str = Field("yes", min_length=1, description="pattern task: the word to emit")
+    """`name` is a built-in task or a user task `module:factory` (or `file.py:factory`), called as
+    `factory(tokenizer, **options)` with the options set here (extra keys included). Options left
+    unset (null) take the task's defaults."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = Field("pattern", min_length=1, description="pattern | arith | zorplex | jsonl | module:factory")
+    target: str | None = Field(None, min_length=1, description="pattern: the word to emit (default yes)")
+    max_digits: int | None = Field(None, ge=1, le=9, description="arith: operands have 1..max_digits digits (2)")
+    ops: str | None = Field(None, pattern=r"^[+*-]+$", description="arith: operators to draw from (+-)")
+    min_hops: int | None = Field(None, ge=1, le=25, description="zorplex: shortest lookup chain (1)")
+    max_hops: int | None = Field(None, ge=1, le=25, description="zorplex: longest lookup chain (3)")
+    max_turns: int | None = Field(None, ge=1, le=64, description="zorplex: model turns per episode (max_hops + 3)")
+    template: str | None = Field(None, min_length=1, description="prompt text with the task's {placeholders}")
+    result_format: str | None = Field(None, min_length=1, description="zorplex: injected tool result ({value})")
+    call_format: str | None = Field(None, min_length=1, description="zorplex: a tool call (LOOKUP({key}))")
+    call_end: str | None = Field(None, min_length=1, description="zorplex: one-token end of a call; stops the turn")
+    chat: bool | None = Field(None, description="wrap the prompt in the tokenizer's chat template (false)")
+    path: Path | None = Field(None, description="jsonl: rows of {prompt, answer}")
+    eval_path: Path | None = Field(None, description="jsonl: held-out rows (default: every holdout_every-th row)")
+    holdout_every: int | None = Field(None, ge=2, description="jsonl: hold out every Nth row of path (10)")
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.name in BUILTIN_TASKS
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of the task's constructor or factory: every option that is set."""
+        fields = {k: getattr(self, k) for k in type(self).model_fields if k != "name"}
+        extra = dict(self.model_extra or {})
+        return {k: v for k, v in {**fields, **extra}.items() if v is not None}
+
+    @model_validator(mode="after")
+    def _known(self) -> TaskConfig:
+        if self.is_builtin:
+            allowed = TASK_OPTIONS[self.name]
+            extra = sorted(self.model_extra or {})
+            if extra:
+                raise ValueError(f"task.{extra[0]}: unknown key for task {self.name!r} (its options: "
+                                 f"{', '.join(allowed)})")
+            wrong = [k for k in self.options() if k not in allowed]
+            if wrong:
+                raise ValueError(f"task.{wrong[0]}: not an option of task {self.name!r} (its options: "
+                                 f"{', '.join(allowed)})")
+            if self.name == "jsonl" and self.path is None:
+                raise ValueError("task.path: required for task 'jsonl' (a JSONL file of {prompt, answer} rows)")
+            if self.min_hops is not None and self.max_hops is not None and self.min_hops > self.max_hops:
+                raise ValueError(f"task.min_hops: {self.min_hops} is more than max_hops {self.max_hops}")
+        elif ":" not in self.name:
+            raise ValueError(f"task.name: unknown task {self.name!r} (built-in: {', '.join(BUILTIN_TASKS)}; "
+                             "or your own as 'module:factory' or 'file.py:factory')")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None or k == "name"}
 
 
 class Recipe(_Section):
@@ -131,6 +195,9 @@ def _explain(err: ValidationError) -> str:
             lines.append(f"{loc}: unknown key (value {value!r})")
         elif e["type"] == "missing":
             lines.append(f"{loc}: required field is missing")
+        elif e["type"] == "value_error":  # a section's own rule: its message names the field
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(msg if msg.startswith(loc) else f"{loc}: {msg}")
         else:
             lines.append(f"{loc}: {e['msg']} (got {value!r})")
     return "\n".join(lines)
@@ -173,9 +240,57 @@ def _check_oft_block_size(recipe: Recipe) -> None:
     )
 
 
+def _check_task(task: TaskConfig) -> None:
+    """What can be checked without the model: a user task imports, a dataset's rows are valid."""
+    from orbit.tasks.jsonl import DatasetError, load_rows
+    from orbit.tasks.loader import TaskLoadError, resolve_factory
+
+    try:
+        if not task.is_builtin:
+            resolve_factory(task.name)
+        for key in ("path", "eval_path") if task.name == "jsonl" else ():
+            if getattr(task, key) is not None:
+                load_rows(getattr(task, key))
+    except TaskLoadError as err:
+        raise RecipeError(f"task.name: {err}") from None
+    except DatasetError as err:
+        raise RecipeError(f"task.{key}: {err}") from None
+
+
+SGLANG_VERSION = "0.5.23"  # the one SGLang release the backend is written and tested against
+SGLANG_INSTALL = ("make sglang (installs it into .venv; or by hand: bash scripts/install_sglang.sh VENV && "
+                  "VENV/bin/pip install -c constraints.txt -e .)")
+
+
+def sglang_problem() -> str | None:
+    """Why `engine.backend: sglang` cannot run in this Python environment, or None.
+
+    Checks that the package is importable and is the pinned version, without importing it (that
+    takes seconds and starts nothing useful here); the engine start imports it for real.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return "sglang is not installed in this Python environment"
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "sglang is importable but has no package metadata (not a pip install)"
+    if version != SGLANG_VERSION:
+        return f"sglang {version} is installed; Orbit's SGLang backend needs sglang {SGLANG_VERSION}"
+    return None
+
+
 def _check_supported(recipe: Recipe) -> None:
     if recipe.engine.backend == "sglang":
-        raise RecipeError("engine.backend: 'sglang' is not available yet (allowed now: 'embedded')")
+        problem = sglang_problem()
+        if problem is not None:
+            raise RecipeError(f"engine.backend: 'sglang' cannot run: {problem}. Install it with: {SGLANG_INSTALL}")
 
 
 def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
@@ -190,6 +305,7 @@ def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
     if check_paths:
         _check_paths(recipe)
         _check_oft_block_size(recipe)
+        _check_task(recipe.task)
     return recipe
 
 

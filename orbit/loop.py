@@ -113,6 +113,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
         policy_drift=_finite(result.policy_drift),
         grad_norm=result.grad_norm,
         full_push=pushed.full,
+        merged_push=pushed.merged,
         resubmitted=p.producer.resubmitted - resubmitted,
     )
     return m, pushed.flipped

@@ -44,6 +44,7 @@ class StepMetrics:
     policy_drift: float | None = None  # same mean abs diff, over samples of older weights
     grad_norm: float = 0.0
     full_push: bool = False
+    merged_push: bool = False  # OFT pushed as merged weights of the adapted modules (engine has no OFT slots)
     resubmitted: int = 0
     extra: dict = field(default_factory=dict)
 

@@ -23,7 +23,7 @@ from orbit.rollout.buffer import GroupBuffer
 from orbit.rollout.groups import sampling_params
 from orbit.rollout.producer import Producer, max_ahead_groups
 from orbit.sync import make_push
-from orbit.tasks import make_task
+from orbit.tasks import TaskError, make_task
 from orbit.train.trainer import Trainer
 
 
@@ -72,24 +72,25 @@ def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
 def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Console | None = None) -> RunResult:
     console = console or Console()
     run_dir = Path(recipe.out)
+    # The task first: a bad task (import path, dataset row, option) fails before any compute.
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
+    task = make_task(recipe.task, tokenizer)
     prepare_run_dir(run_dir, resume)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     mode = MODES[recipe.mode]
     t0 = time.time()
 
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
     trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed)
     if resume:
         trainer.load(run_dir / "adapter")
-    task = make_task(recipe.task, tokenizer)
     metrics = JsonlWriter(run_dir / "metrics.jsonl")
     timeline = Timeline(run_dir / "timeline.jsonl")
-    engine = start_engine(recipe.engine, recipe.model, recipe.seed)
+    engine = start_engine(recipe.engine, recipe.model, recipe.seed, recipe.adapter)
     producer = None
     start_version = trainer.version
     try:
-        push = make_push(mode.push)
+        push = make_push(mode.push, recipe.adapter.type, engine)
         push.initial(engine, trainer)
         batch_groups = recipe.rollout.prompts_per_step
         buffer = GroupBuffer(recipe.max_staleness if mode.loop == "overlapped" else None)
@@ -122,6 +123,17 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
             producer = None
             trainer.save(run_dir / "adapter")
             raise Interrupted(trainer.version, run_dir) from None
+        except RuntimeError as err:
+            if not isinstance(err.__cause__, TaskError):
+                raise
+            # The task failed (its tool or verifier raised): stop, keeping metrics and a checkpoint.
+            _shutdown(engine, producer)
+            producer = None
+            trainer.save(run_dir / "adapter")
+            raise TaskError(
+                f"{err.__cause__}\nthe run stopped after step {trainer.version}; {run_dir} keeps metrics.jsonl, "
+                f"timeline.jsonl and the adapter of step {trainer.version} (adapter/)"
+            ) from err.__cause__
     finally:
         if producer is not None:
             _shutdown(engine, producer)

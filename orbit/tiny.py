@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 ARCHS = ("llama", "qwen2")
@@ -24,7 +24,9 @@ SIZES = {
                   num_key_value_heads=4),
 }
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
-VOCAB_SIZE = 384
+# Markup of the built-in tasks (orbit/tasks), one token each in a task model's tokenizer.
+TASK_TOKENS = ["<answer>", "</answer>", "LOOKUP(", ")"]
+VOCAB_SIZE = 384  # BPE vocabulary (special tokens included); task tokens come on top
 
 _WORDS = (
     "the a an of to and in is it that for on with as was at by be this from or have not are but "
@@ -52,9 +54,35 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+def _task_corpus(seed: int) -> list[str]:
+    """Text in the shape of the built-in tasks' prompts and answers (orbit/tasks)."""
+    rng = random.Random(seed + 1)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines = []
+    for _ in range(1500):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append(f"{a}+{b}=<answer>{a + b}</answer>")
+        k, v = rng.choice(letters), rng.choice(letters)
+        lines.append(f"zorplex({k})?LOOKUP({k})={v};LOOKUP({v})={rng.randint(10, 99)};")
+    return lines
+
+
+def build_tokenizer(seed: int = 0, task_tokens: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a synthetic corpus.
+
+    `task_tokens`: the tokenizer of a task model (`orbit model tiny --task`): one token per digit,
+    so numbers are written digit by digit (which a tiny model can learn to add), and the tasks'
+    markup (TASK_TOKENS) as single tokens, so an answer tag or a tool call is one step and a tool
+    call's end can stop a turn. Without it, the plain tokenizer of the demo and the bench.
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = _corpus(seed)
+    if task_tokens:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        corpus += _task_corpus(seed)
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -62,7 +90,9 @@ def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    if task_tokens:
+        tok.add_tokens([AddedToken(t, normalized=False) for t in TASK_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
     )
@@ -86,15 +116,19 @@ def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, size: 
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 
-def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny") -> Path:
-    """Write a tiny random-init checkpoint with its tokenizer to `out` and return the path."""
+def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
+                     task_tokens: bool = False) -> Path:
+    """Write a tiny random-init checkpoint with its tokenizer to `out` and return the path.
+
+    `task_tokens`: use the task tokenizer (see `build_tokenizer`); `orbit.warmstart` builds on it.
+    """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(seed)
+    tok = build_tokenizer(seed, task_tokens=task_tokens)
     config = tiny_config(arch, len(tok), tok, size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -43,3 +43,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- task models (orbit/warmstart.py): built once, cached under .cache/warm by code version --------
+
+
+@pytest.fixture(scope="session")
+def warm_arith() -> Path:
+    """The tiny llama warm-started on arith (partial competence), as `orbit model tiny --task arith`."""
+    from orbit.warmstart import warm_model
+
+    return warm_model("arith", root=_CACHE.parent)
+
+
+@pytest.fixture(scope="session")
+def warm_zorplex() -> Path:
+    from orbit.warmstart import warm_model
+
+    return warm_model("zorplex", root=_CACHE.parent)
+
+
+@pytest.fixture(scope="session")
+def tiny_task_tokens() -> Path:
+    """A random-init tiny llama with the task tokenizer (digits, <answer>, LOOKUP( as tokens)."""
+    import hashlib
+
+    import orbit.tiny
+
+    version = hashlib.sha256(Path(orbit.tiny.__file__).read_bytes()).hexdigest()[:12]
+    path = _CACHE.parent / "tiny-task" / f"llama-s0-{version}"
+    if not (path / "model.safetensors").exists():
+        build_tiny_model(path, arch="llama", seed=0, task_tokens=True)
+    return path

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orbit.engine.base import Completion, SamplingParams
+from orbit.engine.base import SamplingParams
 from orbit.rollout.sample import Sample
-from orbit.tasks.base import Prompt, Task
+from orbit.tasks.base import Prompt, Task, TaskError
 from orbit.train.loss import group_advantages
 
 
@@ -36,9 +36,26 @@ def sampling_params(rollout, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     )
 
 
-def build_group(task: Task, prompt: Prompt, completions: list[Completion], group_id: int) -> Group:
-    """Score each completion and attach GRPO advantages computed within the group."""
-    scores = [task.score(prompt, c.output_ids) for c in completions]
+def score(task: Task, prompt: Prompt, output_ids: list[int]):
+    """`task.score`, with a failure named as the task's (TaskError)."""
+    try:
+        result = task.score(prompt, list(output_ids))
+    except Exception as err:  # noqa: BLE001 - a failing verifier stops the run, named
+        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score failed on prompt {prompt.id!r}: "
+                        f"{type(err).__name__}: {err}") from err
+    if not hasattr(result, "reward") or not isinstance(result.reward, int | float):
+        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), "
+                        f"got {type(result).__name__}")
+    return result
+
+
+def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) -> Group:
+    """Score each completion and attach GRPO advantages computed within the group.
+
+    A completion is an engine `Completion` (single turn) or a multi-turn `Episode`, whose
+    `loss_mask` marks the injected tool tokens (0) that the loss must skip.
+    """
+    scores = [score(task, prompt, c.output_ids) for c in completions]
     advantages = group_advantages([s.reward for s in scores])
     samples = [
         Sample(
@@ -51,7 +68,8 @@ def build_group(task: Task, prompt: Prompt, completions: list[Completion], group
             version_end=c.version_end,
             group_id=group_id,
             finish_reason=c.finish_reason,
-            info=s.info,
+            loss_mask=list(getattr(c, "loss_mask", None) or []),
+            info={**s.info, "turns": getattr(c, "turns", 1), "tool_results": getattr(c, "tool_results", 0)},
         )
         for c, s, a in zip(completions, scores, advantages, strict=True)
     ]

@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 from orbit.engine.base import ACTIVE, Completion, Engine, SamplingParams
 from orbit.metrics import Timeline
 from orbit.rollout.buffer import GroupBuffer
+from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.groups import build_group
-from orbit.tasks.base import Prompt, Task
+from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 
 
 @dataclass
 class _Pending:
     prompt: Prompt
-    completions: list[Completion | None]
+    completions: list[Completion | Episode | None]
     attempts: list[int] = field(default_factory=list)
+    episodes: list[Episode] | None = None  # multi-turn tasks: each sample's episode in progress
 
 
 def max_ahead_groups(prompts_per_step: int, max_staleness: int | None) -> int:
@@ -50,7 +52,9 @@ class Producer:
     ) -> None:
         self.engine = engine
         self.task = task
-        self.sampling = sampling
+        self.sampling = with_task_stops(sampling, task)  # + the task's own (a tool call's end)
+        self.multi_turn = is_multi_turn(task)
+        self.max_context: int | None = getattr(getattr(engine, "info", None), "max_context", None)
         self.group_size = group_size
         self.buffer = buffer
         self.max_inflight = max_inflight
@@ -103,7 +107,7 @@ class Producer:
             not self._stop.is_set()
             and self._take_grant()
         ):
-            self._submit_group(next(self._prompts))
+            self._submit_group(self._next_prompt())
 
     def _take_grant(self) -> bool:
         room = self._inflight + self.group_size <= self.max_inflight
@@ -116,19 +120,34 @@ class Producer:
                 return True
         return False
 
+    def _next_prompt(self) -> Prompt:
+        try:
+            return next(self._prompts)
+        except StopIteration:
+            raise TaskError(f"task {self.task.name!r}: prompts() ran out; a task's prompt stream must be "
+                            "endless (cycle through a dataset)") from None
+        except Exception as err:  # noqa: BLE001 - a failing task stops the run, named
+            raise TaskError(f"task {self.task.name!r}: prompts() failed: {type(err).__name__}: {err}") from err
+
     def _submit_group(self, prompt: Prompt) -> None:
         gid = self._next_group
         self._next_group += 1
-        self._pending[gid] = _Pending(prompt, [None] * self.group_size, [0] * self.group_size)
+        episodes = [Episode(list(prompt.prompt_ids)) for _ in range(self.group_size)] if self.multi_turn else None
+        self._pending[gid] = _Pending(prompt, [None] * self.group_size, [0] * self.group_size, episodes)
         for idx in range(self.group_size):
             self._submit(gid, idx)
 
     def _submit(self, gid: int, idx: int) -> None:
         pending = self._pending[gid]
-        # A distinct, reproducible seed per sample and attempt.
-        seed = hash((self.seed, gid, idx, pending.attempts[idx])) & 0x7FFFFFFF
+        if pending.episodes is None:
+            context, key = list(pending.prompt.prompt_ids), (self.seed, gid, idx, pending.attempts[idx])
+        else:  # the next turn of a multi-turn episode: prompt + everything so far
+            episode = pending.episodes[idx]
+            context, key = episode.context(), (self.seed, gid, idx, pending.attempts[idx], episode.turns)
+        # A distinct, reproducible seed per sample, attempt (and turn).
+        seed = hash(key) & 0x7FFFFFFF
         sampling = SamplingParams(**{**self.sampling.__dict__, "seed": seed})
-        fut: Future = self.engine.generate(list(pending.prompt.prompt_ids), sampling, slot=ACTIVE)
+        fut: Future = self.engine.generate(context, sampling, slot=ACTIVE)
         self._inflight += 1
         fut.add_done_callback(lambda f, g=gid, i=idx: self._events.put((g, i, f)))
 
@@ -139,12 +158,19 @@ class Producer:
         pending = self._pending[gid]
         if completion.finish_reason == "abort":
             # The engine aborted it (pause in abort mode, or its slot was overwritten): the
-            # sample is regenerated from scratch on the active slot.
+            # sample (a multi-turn episode: its current turn) is regenerated on the active slot.
             if not self._stop.is_set():
                 pending.attempts[idx] += 1
                 self.resubmitted += 1
                 self._submit(gid, idx)
             return
+        if pending.episodes is not None:
+            episode = pending.episodes[idx]
+            episode.add_turn(completion)
+            if continue_episode(self.task, pending.prompt, episode, self.max_context) and not self._stop.is_set():
+                self._submit(gid, idx)
+                return
+            completion = episode
         pending.completions[idx] = completion
         if all(c is not None for c in pending.completions):
             del self._pending[gid]

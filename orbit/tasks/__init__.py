@@ -1,17 +1,59 @@
-"""Built-in tasks, chosen by the recipe's `task` section."""
+"""Tasks, chosen by the recipe's `task` section: built-ins or a user's `module:factory`."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from orbit.config import TaskConfig
-from orbit.tasks.base import Prompt, Score, Task
+from orbit.config import RecipeError, TaskConfig
+from orbit.tasks.arith import ArithTask
+from orbit.tasks.base import (
+    FAILURE_MODES,
+    MultiTurnTask,
+    Prompt,
+    Score,
+    Segment,
+    Task,
+    TaskError,
+    check_task,
+    is_multi_turn,
+    task_stop_ids,
+)
+from orbit.tasks.jsonl import DatasetError, JsonlTask
+from orbit.tasks.loader import TaskLoadError, resolve_factory
 from orbit.tasks.pattern import PatternTask
+from orbit.tasks.zorplex import ZorplexTask
 
-__all__ = ["Prompt", "Score", "Task", "make_task"]
+__all__ = [
+    "FAILURE_MODES", "MultiTurnTask", "Prompt", "Score", "Segment", "Task", "TaskError", "is_multi_turn",
+    "make_task", "task_stop_ids",
+]
+
+BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask}
 
 
 def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
-    if cfg.name == "pattern":
-        return PatternTask(tokenizer, target=cfg.target)
-    raise ValueError(f"task.name: unknown task {cfg.name!r}")
+    """Build the task a recipe names. Anything wrong with it is a RecipeError, before any compute."""
+    options = cfg.options()
+    where = f"task.name: {cfg.name!r}"
+    try:
+        if cfg.name in BUILTINS:
+            task = BUILTINS[cfg.name](tokenizer, **options)
+        else:
+            factory = resolve_factory(cfg.name)
+            try:
+                task = factory(tokenizer, **options)
+            except Exception as err:  # noqa: BLE001 - the user's factory failed: say so, with its message
+                raise RecipeError(f"{where}: the factory raised {type(err).__name__}: {err}") from err
+    except TaskLoadError as err:
+        raise RecipeError(f"task.name: {err}") from None
+    except DatasetError as err:
+        raise RecipeError(f"task.path: {err}") from None
+    except ValueError as err:
+        if isinstance(err, RecipeError):
+            raise
+        raise RecipeError(str(err) if str(err).startswith("task.") else f"{where}: {err}") from None
+    try:
+        check_task(task, where)
+    except TypeError as err:
+        raise RecipeError(str(err)) from None
+    return task

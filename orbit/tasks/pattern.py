@@ -21,24 +21,32 @@ class PatternTask:
     name = "pattern"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, target: str = "yes") -> None:
+        if not target:
+            raise ValueError("task.target: must be a non-empty word")
         self.tokenizer = tokenizer
         self.target = target
         self.target_ids = set(tokenizer.encode(" " + target, add_special_tokens=False))
         self.target_ids |= set(tokenizer.encode(target, add_special_tokens=False))
         self.eos_id = tokenizer.eos_token_id
 
-    def prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
+    def prompts(self, seed: int, split: str = "train") -> Iterator[Prompt]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        # The train stream is the original one; eval prompts come from a stream of their own.
+        rng = random.Random(seed if split == "train" else f"pattern-eval-{seed}")
+        prefix = "pattern" if split == "train" else "pattern-eval"
         n = 0
         while True:
             words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 6)))
             text = f"say {self.target}: {words}"
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-            yield Prompt(id=f"pattern-{seed}-{n}", text=text, prompt_ids=ids, answer=self.target)
+            yield Prompt(id=f"{prefix}-{seed}-{n}", text=text, prompt_ids=ids, answer=self.target)
             n += 1
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
         tokens = [t for t in output_ids if t != self.eos_id]
         hits = sum(t in self.target_ids for t in tokens)
         reward = hits / max(len(tokens), 1)
-        return Score(reward=reward, info={"correct": reward >= 0.5, "hits": hits})
+        correct = reward >= 0.5
+        return Score(reward=reward, info={"correct": correct, "format_ok": True, "hits": hits,
+                                          "failure_mode": "success" if correct else "wrong_answer"})

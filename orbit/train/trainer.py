@@ -266,8 +266,9 @@ class Trainer:
     def adapter_config(self) -> dict:
         return adapters.adapter_config_dict(self.model)
 
-    def merged_weights(self) -> dict[str, Tensor]:
-        return adapters.merged_weights(self.model)
+    def merged_weights(self, only_adapted: bool = False) -> dict[str, Tensor]:
+        """Base weights with the adapter merged in; `only_adapted`: just the adapted modules' weights."""
+        return adapters.merged_weights(self.model, only_adapted)
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -67,6 +67,11 @@ def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_
 class EmbeddedClient:
     """Implements orbit.engine.base.Engine, plus `score` (teacher-forced logprobs)."""
 
+    # Capabilities the push strategies read (orbit/sync.py); the SGLang backend lacks all three.
+    supports_oft_slots = True  # OFT adapters load into slots
+    loads_while_paused = True  # a slot can be overwritten under paused requests (they continue on it)
+    flush_while_running = True  # flush_cache works in any state
+
     def __init__(self, process, commands, results, info: EngineInfo) -> None:
         self.info = info
         self._process = process

@@ -190,10 +190,10 @@ def oft_rotation(vec: torch.Tensor, size: int, config: dict) -> torch.Tensor:
     return torch.linalg.solve(eye + q, eye - q, left=False)
 
 
-def _check_options(kind: str, config: dict) -> None:
+def _check_options(kind: str, config: dict, engine: str = "the embedded engine") -> None:
     for opt in _LORA_MUST_BE_OFF if kind == "lora" else _OFT_MUST_BE_OFF:
         if config.get(opt):
-            raise EngineError(f"adapter config option {opt}={config[opt]!r} is not supported by the embedded engine")
+            raise EngineError(f"adapter config option {opt}={config[opt]!r} is not supported by {engine}")
     if config.get("bias", "none") != "none":
         raise EngineError(f"adapter config bias={config['bias']!r} is not supported (only 'none')")
     if kind == "lora" and not int(config.get("r", 0) or 0) > 0:
@@ -217,18 +217,23 @@ def _expected_modules(config: dict, spec: ModelSpec) -> set[tuple[int, str]] | N
     return {(i, m) for i in layer_ids for m in wanted}
 
 
-def parse_adapter(tensors: dict[str, torch.Tensor], config: dict, version: int, spec: ModelSpec,
-                  dtype: torch.dtype, device: torch.device) -> SlotWeights:
-    """Validate a peft state dict + config and build the slot contents. Raises EngineError."""
+def check_adapter(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpec,
+                  engine: str = "the embedded engine") -> tuple[str, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+    """Validate a peft state dict + config against a model: names, shapes, dtype, NaN/Inf, options.
+
+    Returns (kind "lora"/"oft", {(layer, module): {part: tensor}}). Raises EngineError naming the
+    first problem; changes nothing. Shared by the embedded engine and the SGLang backend, so a bad
+    push is refused before anything reaches either engine.
+    """
     if not isinstance(config, dict):
         raise EngineError(f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}")
     peft_type = str(_plain(config.get("peft_type"))).removeprefix("PeftType.")
     kinds = {"LORA": "lora", "OFT": "oft"}
     if peft_type not in kinds:
-        raise EngineError(f"unsupported peft_type {peft_type!r}; the embedded engine serves LORA and OFT")
+        raise EngineError(f"unsupported peft_type {peft_type!r}; {engine} serves LORA and OFT")
     kind = kinds[peft_type]
-    _check_options(kind, config)
-    if not tensors:
+    _check_options(kind, config, engine)
+    if not isinstance(tensors, dict) or not tensors:
         raise EngineError("adapter has no tensors")
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
@@ -259,6 +264,13 @@ def parse_adapter(tensors: dict[str, torch.Tensor], config: dict, version: int, 
             blocks, size = oft_layout(config, in_f)
             rows = 1 if config.get("block_share") else blocks
             check_tensor(f"{name}.oft_R.weight", parts["oft_R"], (rows, size * (size - 1) // 2))
+    return kind, found
+
+
+def parse_adapter(tensors: dict[str, torch.Tensor], config: dict, version: int, spec: ModelSpec,
+                  dtype: torch.dtype, device: torch.device) -> SlotWeights:
+    """Validate a peft state dict + config and build the slot contents. Raises EngineError."""
+    kind, found = check_adapter(tensors, config, spec)
     return _build(kind, found, config, version, spec, dtype, device)
 
 

@@ -1,0 +1,238 @@
+"""Start and stop SGLang's engine for Orbit's SGLang backend (orbit/engine/sglang.py).
+
+Process-level concerns of `sglang.Engine` 0.5.23 that the backend must handle:
+- CPU: Orbit's compatibility shims are turned on before sglang is imported (orbit.engine.sglang_cpu);
+- the engine gets its own asyncio loop (run later in a thread of its own by the backend), and its
+  scheduler process is sized by OMP_NUM_THREADS (= engine.threads);
+- SGLang's children SIGQUIT their parent when they fail and SGLang's own handler then kills the
+  whole process tree: Orbit installs `on_sigquit` instead (liveness is decided by the processes);
+- `Engine.shutdown()` kills every child of the calling process and is registered with atexit:
+  Orbit unregisters it and kills only SGLang's own process tree (`kill_sglang`), then closes
+  SGLang's ZeroMQ contexts with linger 0 (`close_zmq`; a queued message for a dead peer would
+  otherwise block the garbage collection of the context forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib.util
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.embedded.model import ModelSpec
+from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INSTALL_HINT = ("make sglang (or: bash scripts/install_sglang.sh VENV, then "
+                "VENV/bin/pip install -c constraints.txt -e .)")
+
+sigquits: list[float] = []
+
+
+def on_sigquit(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    """SIGQUIT handler while SGLang runs in this process (`custom_sigquit_handler`).
+
+    SGLang's children send SIGQUIT to their parent when they fail; SGLang's own handler then kills
+    the whole process tree, Orbit's trainer included. This one only records the time. The
+    watchdog decides by the processes themselves (a failing SGLang process exits after
+    signalling), so another engine's SIGQUIT in the same process cannot kill this one.
+    Module-level because SGLang pickles it into its children with the server arguments."""
+    sigquits.append(time.time())
+
+
+def _quiet_sigquit_notice(record: logging.LogRecord) -> bool:
+    """SGLang logs passing `custom_sigquit_handler` at error level; it is Orbit's normal set-up."""
+    return "custom SIGQUIT handler" not in record.getMessage()
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    max_running: int = 32  # SGLang's max_running_requests
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1  # CPU: torch threads of SGLang's scheduler process (OMP_NUM_THREADS at its start)
+    seed: int = 0  # SGLang's random_seed
+    lora: bool = True  # False: no LoRA at all (OFT recipes push merged weights; slots stay unusable)
+    max_lora_rank: int = 8
+    lora_target_modules: tuple[str, ...] = ALL_TARGETS  # completed to whole q/k/v, gate/up groups
+    context_length: int | None = None  # None: min(max_position_embeddings, 4096)
+    max_total_tokens: int | None = None  # KV pool; None: max_running * context (<= 65536) on CPU, SGLang's on GPU
+    memory_saver: bool | None = None  # None: on with CUDA when torch_memory_saver is installed
+
+
+def model_spec(path: Path) -> tuple[ModelSpec, dict]:
+    """Shape facts of a Llama/Qwen2/Mistral-style checkpoint (for adapter validation) and its config."""
+    raw = json.loads((path / "config.json").read_text())
+    heads = raw["num_attention_heads"]
+    spec = ModelSpec(
+        model_type=str(raw.get("model_type")), vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=(), max_position_embeddings=raw.get("max_position_embeddings", 4096),
+    )
+    return spec, raw
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else [p.name for p in path.glob("*.safetensors")]
+    shapes = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def launch(model_path: str | Path, opts: SGLangOptions):
+    """Start `sglang.Engine` (LoRA on, room for two slots and the base model in a batch).
+
+    Returns (engine, its event loop, spec, HF config, memory saver on?, the SIGQUIT handler it
+    replaced). CPU: turns on Orbit's compatibility shims first. Raises EngineError when sglang is
+    missing and EngineDeadError when its processes fail to start.
+    """
+    path = Path(model_path)
+    spec, hf_config = model_spec(path)
+    on_cpu = opts.device == "cpu"
+    if on_cpu:
+        from orbit.engine.sglang_cpu import prepare_cpu_environment
+
+        prepare_cpu_environment()  # before anything imports sglang
+    try:
+        from sglang.srt.entrypoints.engine import Engine as SGLEngine
+    except ImportError as e:
+        raise EngineError(f"engine.backend 'sglang': cannot import sglang ({e}); "
+                          f"install it with: {INSTALL_HINT}") from e
+    import psutil
+
+    context = opts.context_length or min(spec.max_position_embeddings, 4096)
+    kwargs: dict = dict(
+        model_path=str(path), device=opts.device, dtype=opts.dtype, random_seed=opts.seed,
+        max_running_requests=opts.max_running, context_length=context, skip_tokenizer_init=True,
+        log_level="error",
+    )
+    if opts.lora:
+        kwargs.update(
+            enable_lora=True, max_lora_rank=opts.max_lora_rank,
+            lora_target_modules=sglang_target_modules(opts.lora_target_modules),
+            max_loras_per_batch=3,  # both slots and the base model in one batch (None counts as one)
+        )
+    if on_cpu:
+        kwargs.update(
+            attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
+            mem_fraction_static=0.05, max_total_tokens=opts.max_total_tokens or min(opts.max_running * context, 65536),
+        )
+        if opts.lora:
+            kwargs["lora_backend"] = "torch_native"  # the default (csgmv) is a Triton GPU kernel
+    elif opts.max_total_tokens:
+        kwargs["max_total_tokens"] = opts.max_total_tokens
+    memory_saver = opts.memory_saver
+    if memory_saver is None:
+        memory_saver = not on_cpu and importlib.util.find_spec("torch_memory_saver") is not None
+    kwargs["enable_memory_saver"] = bool(memory_saver)
+    previous_sigquit = None
+    logging.getLogger("sglang.srt.entrypoints.engine").addFilter(_quiet_sigquit_notice)
+    if threading.current_thread() is threading.main_thread():
+        previous_sigquit = signal.getsignal(signal.SIGQUIT)
+        kwargs["custom_sigquit_handler"] = on_sigquit
+
+    before = {p.pid for p in psutil.Process().children()}
+    loop = asyncio.new_event_loop()  # the engine's own loop (Engine() picks up the thread's current loop)
+    saved_env = os.environ.get("OMP_NUM_THREADS")
+    if on_cpu:
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)  # SGLang's spawned scheduler sizes torch's pool by it
+    asyncio.set_event_loop(loop)
+    try:
+        engine = SGLEngine(**kwargs)
+    except BaseException as e:
+        started = [p for p in psutil.Process().children() if p.pid not in before and is_sglang(p)]
+        kill_sglang([p.pid for p in started], [])
+        loop.close()
+        if previous_sigquit is not None:
+            signal.signal(signal.SIGQUIT, previous_sigquit)
+        if isinstance(e, Exception):
+            raise EngineDeadError(f"SGLang engine failed to start: {e}") from e
+        raise
+    finally:
+        asyncio.set_event_loop(None)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
+    atexit.unregister(engine.shutdown)  # it would kill every child of this process at exit
+    return engine, loop, spec, hf_config, bool(memory_saver), previous_sigquit
+
+
+def kill_sglang(pids: list[int], processes: list) -> None:
+    """SIGKILL SGLang's processes and their descendants; reap the direct children we hold."""
+    import psutil
+
+    victims = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            victims += proc.children(recursive=True) + [proc]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for p in processes:  # multiprocessing.Process objects: join reaps them the way multiprocessing expects
+        p.join(10)
+    held = {p.pid for p in processes}
+    psutil.wait_procs([v for v in victims if v.pid not in held], timeout=10)
+
+
+def close_zmq(*owners: object) -> None:
+    """Close every ZeroMQ context behind the sockets these objects (and their attributes) hold, linger 0."""
+    import zmq
+
+    contexts, seen = [], set()
+    todo = [(o, 0) for o in owners]
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, zmq.Socket):
+            if obj.context not in contexts:
+                contexts.append(obj.context)
+            continue
+        if depth < 2 and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            todo += [(v, depth + 1) for v in vars(obj).values()]
+    for ctx in contexts:
+        try:
+            ctx.destroy(linger=0)
+        except zmq.ZMQError:
+            pass
+
+
+def is_sglang(proc) -> bool:
+    """A child that SGLang started (not multiprocessing's resource tracker, which may start meanwhile)."""
+    try:
+        return "resource_tracker" not in " ".join(proc.cmdline())
+    except Exception:  # noqa: BLE001 - already gone
+        return False
+
+
+def proc_name(proc) -> str:
+    try:
+        return proc.name()
+    except Exception:  # noqa: BLE001 - already gone
+        return "process"

@@ -1,0 +1,309 @@
+"""`orbit eval`: held-out accuracy of a model, an adapter, or a run (base vs trained, side by side).
+
+Generation is greedy through the embedded engine, over the first N prompts of the task's eval
+split (disjoint from what training sees), with the same multi-turn episode logic as training
+(orbit/rollout/episode.py). Slot None is the base model; the adapter goes into slot 0 from its
+peft directory (adapter_model.safetensors + adapter_config.json).
+
+Reported per model: accuracy, format rate (answer tag present), reward, average model turns and
+tool calls, and the failure-mode breakdown. Written to `eval.json` (in the run directory, or in
+the adapter directory) together with `eval_samples.jsonl` (every episode's text and score).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from orbit.config import RecipeError, TaskConfig, parse_recipe
+from orbit.engine.base import Engine, SamplingParams
+from orbit.rollout.episode import Episode, continue_episode, with_task_stops
+from orbit.rollout.groups import score as score_sample
+from orbit.tasks import FAILURE_MODES, make_task
+from orbit.tasks.base import Prompt, Task
+
+DEFAULT_N = 200
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class EvalSummary:
+    n: int
+    accuracy: float
+    format_rate: float
+    reward_mean: float
+    avg_turns: float
+    avg_tool_calls: float
+    failure_modes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class Target:
+    """What `orbit eval` was pointed at, resolved."""
+
+    kind: str  # "run" | "adapter" | "model"
+    path: Path
+    model: Path
+    adapter: Path | None
+    task: TaskConfig
+    max_new_tokens: int
+    out: Path  # where eval.json goes
+
+
+def run_episodes(engine: Engine, task: Task, prompts: list[Prompt], sampling: SamplingParams, slot,
+                 max_context: int | None = None) -> list[Episode]:
+    """One episode per prompt, all in flight at once; multi-turn tasks get their tool results."""
+    sampling = with_task_stops(sampling, task)
+    multi = callable(getattr(task, "next_turn", None))
+    episodes = [Episode(list(p.prompt_ids)) for p in prompts]
+    pending = {engine.generate(e.context(), sampling, slot=slot): i for i, e in enumerate(episodes)}
+    while pending:
+        done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+        for fut in done:
+            i = pending.pop(fut)
+            episode = episodes[i]
+            episode.add_turn(fut.result())
+            if multi and continue_episode(task, prompts[i], episode, max_context):
+                pending[engine.generate(episode.context(), sampling, slot=slot)] = i
+    return episodes
+
+
+def summarize(scores: list, episodes: list[Episode], seconds: float = 0.0) -> EvalSummary:
+    n = len(scores)
+    modes = {m: 0 for m in FAILURE_MODES}
+    for s in scores:
+        mode = s.info.get("failure_mode", "success" if s.info.get("correct") else "wrong_answer")
+        modes[mode] = modes.get(mode, 0) + 1
+    return EvalSummary(
+        n=n,
+        accuracy=sum(bool(s.info.get("correct")) for s in scores) / n,
+        format_rate=sum(bool(s.info.get("format_ok")) for s in scores) / n,
+        reward_mean=sum(s.reward for s in scores) / n,
+        avg_turns=sum(e.turns for e in episodes) / n,
+        avg_tool_calls=sum(s.info.get("tool_calls", e.tool_results) for s, e in zip(scores, episodes, strict=True))
+        / n,
+        failure_modes=modes,
+        seconds=round(seconds, 2),
+    )
+
+
+def evaluate(engine: Engine, task: Task, prompts: list[Prompt], slot, max_new_tokens: int,
+             max_context: int | None = None) -> tuple[EvalSummary, list[dict]]:
+    """Greedy episodes on one slot (None = base), scored; the summary and one record per prompt."""
+    t0 = time.time()
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    episodes = run_episodes(engine, task, prompts, sampling, slot, max_context)
+    scores = [score_sample(task, p, e.output_ids) for p, e in zip(prompts, episodes, strict=True)]
+    tokenizer = getattr(task, "tokenizer", None)
+    records = []
+    for p, e, s in zip(prompts, episodes, scores, strict=True):
+        text = tokenizer.decode(e.output_ids) if tokenizer is not None else None
+        records.append({"id": p.id, "prompt": p.text, "answer": p.answer, "output": text,
+                        "output_ids": e.output_ids, "loss_mask": e.loss_mask, "turns": e.turns,
+                        "reward": s.reward, **{k: v for k, v in s.info.items() if _jsonable(v)}})
+    return summarize(scores, episodes, time.time() - t0), records
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def held_out_prompts(task: Task, n: int, seed: int = 0) -> list[Prompt]:
+    """The first `n` distinct prompts of the task's eval split (fewer if the split is smaller: a
+    dataset's stream cycles)."""
+    stream = task.prompts(seed, "eval")
+    seen: set[tuple[str, str]] = set()
+    prompts: list[Prompt] = []
+    for _ in range(max(20 * n, 1000)):
+        p = next(stream)
+        if (p.text, p.answer) in seen:
+            continue
+        seen.add((p.text, p.answer))
+        prompts.append(p)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+# ---- resolving what to evaluate -----------------------------------------------------------------
+
+
+def _read_recipe(path: Path) -> dict | None:
+    f = path / "recipe.yaml"
+    if not f.is_file():
+        return None
+    data = yaml.safe_load(f.read_text()) or {}
+    return data if isinstance(data, dict) else None
+
+
+def resolve_target(path: Path, task: str | None = None, model: Path | None = None,
+                   max_new_tokens: int | None = None) -> Target:
+    """A run directory (has adapter/), an adapter directory (adapter_config.json), or a model."""
+    path = Path(path)
+    if (path / "adapter" / "adapter_config.json").is_file():
+        kind, adapter, out, recipe = "run", path / "adapter", path, _read_recipe(path)
+    elif (path / "adapter_config.json").is_file():
+        kind, adapter, out, recipe = "adapter", path, path, _read_recipe(path.parent)
+    elif (path / "config.json").is_file():
+        kind, adapter, out, recipe = "model", None, path, None
+    elif path.is_dir() and (path / "recipe.yaml").is_file():
+        raise RecipeError(f"{path}: this run has no adapter yet (no {path / 'adapter'}/adapter_config.json)")
+    else:
+        raise RecipeError(f"{path}: not a run directory (with adapter/), an adapter directory "
+                          "(with adapter_config.json) or a model directory (with config.json)")
+    if model is None:
+        if kind == "model":
+            model = path
+        elif recipe and recipe.get("model"):
+            model = Path(recipe["model"])
+        else:
+            base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            if not base:
+                raise RecipeError(f"{adapter}: cannot tell the base model; pass --model")
+            model = Path(base)
+    if not (Path(model) / "config.json").is_file():
+        raise RecipeError(f"model: {str(model)!r} is not a model directory (pass --model)")
+    recipe_task = (recipe or {}).get("task") or None
+    task_cfg = _task_config(task, recipe_task)
+    if max_new_tokens is None:
+        max_new_tokens = ((recipe or {}).get("rollout") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    return Target(kind, path, Path(model), adapter, task_cfg, int(max_new_tokens), out)
+
+
+def _task_config(task: str | None, recipe_task: dict | None) -> TaskConfig:
+    """`--task` (a name, `module:factory` or a .jsonl file) or else the run's own task; with the run's
+    options when the names agree."""
+    if task is None:
+        if recipe_task is None:
+            raise RecipeError("--task: required (the target has no recipe.yaml to take the task from)")
+        data = recipe_task
+    elif task.endswith(".jsonl"):
+        data = {"name": "jsonl", "path": task}
+        if recipe_task and recipe_task.get("name") == "jsonl":
+            data = {**recipe_task, **data}
+    elif recipe_task and recipe_task.get("name") == task:
+        data = recipe_task
+    else:
+        data = {"name": task}
+    # Validated as a recipe's task section is (field-path errors, import and dataset checks).
+    recipe = parse_recipe({"model": ".", "task": data}, check_paths=False)
+    from orbit.config import _check_task
+
+    _check_task(recipe.task)
+    return recipe.task
+
+
+def _load_adapter(engine, adapter: Path) -> int:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    version = 1
+    state = adapter / "trainer_state.json"
+    if state.is_file():
+        version = max(1, int(json.loads(state.read_text()).get("version", 1)))
+    engine.load_adapter(0, tensors, config, version)
+    return version
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1,
+             console: Console | None = None) -> dict:
+    """Evaluate the target, print the table, write eval.json and eval_samples.jsonl; return the report."""
+    from transformers import AutoTokenizer
+
+    from orbit.engine.embedded import start_embedded_engine
+
+    if n < 1:
+        raise RecipeError(f"--n: must be >= 1, got {n}")
+    console = console or Console()
+    tokenizer = AutoTokenizer.from_pretrained(target.model)
+    task = make_task(target.task, tokenizer)
+    try:
+        prompts = held_out_prompts(task, n, seed)
+    except TypeError as err:
+        raise RecipeError(f"task {target.task.name!r} has no held-out split: its prompts(seed, split) must accept "
+                          f"split='eval' ({err})") from None
+    if len(prompts) < n:
+        console.print(f"note: the held-out split has only {len(prompts)} distinct prompts; evaluating those")
+        n = len(prompts)
+    engine = start_embedded_engine(target.model, max_running=min(n, 64), threads=threads, seed=seed)
+    results, samples = {}, {}
+    version = None
+    try:
+        max_context = engine.info.max_context
+        if target.kind != "adapter":
+            results["base"], samples["base"] = evaluate(engine, task, prompts, None, target.max_new_tokens,
+                                                        max_context)
+        if target.adapter is not None:
+            version = _load_adapter(engine, target.adapter)
+            results["trained"], samples["trained"] = evaluate(engine, task, prompts, 0, target.max_new_tokens,
+                                                              max_context)
+    finally:
+        engine.shutdown()
+    report = {
+        "target": str(target.path), "kind": target.kind, "model": str(target.model),
+        "adapter": str(target.adapter) if target.adapter else None, "adapter_version": version,
+        "task": target.task.model_dump(mode="json"), "split": "eval", "n": n, "seed": seed, "decoding": "greedy",
+        "max_new_tokens": target.max_new_tokens,
+        "results": {k: asdict(v) for k, v in results.items()},
+    }
+    if "base" in results and "trained" in results:
+        report["delta"] = {k: round(getattr(results["trained"], k) - getattr(results["base"], k), 6)
+                           for k in ("accuracy", "format_rate", "reward_mean", "avg_turns", "avg_tool_calls")}
+    target.out.mkdir(parents=True, exist_ok=True)
+    (target.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    with (target.out / "eval_samples.jsonl").open("w") as f:
+        for which, records in samples.items():
+            for r in records:
+                f.write(json.dumps({"model": which, **r}) + "\n")
+    console.print(report_table(report))
+    return report
+
+
+def report_table(report: dict) -> Table:
+    results = report["results"]
+    cols = list(results)
+    table = Table(title=f"{report['task']['name']}: {report['n']} held-out prompts, greedy",
+                  caption=report["target"])
+    table.add_column("metric")
+    for c in cols:
+        table.add_column(c, justify="right")
+    if "delta" in report:
+        table.add_column("Δ", justify="right")
+
+    def row(label, key, pct):
+        vals = [results[c][key] for c in cols]
+        cells = [f"{v:.1%}" if pct else f"{v:.2f}" for v in vals]
+        if "delta" in report:
+            d = report["delta"][key]
+            cells.append(f"{d:+.1%}" if pct else f"{d:+.2f}")
+        table.add_row(label, *cells)
+
+    row("accuracy", "accuracy", True)
+    row("format rate", "format_rate", True)
+    row("reward", "reward_mean", False)
+    row("avg turns", "avg_turns", False)
+    row("avg tool calls", "avg_tool_calls", False)
+    modes = list(dict.fromkeys(m for c in cols for m in results[c]["failure_modes"]))
+    for m in modes:
+        counts = [results[c]["failure_modes"].get(m, 0) for c in cols]
+        cells = [str(k) for k in counts]
+        if "delta" in report:
+            cells.append(f"{counts[-1] - counts[0]:+d}")
+        table.add_row(f"  {m}", *cells)
+    return table

@@ -1,0 +1,411 @@
+"""The SGLang backend on a real `sglang.Engine` (CPU, tiny model): numerics, slots, flips, bad
+pushes, pause/flush/load orders, a dead scheduler.
+
+One engine serves the whole module (starting one costs 15-25 s on 2 cores); tests that change
+what it serves put back what the next ones expect. Skipped only where sglang is not installed
+(`make sglang` installs it; CI always has it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import hf_logprobs, hf_model, prompts
+from safetensors.torch import load_file
+
+from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe, sglang_problem
+from orbit.engine.base import EngineDeadError, EngineError, SamplingParams
+
+SGLANG_MISSING = sglang_problem()
+needs_sglang = pytest.mark.skipif(SGLANG_MISSING is not None, reason=f"sglang not available: {SGLANG_MISSING}")
+
+# Tolerances, max |engine - reference| logprob on the same tokens, fp32 on both sides.
+# Measured on this machine kind (tiny Llama, 2 layers): base ≤ 1e-6, Orbit-trainer LoRA (default
+# targets q,k,v,o, r=8, random non-zero A and B) ≤ 1e-5 teacher-forced and on sampled tokens.
+BASE_TOL = 1e-4
+LORA_TOL = 1e-4
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LONG = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+SHORT = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+
+def test_recipe_with_sglang_missing_fails_before_compute(tiny_llama, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({"model": str(tiny_llama), "engine": {"backend": "sglang"}})
+    assert "engine.backend" in str(err.value) and "make sglang" in str(err.value)
+    assert "install_sglang.sh" in str(err.value)
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    from orbit.engine.sglang import start_sglang_engine
+
+    eng = start_sglang_engine(tiny_llama, max_running=16, max_lora_rank=8, lora_target_modules=ALL_TARGETS)
+    yield eng
+    eng.shutdown()
+
+
+def _trainer(model: Path, seed: int, **adapter):
+    """Orbit's trainer with random non-zero LoRA A and B (its init is the identity)."""
+    from orbit.train.trainer import Trainer
+
+    trainer = Trainer(model, AdapterConfig(**adapter), TrainerConfig(), temperature=1.0, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    trainer.model.eval()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def policy_a(tiny_llama):
+    return _trainer(tiny_llama, seed=1)  # the recipe's default adapter: LoRA r=8 on q, k, v, o
+
+
+@pytest.fixture(scope="module")
+def policy_b(tiny_llama):
+    return _trainer(tiny_llama, seed=2)
+
+
+def _load(engine, slot: int, policy, version: int) -> None:
+    engine.load_adapter(slot, policy.adapter_tensors(), policy.adapter_config(), version)
+
+
+@torch.no_grad()
+def _sampled_ref(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each output token: what the trainer compares with."""
+    ids = torch.tensor([prompt + output])
+    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return logp[pos, torch.tensor(output)].tolist()
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+# ---- numerics -------------------------------------------------------------------------------------
+
+
+@needs_sglang
+def test_base_logprobs_match_transformers(engine, tiny_llama):
+    ref_model = hf_model(tiny_llama)
+    worst_tf = worst_sampled = 0.0
+    for p in prompts(4, seed=3):
+        cont = prompts(1, seed=len(p), low=20, high=21)[0]
+        worst_tf = max(worst_tf, _max_diff(engine.score(p, cont, slot=None), hf_logprobs(ref_model, p, cont)))
+    for t in (1.0, 0.7):
+        futs = [engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=None)
+                for p in prompts(4, seed=4)]
+        for f in futs:
+            c = f.result(120)
+            worst_sampled = max(worst_sampled, _max_diff(c.logprobs, _sampled_ref(ref_model, c.prompt_ids,
+                                                                                   c.output_ids, t)))
+    print(f"\nbase vs transformers: teacher-forced {worst_tf:.2e}, sampled (T=1, 0.7) {worst_sampled:.2e}")
+    assert worst_tf < BASE_TOL and worst_sampled < BASE_TOL
+
+
+@needs_sglang
+def test_trainer_adapter_in_a_slot_matches_peft(engine, policy_a):
+    _load(engine, 0, policy_a, version=1)
+    peft_model = policy_a.model
+    worst_tf = worst_sampled = 0.0
+    for p in prompts(4, seed=5):
+        cont = prompts(1, seed=len(p) + 1, low=20, high=21)[0]
+        worst_tf = max(worst_tf, _max_diff(engine.score(p, cont, slot=0), hf_logprobs(peft_model, p, cont)))
+    base = engine.score(prompts(1, seed=5)[0], [5, 6, 7, 8], slot=None)
+    with_adapter = engine.score(prompts(1, seed=5)[0], [5, 6, 7, 8], slot=0)
+    effect = _max_diff(base, with_adapter)
+    for t in (1.0, 0.7):
+        futs = [engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=0) for p in prompts(4, 6)]
+        for f in futs:
+            c = f.result(120)
+            assert c.slot == 0 and c.version_start == c.version_end == 1
+            worst_sampled = max(worst_sampled, _max_diff(c.logprobs, _sampled_ref(peft_model, c.prompt_ids,
+                                                                                   c.output_ids, t)))
+    print(f"\nLoRA (trainer export, q/k/v/o r=8) vs peft: teacher-forced {worst_tf:.2e}, sampled {worst_sampled:.2e}"
+          f" (adapter effect {effect:.2f})")
+    assert effect > 0.1, "the adapter must change the logprobs, else the comparison proves nothing"
+    assert worst_tf < LORA_TOL and worst_sampled < LORA_TOL
+
+
+# ---- slots: the flip, overwriting a serving slot ---------------------------------------------------
+
+
+@needs_sglang
+@pytest.mark.timeout(180)
+def test_flip_in_flight_finish_on_old_slot_new_start_on_new(engine, policy_a, policy_b):
+    _load(engine, 0, policy_a, version=1)
+    engine.activate(0)
+    old = [engine.generate(p, LONG) for p in prompts(4, seed=7)]
+    time.sleep(0.3)
+    _load(engine, 1, policy_b, version=2)  # the inactive slot, while slot 0 serves
+    running = sum(not f.done() for f in old)
+    engine.pause_generation("in_place")  # the double-buffer flip on SGLang (no flush: see sync.py)
+    engine.activate(1)
+    engine.continue_generation()
+    new = [engine.generate(p, SHORT) for p in prompts(4, seed=8)]
+    olds = [f.result(120) for f in old]
+    news = [f.result(120) for f in new]
+    assert running > 0, "nothing was in flight at the flip"
+    for c in olds:
+        assert (c.slot, c.version_start, c.version_end, c.finish_reason) == (0, 1, 1, "length")
+        assert len(c.output_ids) == 200
+    for c in news:
+        assert (c.slot, c.version_start, c.version_end) == (1, 2, 2)
+    # and the numbers say the same: old requests ran on A to the end, new ones on B
+    assert _max_diff(olds[0].logprobs, _sampled_ref(policy_a.model, olds[0].prompt_ids, olds[0].output_ids, 1.0)) \
+        < LORA_TOL
+    assert _max_diff(news[0].logprobs, _sampled_ref(policy_b.model, news[0].prompt_ids, news[0].output_ids, 1.0)) \
+        < LORA_TOL
+
+
+@needs_sglang
+@pytest.mark.timeout(180)
+def test_overwriting_the_serving_slot_lets_its_requests_finish_first(engine, policy_a, policy_b):
+    """The adapter push on SGLang: load slot 0 while it serves (no pause)."""
+    _load(engine, 0, policy_a, version=3)
+    engine.activate(0)
+    running = [engine.generate(p, LONG) for p in prompts(3, seed=9)]
+    time.sleep(0.3)
+    loader = threading.Thread(target=_load, args=(engine, 0, policy_b, 4))
+    loader.start()
+    time.sleep(0.05)
+    held = engine.generate(prompts(1, seed=10)[0], SHORT)  # submitted while slot 0 is being rewritten
+    loader.join(120)
+    assert not loader.is_alive()
+    assert all(f.done() for f in running), "load_adapter returned before the slot's requests finished"
+    for c in (f.result() for f in running):
+        assert (c.version_start, c.version_end, len(c.output_ids)) == (3, 3, 200)
+    c = held.result(120)
+    assert (c.slot, c.version_start, c.version_end) == (0, 4, 4)
+    assert _max_diff(c.logprobs, _sampled_ref(policy_b.model, c.prompt_ids, c.output_ids, 1.0)) < LORA_TOL
+
+
+# ---- bad pushes ----------------------------------------------------------------------------------
+
+
+@needs_sglang
+@pytest.mark.timeout(180)
+def test_bad_adapter_push_is_rejected_and_the_slot_keeps_serving(engine, policy_a, monkeypatch):
+    _load(engine, 0, policy_a, version=5)
+    engine.activate(0)
+    probe, cont = prompts(1, seed=11)[0], [7, 8, 9, 10, 11]
+    before = engine.score(probe, cont, slot=0)
+    good, config = policy_a.adapter_tensors(), policy_a.adapter_config()
+    name = next(k for k in good if k.endswith("q_proj.lora_A.weight"))
+
+    def bad(**change):
+        return {**good, **change}
+
+    nan = good[name].clone()
+    nan[0, 0] = float("nan")
+    inf = good[name].clone()
+    inf[1, 1] = float("inf")
+    cases = {
+        "shape": (bad(**{name: good[name][:, :-1]}), config),
+        "dtype": (bad(**{name: good[name].to(torch.int32)}), config),
+        "nan": (bad(**{name: nan}), config),
+        "inf": (bad(**{name: inf}), config),
+        "unknown name": (bad(**{name.replace("q_proj", "x_proj"): good[name]}), config),
+        "layer out of range": (bad(**{name.replace("layers.0.", "layers.9."): good[name]}), config),
+        "rank above max_lora_rank": ({k: torch.zeros(16, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 16)
+                                      for k, v in good.items()}, {**config, "r": 16}),
+        "OFT": ({}, {**config, "peft_type": "OFT"}),
+        "DoRA": (good, {**config, "use_dora": True}),
+        "missing tensors": ({k: v for k, v in good.items() if "layers.1." not in k}, config),
+    }
+    for what, (tensors, cfg) in cases.items():
+        with pytest.raises(EngineError):
+            engine.load_adapter(0, tensors, cfg, 99)
+        assert engine.stats().slot_versions[0] == 5, what
+    # a load SGLang itself refuses (after the unload): the previous adapter is put back
+    real = engine._load_named
+    calls = []
+
+    async def refuse_once(name, tensors, cfg):
+        calls.append(name)
+        res = await real(name, tensors, cfg)
+        if len(calls) == 1:  # pretend the new adapter was refused (undo it, report failure)
+            from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+            await engine._tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
+            res.success, res.error_message = False, "refused for the test"
+        return res
+
+    monkeypatch.setattr(engine, "_load_named", refuse_once)
+    with pytest.raises(EngineError, match="keeps serving version 5"):
+        _load(engine, 0, policy_a, version=6)
+    monkeypatch.undo()
+    assert len(calls) == 2 and engine.stats().slot_versions[0] == 5
+    after = engine.score(probe, cont, slot=0)
+    assert _max_diff(before, after) < 1e-6
+    c = engine.generate(probe, SHORT).result(60)
+    assert c.slot == 0 and c.version_start == 5
+
+
+@needs_sglang
+def test_bad_weight_push_is_rejected(engine, tiny_llama):
+    probe, cont = prompts(1, seed=12)[0], [7, 8, 9]
+    before = engine.score(probe, cont, slot=None)
+    w = load_file(str(tiny_llama / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    nan = w[name].clone()
+    nan[0, 0] = float("nan")
+    for tensors in ({"model.layers.0.self_attn.x_proj.weight": w[name]}, {name: w[name][:-1]}, {name: nan},
+                    {name: w[name].to(torch.int64)}, {}):
+        with pytest.raises(EngineError):
+            engine.update_weights(tensors, 50)
+    assert engine.stats().base_version == 0
+    assert _max_diff(before, engine.score(probe, cont, slot=None)) < 1e-6
+
+
+# ---- no hang in the orders the modes use -----------------------------------------------------------
+
+
+@needs_sglang
+@pytest.mark.timeout(240)
+def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_a):
+    ref = hf_model(tiny_llama)
+    original = load_file(str(tiny_llama / "model.safetensors"))
+
+    # full push (sync, async-full): retract, flush, update_weights, continue; requests on base continue
+    futs = [engine.generate(p, LONG, slot=None) for p in prompts(3, seed=13)]
+    time.sleep(0.3)
+    engine.pause_generation("retract")
+    engine.flush_cache()
+    engine.update_weights({k: v for k, v in original.items() if "layers.1." in k}, 7)
+    engine.continue_generation()
+    done = [f.result(120) for f in futs]
+    assert all(c.finish_reason == "length" and len(c.output_ids) == 200 for c in done)
+    assert any(c.version_end == 7 for c in done) and engine.stats().base_version == 7
+    p = prompts(1, seed=14)[0]
+    assert _max_diff(engine.score(p, [5, 6, 7], slot=None), hf_logprobs(ref, p, [5, 6, 7])) < BASE_TOL
+
+    # flush during an in_place pause with requests running: refused (EngineError), never a hang
+    _load(engine, 0, policy_a, version=8)
+    engine.activate(0)
+    futs = [engine.generate(p, LONG) for p in prompts(3, seed=15)]
+    time.sleep(0.3)
+    engine.pause_generation("in_place")
+    with pytest.raises(EngineError, match="retract"):
+        engine.flush_cache()
+    # replacing a slot that paused requests use would deadlock: refused at once
+    t0 = time.time()
+    with pytest.raises(EngineError, match="while paused"):
+        _load(engine, 0, policy_a, version=9)
+    assert time.time() - t0 < 5
+    engine.pause_generation("in_place")  # twice: harmless
+    engine.continue_generation()
+    engine.continue_generation()
+    assert all(f.result(120).finish_reason == "length" for f in futs)
+
+    # abort (shutdown, Ctrl-C): requests finish with reason abort and their partial output
+    futs = [engine.generate(p, LONG) for p in prompts(3, seed=16)]
+    time.sleep(0.3)
+    engine.pause_generation("abort")
+    engine.flush_cache()
+    engine.continue_generation()
+    reasons = [f.result(120).finish_reason for f in futs]
+    assert "abort" in reasons and set(reasons) <= {"abort", "length"}
+
+    # serial modes: release / resume memory around training, loads with nothing in flight
+    engine.release_memory()
+    engine.resume_memory()
+    _load(engine, 0, policy_a, version=10)
+    engine.pause_generation("retract")
+    engine.flush_cache()
+    engine.continue_generation()
+    c = engine.generate(prompts(1, seed=17)[0], SHORT).result(60)
+    assert (c.slot, c.version_start) == (0, 10)
+    stats = engine.stats()
+    assert not stats.paused and stats.running == 0 and stats.paused_s > 0
+
+
+# ---- a dead scheduler, a clean shutdown -------------------------------------------------------------
+
+
+@needs_sglang
+@pytest.mark.timeout(240)
+def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_children(tiny_llama):
+    from orbit.engine.sglang import start_sglang_engine
+
+    bystander = subprocess.Popen(["sleep", "300"])  # another child of this process (e.g. an embedded engine)
+    try:
+        eng = start_sglang_engine(tiny_llama, max_running=8, max_lora_rank=8)
+        try:
+            futs = [eng.generate(p, LONG, slot=None) for p in prompts(3, seed=18)]
+            time.sleep(0.3)
+            t0 = time.time()
+            os.kill(eng.pid, signal.SIGKILL)
+            for f in futs:
+                with pytest.raises(EngineDeadError):
+                    f.result(30)
+            detected = time.time() - t0
+            with pytest.raises(EngineDeadError):
+                eng.generate([1, 2, 3], SHORT)
+            with pytest.raises(EngineDeadError):
+                eng.pause_generation("retract")
+            print(f"\ndead scheduler detected after {detected:.2f} s")
+            assert detected < 5
+        finally:
+            eng.shutdown()
+        assert bystander.poll() is None, "shutdown killed a process that is not SGLang's"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# ---- push selection and merged weights (no SGLang needed) --------------------------------------------
+
+
+def test_make_push_follows_adapter_type_and_engine_capabilities():
+    from orbit.engine.embedded.client import EmbeddedClient
+    from orbit.engine.sglang import SGLangEngine
+    from orbit.sync import AdapterPush, DoubleBufferPush, FullPush, MergedPush, make_push
+
+    for engine in (EmbeddedClient, SGLangEngine):  # the classes carry the capabilities
+        for kind in ("lora", "oft"):
+            assert type(make_push("full", kind, engine)) is FullPush
+        assert type(make_push("adapter", "lora", engine)) is AdapterPush
+        assert type(make_push("double-buffer", "lora", engine)) is DoubleBufferPush
+    assert type(make_push("double-buffer", "oft", EmbeddedClient)) is DoubleBufferPush
+    assert type(make_push("adapter", "oft", EmbeddedClient)) is AdapterPush
+    for push in ("adapter", "double-buffer"):
+        assert type(make_push(push, "oft", SGLangEngine)) is MergedPush
+    assert make_push("adapter", "lora", EmbeddedClient).load_while_paused
+    assert not make_push("adapter", "lora", SGLangEngine).load_while_paused
+    assert make_push("double-buffer", "lora", EmbeddedClient).flush
+    assert not make_push("double-buffer", "lora", SGLangEngine).flush
+
+
+def test_merged_weights_of_the_adapted_modules_only(tiny_llama):
+    from orbit.train.trainer import Trainer
+
+    trainer = Trainer(tiny_llama, AdapterConfig(type="oft", oft_block_size=8, target_modules=["q_proj", "o_proj"]),
+                      TrainerConfig(), temperature=1.0, seed=0)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "oft_" in name:
+                p.normal_(0, 0.1)
+    full, only = trainer.merged_weights(), trainer.merged_weights(only_adapted=True)
+    assert sorted(only) == sorted(k for k in full if k.endswith(("q_proj.weight", "o_proj.weight")))
+    assert all(torch.equal(only[k], full[k]) for k in only)
+    base = load_file(str(tiny_llama / "model.safetensors"))
+    assert all(not torch.equal(only[k], base[k]) for k in only)
