@@ -13,14 +13,14 @@ from collections.abc import Iterator
 
 from transformers import PreTrainedTokenizerBase
 
-from orbit.tasks.base import Prompt, Score, Segment
-from orbit.tasks.common import answer_score, check_chat, decode, encode_prompt, in_split, single_token
+from orbit.tasks.base import Prompt
+from orbit.tasks.common import AnswerTagTask, check_chat, encode_prompt, in_split, single_token
 
 DEFAULT_TEMPLATE = "{a}{op}{b}="
 OPS = "+-*"
 
 
-class ArithTask:
+class ArithTask(AnswerTagTask):
     name = "arith"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_digits: int = 2, ops: str = "+-",
@@ -63,12 +63,3 @@ class ArithTask:
             answer = str(a + b if op == "+" else a - b if op == "-" else a * b)
             yield Prompt(id=f"arith-{split}-{seed}-{n}", text=text, prompt_ids=ids, answer=answer)
             n += 1
-
-    def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
-        return answer_score(decode(self.tokenizer, output_ids), prompt.answer)
-
-    def demonstration(self, prompt: Prompt) -> list[Segment]:
-        ids = self.tokenizer.encode(f"<answer>{prompt.answer}</answer>", add_special_tokens=False)
-        if not self.stop_token_ids:
-            ids.append(self.tokenizer.eos_token_id)
-        return [Segment(tuple(ids), True)]

@@ -6,7 +6,7 @@ import zlib
 
 from transformers import PreTrainedTokenizerBase
 
-from orbit.tasks.base import Score, answer_tag
+from orbit.tasks.base import Prompt, Score, Segment, answer_tag
 
 CORRECT_REWARD = 1.0
 FORMAT_REWARD = 0.2  # an answer tag is present, right or wrong
@@ -81,3 +81,20 @@ def answer_score(text: str, answer: str, tool_calls: int = 0, spam: bool = False
         info={"correct": bool(correct), "format_ok": format_ok, "failure_mode": mode, "tool_calls": tool_calls,
               "given": given, **info},
     )
+
+
+class AnswerTagTask:
+    """Single-turn tasks scored by the `<answer>` tag; needs `tokenizer` and `stop_token_ids`."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: tuple[int, ...]
+
+    def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
+        return answer_score(decode(self.tokenizer, output_ids), prompt.answer)
+
+    def demonstration(self, prompt: Prompt) -> list[Segment]:
+        """The correct completion, for the warm start's supervised pass."""
+        ids = self.tokenizer.encode(f"<answer>{prompt.answer}</answer>", add_special_tokens=False)
+        if not self.stop_token_ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return [Segment(tuple(ids), True)]

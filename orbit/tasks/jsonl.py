@@ -16,8 +16,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from orbit.tasks.base import Prompt, Score, Segment
-from orbit.tasks.common import answer_score, check_chat, decode, encode_prompt, single_token
+from orbit.tasks.base import Prompt
+from orbit.tasks.common import AnswerTagTask, check_chat, encode_prompt, single_token
 
 
 class DatasetError(ValueError):
@@ -66,7 +66,7 @@ def load_rows(path: str | Path) -> list[Row]:
     return rows
 
 
-class JsonlTask:
+class JsonlTask(AnswerTagTask):
     name = "jsonl"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, path: str | Path, eval_path: str | Path | None = None,
@@ -109,12 +109,3 @@ class JsonlTask:
                 yield Prompt(id=f"jsonl-{split}-L{row.line}-{n}", text=text,
                              prompt_ids=encode_prompt(self.tokenizer, text, self.chat), answer=row.answer)
                 n += 1
-
-    def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
-        return answer_score(decode(self.tokenizer, output_ids), prompt.answer)
-
-    def demonstration(self, prompt: Prompt) -> list[Segment]:
-        ids = self.tokenizer.encode(f"<answer>{prompt.answer}</answer>", add_special_tokens=False)
-        if not self.stop_token_ids:
-            ids.append(self.tokenizer.eos_token_id)
-        return [Segment(tuple(ids), True)]
