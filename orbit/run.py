@@ -75,12 +75,12 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     # The task first: a bad task (import path, dataset row, option) fails before any compute.
     tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     task = make_task(recipe.task, tokenizer)
+    stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
     prepare_run_dir(run_dir, resume)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     mode = MODES[recipe.mode]
     t0 = time.time()
 
-    stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
     trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed)
     if resume:
         trainer.load(run_dir / "adapter")
@@ -93,8 +93,8 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
         push = make_push(mode.push, recipe.adapter.type, engine)
         push.initial(engine, trainer)
         batch_groups = recipe.rollout.prompts_per_step
-        buffer = GroupBuffer(recipe.max_staleness if mode.loop == "overlapped" else None)
         serial = mode.loop == "serial"
+        buffer = GroupBuffer(None if serial else recipe.max_staleness)
         producer = Producer(
             engine, task, sampling_params(recipe.rollout, stop_ids),
             recipe.rollout.group_size, buffer,
@@ -119,17 +119,15 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
         try:
             run_steps(parts)
         except KeyboardInterrupt:
-            _shutdown(engine, producer)
-            producer = None
-            trainer.save(run_dir / "adapter")
+            _stop_and_save(engine, producer, trainer, run_dir)
+            producer = None  # already shut down
             raise Interrupted(trainer.version, run_dir) from None
         except RuntimeError as err:
             if not isinstance(err.__cause__, TaskError):
                 raise
             # The task failed (its tool or verifier raised): stop, keeping metrics and a checkpoint.
-            _shutdown(engine, producer)
-            producer = None
-            trainer.save(run_dir / "adapter")
+            _stop_and_save(engine, producer, trainer, run_dir)
+            producer = None  # already shut down
             raise TaskError(
                 f"{err.__cause__}\nthe run stopped after step {trainer.version}; {run_dir} keeps metrics.jsonl, "
                 f"timeline.jsonl and the adapter of step {trainer.version} (adapter/)"
@@ -140,6 +138,12 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
         metrics.close()
         timeline.close()
     return RunResult(run_dir, trainer.version - start_version, time.time() - t0)
+
+
+def _stop_and_save(engine, producer: Producer, trainer: Trainer, run_dir: Path) -> None:
+    """A run cut short: stop generation, then checkpoint what was trained."""
+    _shutdown(engine, producer)
+    trainer.save(run_dir / "adapter")
 
 
 def _shutdown(engine, producer: Producer) -> None:

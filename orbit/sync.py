@@ -97,15 +97,12 @@ class FullPush:
     only_adapted = False  # all of the model's weights
 
     def initial(self, engine: Engine, policy: PolicySource) -> None:
-        engine.update_weights(self._weights(policy), policy.version)
+        engine.update_weights(policy.merged_weights(only_adapted=self.only_adapted), policy.version)
         engine.activate(None)
-
-    def _weights(self, policy: PolicySource) -> dict:
-        return policy.merged_weights(only_adapted=True) if self.only_adapted else policy.merged_weights()
 
     def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult:
         t0 = time.time()
-        tensors = self._weights(policy)
+        tensors = policy.merged_weights(only_adapted=self.only_adapted)
         paused = _paused(engine, "retract", lambda: engine.update_weights(tensors, policy.version),
                          timeline, policy.version)
         return PushResult(time.time() - t0, paused, full=not self.only_adapted, merged=self.only_adapted)
@@ -171,9 +168,6 @@ class DoubleBufferPush:
         return PushResult(time.time() - t0, paused, flipped=True)
 
 
-PUSHES = {"full": FullPush, "adapter": AdapterPush, "double-buffer": DoubleBufferPush, "merged": MergedPush}
-
-
 def make_push(name: str, adapter_type: str = "lora", engine: Engine | None = None) -> Push:
     """The push for a mode's `push` on this adapter type and engine (see the module docstring)."""
     if name == "full":
@@ -184,4 +178,4 @@ def make_push(name: str, adapter_type: str = "lora", engine: Engine | None = Non
         return AdapterPush(load_while_paused=getattr(engine, "loads_while_paused", True))
     if name == "double-buffer":
         return DoubleBufferPush(flush=getattr(engine, "flush_while_running", True))
-    return PUSHES[name]()
+    raise ValueError(f"unknown push {name!r} (allowed: full, adapter, double-buffer)")

@@ -3,7 +3,6 @@ tiny model), and OFT is pushed as merged weights. Skipped only where sglang is n
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from run_helpers import run_metrics, run_timeline
 
 from orbit.config import load_recipe, sglang_problem
 from orbit.metrics import METRIC_FIELDS
@@ -46,12 +46,8 @@ def _fmt(values) -> str:
     return "[" + ", ".join("-" if v is None else f"{v:.2g}" for v in values) + "]"
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _check_run(run_dir: Path, mode: str, merged: bool = False) -> list[dict]:
-    rows = _rows(run_dir)
+    rows = run_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS)) and [r["version"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
         assert not [f for f in METRIC_FIELDS if f not in row]
@@ -69,7 +65,7 @@ def _check_run(run_dir: Path, mode: str, merged: bool = False) -> list[dict]:
     else:  # a slot is never rewritten under a request on SGLang: every sample has one version
         assert None not in diffs, "logprob_diff must be measured every step"
     assert sum(r["tokens_generated"] for r in rows) > 0
-    events = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    events = run_timeline(run_dir)
     requests = [e for e in events if e["kind"] == "request"]
     assert requests and all(e["version"] == e["version_end"] for e in requests if e.get("slot") is not None)
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
@@ -109,7 +105,7 @@ def test_oft_on_sglang_is_pushed_as_merged_weights(tmp_path, tiny_llama):
     recipe = load_recipe(path, {"engine.backend": "sglang"})
     train(recipe, live=False)
     rows = _check_run(tmp_path / "run", "double-buffer", merged=True)
-    events = [json.loads(line) for line in (tmp_path / "run" / "timeline.jsonl").read_text().splitlines()]
+    events = run_timeline(tmp_path / "run")
     assert {e["push"] for e in events if e["kind"] == "push"} == {"merged"}
     assert not [e for e in events if e["kind"] == "load_adapter"], "OFT must not go into a slot on SGLang"
     print(f"\nOFT merged push: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "

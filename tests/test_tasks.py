@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from run_helpers import patched, run_metrics
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -335,16 +336,7 @@ def _recipe(model: Path, out: Path, task: dict, **patch) -> dict:
         "trainer": {"lr": 0.01, "steps": 3, "save_every": 1}, "task": task, "out": str(out), "seed": 1,
         "mode": "double-buffer",
     }
-    for key, value in patch.items():
-        if isinstance(value, dict):
-            data.setdefault(key, {}).update(value)
-        else:
-            data[key] = value
-    return data
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return patched(data, patch)
 
 
 def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
@@ -357,7 +349,7 @@ def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
     assert recipe.task.options() == {"word": "no"}
     result = train(recipe, live=False)
     assert result.steps_done == 3
-    rows = _metrics(tmp_path / "run")
+    rows = run_metrics(tmp_path / "run")
     assert len(rows) == 3 and all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     # the run's recipe.yaml keeps the task and its options
     saved = yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())
@@ -457,7 +449,7 @@ def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
     assert "next_turn (the tool) failed on prompt 'zorplex-train-" in message
     assert "ConnectionError: lookup service unavailable (HTTP 503)" in message
     assert f"{run_dir} keeps metrics.jsonl" in message
-    rows = _metrics(run_dir)  # every line whole
+    rows = run_metrics(run_dir)  # every line whole
     assert 1 <= len(rows) < 30
     state = json.loads((run_dir / "adapter" / "trainer_state.json").read_text())
     assert state["version"] == len(rows) == rows[-1]["version"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from run_helpers import patched, run_metrics, run_timeline
 
 from orbit.config import parse_recipe
 from orbit.metrics import METRIC_FIELDS
@@ -31,20 +32,7 @@ def _recipe(model: Path, out: Path, **patch) -> dict:
         "out": str(out),
         "seed": 1,
     }
-    for key, value in patch.items():
-        if isinstance(value, dict):
-            data.setdefault(key, {}).update(value)
-        else:
-            data[key] = value
-    return data
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _timeline(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    return patched(data, patch)
 
 
 @pytest.mark.parametrize("mode", MODE_NAMES)
@@ -52,7 +40,7 @@ def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
     recipe = parse_recipe(_recipe(tiny_llama, tmp_path / mode, mode=mode, max_staleness=2))
     result = train(recipe, live=False)
     assert result.steps_done == 3
-    rows = _metrics(tmp_path / mode)
+    rows = run_metrics(tmp_path / mode)
     assert [r["step"] for r in rows] == [0, 1, 2] and [r["version"] for r in rows] == [1, 2, 3]
     for row in rows:
         missing = [f for f in METRIC_FIELDS if f not in row]
@@ -65,7 +53,7 @@ def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
             assert 0 <= row["staleness_max"] <= 2
     assert sum(r["tokens_generated"] for r in rows) > 0
     assert rows[0]["logprob_diff"] is not None and rows[0]["logprob_diff"] < LOGPROB_DIFF_MAX
-    kinds = {(e["actor"], e["kind"]) for e in _timeline(tmp_path / mode)}
+    kinds = {(e["actor"], e["kind"]) for e in run_timeline(tmp_path / mode)}
     assert {("trainer", "wait"), ("trainer", "train"), ("trainer", "push"), ("engine", "request")} <= kinds
     assert (tmp_path / mode / "adapter" / "adapter_model.safetensors").exists()
 
@@ -80,7 +68,7 @@ def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
         trainer={"steps": 6},
     ))
     train(recipe, live=False)
-    rows = _metrics(tmp_path / "run")
+    rows = run_metrics(tmp_path / "run")
     assert len(rows) == 6
     assert all(r["staleness_max"] <= k for r in rows)
     if k == 0:
@@ -93,7 +81,7 @@ def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, ti
         engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24}, trainer={"steps": 6},
     ))
     train(recipe, live=False)
-    events = _timeline(tmp_path / "run")
+    events = run_timeline(tmp_path / "run")
     loads = [e for e in events if e["kind"] == "load_adapter"]
     requests = [e for e in events if e["kind"] == "request" and e["finish"] != "abort"]
     assert len(loads) >= 6 and requests
@@ -118,11 +106,11 @@ def test_reward_rises_in_double_buffer(tmp_path, tiny_llama, adapter):
         trainer={"steps": 24, "lr": lr, "save_every": 100},
     ))
     train(recipe, live=False)
-    rewards = [r["reward_mean"] for r in _metrics(tmp_path / "run")]
+    rewards = [r["reward_mean"] for r in run_metrics(tmp_path / "run")]
     q = len(rewards) // 4
     first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
     assert last > first + 0.15, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
-    diffs = [r["logprob_diff"] for r in _metrics(tmp_path / "run")]
+    diffs = [r["logprob_diff"] for r in run_metrics(tmp_path / "run")]
     assert None not in diffs, "logprob_diff must be measured every step"
     assert max(diffs) < LOGPROB_DIFF_MAX
 
@@ -148,7 +136,7 @@ def test_ctrl_c_saves_a_loadable_adapter_and_resume_continues(tmp_path, tiny_lla
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "interrupted at step" in err and "--resume" in err
-    done = len(_metrics(run_dir))
+    done = len(run_metrics(run_dir))
     state = json.loads((run_dir / "adapter" / "trainer_state.json").read_text())
     assert state["version"] >= done >= 2
 
@@ -163,7 +151,7 @@ def test_ctrl_c_saves_a_loadable_adapter_and_resume_continues(tmp_path, tiny_lla
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert res.returncode == 0, res.stderr
-    rows = _metrics(run_dir)
+    rows = run_metrics(run_dir)
     assert [r["step"] for r in rows[-2:]] == [state["version"], state["version"] + 1]
     assert json.loads((run_dir / "adapter" / "trainer_state.json").read_text())["version"] == state["version"] + 2
 

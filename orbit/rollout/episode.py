@@ -10,6 +10,7 @@ the last. Turns are capped by the task's `max_turns` and by the engine's context
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from orbit.engine.base import Completion, SamplingParams
@@ -57,7 +58,7 @@ class Episode:
 def with_task_stops(sampling: SamplingParams, task: Task) -> SamplingParams:
     """The sampling parameters with the task's own stop tokens (a tool call's end) added."""
     stops = tuple(dict.fromkeys(sampling.stop_token_ids + task_stop_ids(task)))
-    return SamplingParams(**{**sampling.__dict__, "stop_token_ids": stops})
+    return dataclasses.replace(sampling, stop_token_ids=stops)
 
 
 def continue_episode(task: Task, prompt: Prompt, episode: Episode, max_context: int | None) -> bool:

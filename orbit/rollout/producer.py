@@ -10,6 +10,7 @@ One producer serves both loop kinds; they differ only in when groups are granted
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from concurrent.futures import Future
@@ -103,10 +104,7 @@ class Producer:
             self.buffer.fail(err)
 
     def _fill(self) -> None:
-        while (
-            not self._stop.is_set()
-            and self._take_grant()
-        ):
+        while not self._stop.is_set() and self._take_grant():
             self._submit_group(self._next_prompt())
 
     def _take_grant(self) -> bool:
@@ -146,7 +144,7 @@ class Producer:
             context, key = episode.context(), (self.seed, gid, idx, pending.attempts[idx], episode.turns)
         # A distinct, reproducible seed per sample, attempt (and turn).
         seed = hash(key) & 0x7FFFFFFF
-        sampling = SamplingParams(**{**self.sampling.__dict__, "seed": seed})
+        sampling = dataclasses.replace(self.sampling, seed=seed)
         fut: Future = self.engine.generate(context, sampling, slot=ACTIVE)
         self._inflight += 1
         fut.add_done_callback(lambda f, g=gid, i=idx: self._events.put((g, i, f)))
