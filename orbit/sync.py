@@ -83,13 +83,16 @@ def _paused(engine: Engine, mode: PauseMode, change, timeline: Timeline | None, 
 
 
 def _load(engine: Engine, slot: int, policy: PolicySource, timeline: Timeline | None, tensors=None, config=None):
-    """Write the policy's adapter into `slot`, recorded on the timeline as a `load_adapter` span."""
+    """Write the policy's adapter into `slot`, recorded on the timeline as a `load_adapter` span.
+
+    The span is the trainer's view of the call (transfer included); `written` is the engine's own
+    time of the write, the moment no request on that slot may be running."""
     tensors = policy.adapter_tensors() if tensors is None else tensors
     config = policy.adapter_config() if config is None else config
     t0 = time.time()
-    engine.load_adapter(slot, tensors, config, policy.version)
+    written = engine.load_adapter(slot, tensors, config, policy.version)
     if timeline:
-        timeline.event("engine", "load_adapter", t0, time.time(), policy.version, slot=slot)
+        timeline.event("engine", "load_adapter", t0, time.time(), policy.version, slot=slot, written=written)
 
 
 class FullPush:

@@ -26,3 +26,24 @@ def run_metrics(run_dir: Path) -> list[dict]:
 
 def run_timeline(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "timeline.jsonl")
+
+
+def check_no_request_ran_on_a_slot_being_written(events: list[dict]) -> int:
+    """No finished request on a slot was running at the engine's write time of that slot; returns
+    how many slot writes were checked.
+
+    The write time is the engine's own (`written`): the trainer's span of the call also covers the
+    tensor transfer, during which the engine may rightly still finish requests on that slot.
+    """
+    loads = [e for e in events if e["kind"] == "load_adapter"]
+    requests = [e for e in events if e["kind"] == "request" and e["finish"] != "abort"]
+    for load in loads:
+        assert load["t0"] <= load["written"] <= load["t1"], load
+        for req in requests:
+            if req["slot"] == load["slot"]:
+                assert not req["t0"] < load["written"] < req["t1"], \
+                    f"request on slot {req['slot']} ran while that slot was written: {req} {load}"
+    for req in requests:
+        if req["slot"] is not None:
+            assert req["version"] == req["version_end"], f"a request saw its slot change under it: {req}"
+    return len(loads)

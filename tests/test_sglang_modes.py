@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import run_metrics, run_timeline
+from run_helpers import check_no_request_ran_on_a_slot_being_written, run_metrics, run_timeline
 
 from orbit.config import load_recipe, sglang_problem
 from orbit.metrics import METRIC_FIELDS
@@ -68,6 +68,7 @@ def _check_run(run_dir: Path, mode: str, merged: bool = False) -> list[dict]:
     events = run_timeline(run_dir)
     requests = [e for e in events if e["kind"] == "request"]
     assert requests and all(e["version"] == e["version_end"] for e in requests if e.get("slot") is not None)
+    check_no_request_ran_on_a_slot_being_written(events)
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
     return rows
 

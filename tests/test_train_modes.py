@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import patched, run_metrics, run_timeline
+from run_helpers import check_no_request_ran_on_a_slot_being_written, patched, run_metrics, run_timeline
 
 from orbit.config import parse_recipe
 from orbit.metrics import METRIC_FIELDS
@@ -78,19 +78,14 @@ def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
 def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, tiny_llama):
     recipe = parse_recipe(_recipe(
         tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=None,
-        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24}, trainer={"steps": 6},
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 160}, trainer={"steps": 6},
     ))
     train(recipe, live=False)
     events = run_timeline(tmp_path / "run")
-    loads = [e for e in events if e["kind"] == "load_adapter"]
-    requests = [e for e in events if e["kind"] == "request" and e["finish"] != "abort"]
-    assert len(loads) >= 6 and requests
-    for req in requests:
-        for load in loads:
-            if load["slot"] == req["slot"]:
-                overlap = min(req["t1"], load["t1"]) - max(req["t0"], load["t0"])
-                assert overlap <= 0, f"request on slot {req['slot']} ran while that slot was written"
-        assert req["version"] == req["version_end"], "a request saw its slot change under it"
+    assert any(e["kind"] == "request" for e in events)
+    assert check_no_request_ran_on_a_slot_being_written(events) >= 6
+    # long requests outlive a train step: a load met requests on its slot and aborted them
+    assert any(e["kind"] == "request" and e["finish"] == "abort" for e in events), "the abort path was never exercised"
 
 
 @pytest.mark.parametrize("adapter", [

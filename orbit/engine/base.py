@@ -110,7 +110,10 @@ class Engine(Protocol):
 
     def load_adapter(
         self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
-    ) -> None: ...
+    ) -> float:
+        """Returns the engine's wall-clock time (time.time()) at which the slot was written: later
+        than the call's start by the transfer and by any wait for the requests on the slot."""
+        ...
 
     def activate(self, slot: int | None) -> None: ...
 

@@ -460,17 +460,17 @@ class SGLangEngine:
         # fresh CPU copies: serialization moves their storage into shared memory in place
         return {k: v.detach().to("cpu", self._dtype, copy=True).contiguous() for k, v in tensors.items()}, config
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> None:
+    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
         """Write a LoRA adapter into a slot: its name is unloaded (after the requests on it finish,
         on their adapter) and loaded again with the new tensors. The other slot keeps serving.
 
         Bad input raises EngineError before anything reaches SGLang; a load SGLang itself refuses
         restores the slot's previous adapter. Refused while paused if the slot holds an adapter
-        (the unload would wait for paused requests forever)."""
+        (the unload would wait for paused requests forever). Returns the time the unload began."""
         slot = check_slot(slot)
         _check_version(version)
         named, config = self._prepare_adapter(tensors, adapter_config)
-        self._call(self._load(slot, named, config, version))
+        return self._call(self._load(slot, named, config, version))
 
     async def _load_named(self, name: str, tensors: dict[str, torch.Tensor], config: dict):
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
@@ -481,7 +481,7 @@ class SGLangEngine:
         return await self._tm.load_lora_adapter_from_tensors(LoadLoRAAdapterFromTensorsReqInput(
             lora_name=name, config_dict=config, serialized_named_tensors=payload), None)
 
-    async def _load(self, slot: int, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
+    async def _load(self, slot: int, tensors: dict[str, torch.Tensor], config: dict, version: int) -> float:
         from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
 
         name = SLOT_NAMES[slot]
@@ -497,6 +497,7 @@ class SGLangEngine:
             try:
                 while self._slot_users[slot]:  # requests on the slot finish on the adapter they started with
                     await self._slot_idle[slot].wait()
+                written = time.time()
                 if previous is not None:
                     res = await self._tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
                     if not res.success:
@@ -518,6 +519,7 @@ class SGLangEngine:
                 self._slot_backup[slot] = (tensors, config)
                 with self._lock:
                     self._slot_version[slot] = version
+                return written
             finally:
                 ready.set()
 

@@ -189,12 +189,12 @@ class EmbeddedClient:
         """Teacher-forced logprobs (temperature 1) of each continuation token after the prompt."""
         return self._call("score", list(prompt_ids), list(continuation_ids), slot)  # type: ignore[return-value]
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> None:
+    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
         config = {k: getattr(v, "value", v) for k, v in adapter_config.items()} \
             if isinstance(adapter_config, dict) else adapter_config
         if isinstance(config, dict) and isinstance(config.get("target_modules"), set | frozenset):
             config["target_modules"] = sorted(config["target_modules"])
-        self._call("load_adapter", slot, self._shared(tensors), config, version)
+        return self._call("load_adapter", slot, self._shared(tensors), config, version)  # type: ignore[return-value]
 
     def activate(self, slot: int | None) -> None:
         self._call("activate", slot)

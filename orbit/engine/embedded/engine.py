@@ -281,8 +281,8 @@ class EngineCore:
 
     # ---- control calls -------------------------------------------------------------------------
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> None:
-        """Write a peft adapter into a slot; the other slot keeps serving meanwhile.
+    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
+        """Write a peft adapter into a slot; the other slot keeps serving meanwhile. Returns the write time.
 
         Everything is validated and built first (EngineError leaves the slot as it was). Then, if
         generation is running, requests running on this slot are aborted (never write under a
@@ -299,6 +299,7 @@ class EngineCore:
                 self._retire([(s, "abort") for s in victims])
         self.slots[slot] = weights
         self.cache.drop_slot(slot)
+        return time.time()
 
     def activate(self, slot: int | None) -> None:
         """New ACTIVE requests bind to `slot` (None = base weights). Moves no tensors."""
