@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,16 @@ def _run(core: EngineCore, jobs: list[tuple[list[int], SamplingParams, object]])
 def _steps(core: EngineCore, n: int) -> None:
     for _ in range(n):
         core.step()
+
+
+def _greedy_reference_and_started(model: Path, ps: list[list[int]], steps: int, **core_kw) -> tuple:
+    """Greedy reference completions of `ps` run undisturbed, and a fresh core with the same requests
+    submitted and stepped `steps` times: the starting point for disturbing a run midway."""
+    ref = _run(engine_core(model), [(p, GREEDY, None) for p in ps])
+    core = engine_core(model, **core_kw)
+    rids = [core.submit(p, GREEDY, None) for p in ps]
+    _steps(core, steps)
+    return ref, core, rids
 
 
 # ---- prefix cache ---------------------------------------------------------------------------------
@@ -68,10 +79,7 @@ def test_group_shares_prompt_prefill_and_flush_drops_it(tiny_llama):
 
 def test_pause_in_place_resumes_without_recompute(tiny_llama):
     ps, late = prompts(3, seed=40), prompts(1, seed=41)[0]
-    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = engine_core(tiny_llama)
-    rids = [core.submit(p, GREEDY, None) for p in ps]
-    _steps(core, 5)
+    ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 5)
     before = core.stats()
     core.pause_generation("in_place")
     late_rid = core.submit(late, GREEDY, None)  # submitted while paused: waits
@@ -91,10 +99,7 @@ def test_pause_in_place_resumes_without_recompute(tiny_llama):
 
 def test_pause_retract_recomputes_and_keeps_logprobs(tiny_llama):
     ps = prompts(3, seed=42)
-    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = engine_core(tiny_llama)
-    rids = [core.submit(p, GREEDY, None) for p in ps]
-    _steps(core, 5)
+    ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 5)
     before = core.stats()
     core.pause_generation("retract")
     st = core.stats()
@@ -111,10 +116,7 @@ def test_pause_retract_recomputes_and_keeps_logprobs(tiny_llama):
 
 def test_pause_abort_finishes_running_and_waiting(tiny_llama):
     ps = prompts(3, seed=43)
-    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = engine_core(tiny_llama, max_running=2)  # the third waits
-    rids = [core.submit(p, GREEDY, None) for p in ps]
-    _steps(core, 4)
+    ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 4, max_running=2)  # the third waits
     core.pause_generation("abort")
     done = dict(core.pop_finished())
     assert sorted(done) == sorted(rids)
@@ -203,10 +205,7 @@ def test_overwriting_a_paused_slot_keeps_bindings(tiny_llama):
 
 def test_release_and_resume_memory(tiny_llama):
     ps = prompts(3, seed=70)
-    ref = _run(engine_core(tiny_llama), [(p, GREEDY, None) for p in ps])
-    core = engine_core(tiny_llama)
-    rids = [core.submit(p, GREEDY, None) for p in ps]
-    _steps(core, 4)
+    ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 4)
     core.release_memory()
     st = core.stats()
     assert not core.pool.allocated and st.running == 0 and st.waiting == 3 and st.prefix_cache_entries == 0

@@ -86,6 +86,15 @@ def _load(engine, slot: int, policy, version: int) -> None:
     engine.load_adapter(slot, policy.adapter_tensors(), policy.adapter_config(), version)
 
 
+def _serve_long(engine, policy, version: int, ps: list[list[int]]) -> list:
+    """Slot 0 serves `policy`; LONG requests on it are submitted and given time to be running."""
+    _load(engine, 0, policy, version)
+    engine.activate(0)
+    futs = [engine.generate(p, LONG) for p in ps]
+    time.sleep(0.3)
+    return futs
+
+
 @torch.no_grad()
 def _sampled_ref(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
     """log_softmax(logits / T) of each output token: what the trainer compares with."""
@@ -151,10 +160,7 @@ def test_trainer_adapter_in_a_slot_matches_peft(engine, policy_a):
 @needs_sglang
 @pytest.mark.timeout(180)
 def test_flip_in_flight_finish_on_old_slot_new_start_on_new(engine, policy_a, policy_b):
-    _load(engine, 0, policy_a, version=1)
-    engine.activate(0)
-    old = [engine.generate(p, LONG) for p in prompts(4, seed=7)]
-    time.sleep(0.3)
+    old = _serve_long(engine, policy_a, 1, prompts(4, seed=7))
     _load(engine, 1, policy_b, version=2)  # the inactive slot, while slot 0 serves
     running = sum(not f.done() for f in old)
     engine.pause_generation("in_place")  # the double-buffer flip on SGLang (no flush: see sync.py)
@@ -180,10 +186,7 @@ def test_flip_in_flight_finish_on_old_slot_new_start_on_new(engine, policy_a, po
 @pytest.mark.timeout(180)
 def test_overwriting_the_serving_slot_lets_its_requests_finish_first(engine, policy_a, policy_b):
     """The adapter push on SGLang: load slot 0 while it serves (no pause)."""
-    _load(engine, 0, policy_a, version=3)
-    engine.activate(0)
-    running = [engine.generate(p, LONG) for p in prompts(3, seed=9)]
-    time.sleep(0.3)
+    running = _serve_long(engine, policy_a, 3, prompts(3, seed=9))
     loader = threading.Thread(target=_load, args=(engine, 0, policy_b, 4))
     loader.start()
     time.sleep(0.05)
@@ -299,10 +302,7 @@ def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_
     assert _max_diff(engine.score(p, [5, 6, 7], slot=None), hf_logprobs(ref, p, [5, 6, 7])) < BASE_TOL
 
     # flush during an in_place pause with requests running: refused (EngineError), never a hang
-    _load(engine, 0, policy_a, version=8)
-    engine.activate(0)
-    futs = [engine.generate(p, LONG) for p in prompts(3, seed=15)]
-    time.sleep(0.3)
+    futs = _serve_long(engine, policy_a, 8, prompts(3, seed=15))
     engine.pause_generation("in_place")
     with pytest.raises(EngineError, match="retract"):
         engine.flush_cache()

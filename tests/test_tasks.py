@@ -200,19 +200,26 @@ class OracleEngine:
         return fut
 
 
+def _rollout(engine, task, sampling: SamplingParams, group_size: int, groups: int, max_inflight: int,
+             timeout: float):
+    """One batch of `groups` groups from a real Producer over `engine`."""
+    buffer = GroupBuffer(None)
+    producer = Producer(engine, task, sampling, group_size=group_size, buffer=buffer, max_inflight=max_inflight,
+                        max_ahead=4, seed=0)
+    producer.grant(groups)
+    producer.start()
+    try:
+        return buffer.take(groups, version=0, timeout=timeout)
+    finally:
+        producer.stop()
+
+
 def test_multi_turn_rollout_injects_tool_results_and_masks_them(tok):
     task = make_task(TaskConfig(name="zorplex", min_hops=2, max_hops=3), tok)
     prompts = _take(task.prompts(0), 4)
     engine = OracleEngine(task, tok, prompts)
-    buffer = GroupBuffer(None)
-    producer = Producer(engine, task, SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
-                        group_size=2, buffer=buffer, max_inflight=8, max_ahead=4, seed=0)
-    producer.grant(2)
-    producer.start()
-    try:
-        batch = buffer.take(2, version=0, timeout=30)
-    finally:
-        producer.stop()
+    batch = _rollout(engine, task, SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
+                     group_size=2, groups=2, max_inflight=8, timeout=30)
     call_end, answer_end = _enc(tok, ")")[0], _enc(tok, "</answer>")[0]
     # every turn may stop at a call's end or the answer's end, besides eos
     assert all({call_end, answer_end, tok.eos_token_id} <= set(s.stop_token_ids) for _, s in engine.requests)
@@ -285,16 +292,9 @@ def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
     tokenizer = AutoTokenizer.from_pretrained(warm_zorplex)
     task = make_task(TaskConfig(name="zorplex"), tokenizer)
     engine = start_embedded_engine(warm_zorplex, max_running=16, threads=1, seed=0)
-    buffer = GroupBuffer(None)
     try:
-        producer = Producer(engine, task, SamplingParams(max_new_tokens=8, temperature=1.0),
-                            group_size=4, buffer=buffer, max_inflight=16, max_ahead=4, seed=0)
-        producer.grant(3)
-        producer.start()
-        try:
-            batch = buffer.take(3, version=0, timeout=120)
-        finally:
-            producer.stop()
+        batch = _rollout(engine, task, SamplingParams(max_new_tokens=8, temperature=1.0),
+                         group_size=4, groups=3, max_inflight=16, timeout=120)
     finally:
         engine.shutdown()
     samples = batch.samples
