@@ -1,4 +1,4 @@
-"""Build a tiny Llama- or Qwen2-architecture model offline: random init, local tokenizer.
+"""Build a tiny Llama-, Qwen2- or Qwen3-architecture model offline: random init, local tokenizer.
 
 The result is an ordinary Hugging Face checkpoint (config.json, model.safetensors, tokenizer
 files) that `AutoModelForCausalLM` / `AutoTokenizer` load. Nothing is fetched from a hub.
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3")
 # Shapes: "tiny" for tests and the demo; "small" (~3M parameters) for the bench, where a step must
 # cost enough that generation and training, not Python overhead, dominate.
 SIZES = {
@@ -23,6 +23,10 @@ SIZES = {
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4),
 }
+# Qwen3's head_dim is explicit (Qwen3-0.6B: 128 with hidden 1024 / 16 heads) and Qwen3Config's
+# default is 128 whatever the size. The tiny one differs from hidden / heads (64 / 4 = 16), as in
+# the real models, so the tests exercise that; the small one keeps the other archs' shapes.
+QWEN3_HEAD_DIM = {"tiny": 32, "small": 32}
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 # Markup of the built-in tasks (orbit/tasks), one token each in a task model's tokenizer.
 TASK_TOKENS = ["<answer>", "</answer>", "LOOKUP(", ")"]
@@ -113,6 +117,9 @@ def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, size: 
         return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False)
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    if arch == "qwen3":  # tied, as Qwen3-0.6B; no q/k/v bias (attention_bias=False), q/k norms
+        return Qwen3Config(**common, head_dim=QWEN3_HEAD_DIM[size], rope_theta=1000000.0,
+                           tie_word_embeddings=True, attention_bias=False)
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 
@@ -138,6 +145,10 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: 
                 p.normal_(0.0, 0.08 * (64 / config.hidden_size) ** 0.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3
+                # not all ones: uniform weights commute with rope (a rotation keeps the RMS) and make
+                # q's and k's norms interchangeable, so tests could not see their order or names
+                p.normal_(1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out

@@ -9,6 +9,8 @@ import torch
 
 from orbit.tiny import build_tiny_model
 
+pytest_plugins = ["sglang_gate"]  # `sglang` marker: skip without sglang, fail in CI
+
 _CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tiny"
 
 
@@ -30,7 +32,12 @@ def tiny_qwen2() -> Path:
     return tiny_model("qwen2")
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_any(request) -> Path:
     return tiny_model(request.param)
 

@@ -1,4 +1,4 @@
-"""Our own decoder for Llama/Qwen2-family Hugging Face checkpoints.
+"""Our own decoder for Llama/Qwen2/Qwen3-family Hugging Face checkpoints.
 
 Reads config.json + model.safetensors (or a sharded model.safetensors.index.json) and runs the
 forward pass with plain tensors, no nn.Module: on a tiny model the per-op Python overhead is the
@@ -6,9 +6,10 @@ cost, so the projections that share an input run as one matmul (q|k|v, gate|up) 
 on the slices (see slots.py). Weights stay addressable by their HF names (`params()`), as views
 into the fused tensors, so `update_weights` writes them in place.
 
-Numerics follow transformers' Llama/Qwen2 code: RMSNorm in float32, RoPE tables computed in
+Numerics follow transformers' Llama/Qwen2/Qwen3 code: RMSNorm in float32, RoPE tables computed in
 float32 from the checkpoint's rope settings and cast to the engine dtype, grouped-query attention
-with scale head_dim**-0.5.
+with scale head_dim**-0.5. Qwen3 adds a per-head RMSNorm of q and of k between the projection and
+rope, and its head_dim need not be hidden_size / num_attention_heads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from safetensors.torch import load_file
 
 from orbit.engine.base import EngineError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Architectures with `self_attn.q_norm` / `self_attn.k_norm` (RMSNorm over head_dim, per head).
+QK_NORM_MODEL_TYPES = ("qwen3",)
+# head_dim when config.json has none: the config class's default (Qwen3Config's is 128, not
+# hidden_size / num_attention_heads), as transformers would build the model.
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Projections that read the same input run fused; adapters address the member modules.
@@ -103,7 +109,7 @@ def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        head_dim=raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(mtype) or raw["hidden_size"] // heads,
         rms_eps=raw.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(path, raw),
@@ -183,6 +189,10 @@ class Layer:
     o: Linear
     gate_up: Linear
     down: Linear
+    # Qwen3's per-head norms of q and k ([head_dim]); None where the architecture has none, so
+    # Llama/Qwen2 run no extra op
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     def group(self, name: str) -> Linear:
         return getattr(self, name)
@@ -199,7 +209,7 @@ def plain_linear(layer: int, group: str, lin: Linear, x: torch.Tensor) -> torch.
 
 
 class Decoder:
-    """Llama/Qwen2 forward over plain tensors. Not thread-safe; one engine owns it."""
+    """Llama/Qwen2/Qwen3 forward over plain tensors. Not thread-safe; one engine owns it."""
 
     def __init__(self, path: str | Path, *, max_context: int | None = None, dtype: str = "float32",
                  device: str = "cpu") -> None:
@@ -245,6 +255,7 @@ class Decoder:
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
         self.lm_head = self.embed if s.tie_embeddings else take("lm_head.weight")
+        qk_norm = s.model_type in QK_NORM_MODEL_TYPES
         self.layers = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}"
@@ -252,6 +263,8 @@ class Decoder:
                 attn_norm=take(f"{p}.input_layernorm.weight"),
                 mlp_norm=take(f"{p}.post_attention_layernorm.weight"),
                 **{g: fuse(p, members) for g, members in GROUPS.items()},
+                q_norm=take(f"{p}.self_attn.q_norm.weight") if qk_norm else None,
+                k_norm=take(f"{p}.self_attn.k_norm.weight") if qk_norm else None,
             ))
         freqs = torch.outer(torch.arange(self.max_context, dtype=torch.float), self._inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -266,6 +279,9 @@ class Decoder:
             p = f"model.layers.{i}"
             out[f"{p}.input_layernorm.weight"] = layer.attn_norm
             out[f"{p}.post_attention_layernorm.weight"] = layer.mlp_norm
+            if layer.q_norm is not None:
+                out[f"{p}.self_attn.q_norm.weight"] = layer.q_norm
+                out[f"{p}.self_attn.k_norm.weight"] = layer.k_norm
             for g in GROUPS:
                 lin = layer.group(g)
                 for m, a, b in lin.parts:
@@ -295,6 +311,19 @@ class Decoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def _qk_norm(self, qk: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """Qwen3: RMSNorm of each q and k head [n, T, H+Hkv, D] over head_dim, before rope.
+
+        One norm over all heads, then a per-head weight (q_norm on the q heads, k_norm on the k
+        heads): fewer ops than a norm each for q and k rejoined for the one rope call. The weight
+        is expanded per call, from the tensors that params() exposes, so a push takes effect.
+        """
+        s = self.spec
+        weight = torch.cat((layer.q_norm.expand(s.num_heads, -1), layer.k_norm.expand(s.num_kv_heads, -1)))
+        if qk.dtype == torch.float32:  # F.rms_norm wants a weight of the normalized shape: apply it after
+            return F.rms_norm(qk, weight.shape[-1:], None, s.rms_eps) * weight
+        return self._norm(qk, weight)  # statistics per head in float32; the [H+Hkv, D] weight broadcasts
+
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
                 project: Project) -> torch.Tensor:
         """Run all layers over tokens [n, T] at positions [n, T]; return hidden [n*T, hidden]."""
@@ -308,7 +337,10 @@ class Decoder:
             x = self._norm(h, layer.attn_norm)
             qkv = project(i, "qkv", layer.qkv, x)
             # q and k are adjacent columns of the fused output: one rope call rotates both
-            qk = self._rope(qkv[:, : (h_q + h_kv) * d].view(n, t, h_q + h_kv, d), cos, sin)
+            qk = qkv[:, : (h_q + h_kv) * d].view(n, t, h_q + h_kv, d)
+            if layer.q_norm is not None:
+                qk = self._qk_norm(qk, layer)
+            qk = self._rope(qk, cos, sin)
             q = qk[:, :, :h_q].transpose(1, 2)
             k = qk[:, :, h_q:].transpose(1, 2)
             v = qkv[:, (h_q + h_kv) * d:].view(n, t, h_kv, d).transpose(1, 2)
