@@ -18,8 +18,9 @@ from rich.table import Table
 from orbit.config import Recipe, RecipeError
 from orbit.modes import MODE_NAMES
 
-TIMED = ("update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s", "engine_paused_s")
-# The panel figures of DESIGN §6: (metric, label, lower is better)
+TIMED = ("update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "useful_tok_per_dev_s", "step_s",
+         "engine_paused_s")
+# The panel figures of docs/design.md §6: (metric, label, lower is better)
 HEADLINE = (
     ("update_weights_s", "update_weights", True),
     ("train_wait_s", "train wait", True),
@@ -55,6 +56,8 @@ def summarize(rows: list[dict]) -> dict:
     out["staleness_mean"] = fmean(r["staleness_mean"] for r in rows)
     out["staleness_max"] = max(r["staleness_max"] for r in rows)
     out["stale_dropped"] = sum(r["stale_dropped"] for r in rows)
+    generated = sum(r["tokens_generated"] for r in rows)
+    out["waste_frac"] = sum(r["waste_frac"] * r["tokens_generated"] for r in rows) / generated if generated else 0.0
     out["reward_mean"] = fmean(r["reward_mean"] for r in rows)
     diffs = [r["logprob_diff"] for r in rows if r.get("logprob_diff") is not None]
     out["logprob_diff_max"] = max(diffs) if diffs else None
@@ -118,6 +121,8 @@ def table(summary: dict) -> Table:
     t.add_row("staleness mean/max", *[f"{modes[m]['staleness_mean']:.2f}/{modes[m]['staleness_max']}"
                                       for m in MODE_NAMES])
     t.add_row("stale dropped", *[str(modes[m]["stale_dropped"]) for m in MODE_NAMES])
+    t.add_row("useful tok/s", *[f"{modes[m]['useful_tok_per_dev_s']['median']:.1f}" for m in MODE_NAMES])
+    t.add_row("waste", *[f"{modes[m]['waste_frac']:.1%}" for m in MODE_NAMES])
     t.add_row("reward mean", *[f"{modes[m]['reward_mean']:.3f}" for m in MODE_NAMES])
     return t
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import sys
+import traceback
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -24,13 +26,58 @@ err_console = Console(stderr=True, soft_wrap=True)
 ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
 EngineChoice = Enum("EngineChoice", {"embedded": "embedded", "sglang": "sglang"}, type=str)
 SizeChoice = Enum("SizeChoice", {"tiny": "tiny", "small": "small"}, type=str)
-ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2"}, type=str)
+ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}, type=str)
 WarmTaskChoice = Enum("WarmTaskChoice", {"arith": "arith", "zorplex": "zorplex"}, type=str)
+
+
+def _quiet_resource_sharer() -> None:
+    """Shared tensors reach the embedded engine through multiprocessing's resource sharer, whose
+    thread reports a broken hand-off by calling sys.excepthook itself. When the engine dies mid-push
+    that prints a foreign traceback next to Orbit's own one-line report of the death: drop it."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:
+        frames = traceback.walk_tb(tb) if tb is not None else ()
+        if any(f.f_code.co_filename.endswith("multiprocessing/resource_sharer.py") for f, _ in frames):
+            return
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _fail(message: str, code: int = 2) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
+
+
+@contextmanager
+def _run_errors(what: str):
+    """The ways a command can end badly, each as one clear message and an exit code: a bad recipe
+    or argument (2), a task that failed or a run that could not go on (1), Ctrl-C (130).
+
+    Nothing is imported before the block runs: Ctrl-C while torch is still importing must be
+    caught here too."""
+    _quiet_resource_sharer()
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"[bold yellow]interrupted: {what} did not start, nothing was trained[/]", highlight=False)
+        raise typer.Exit(130) from None
+    except Exception as err:
+        from orbit.engine.base import EngineError
+        from orbit.run import Interrupted, RunStopped
+        from orbit.tasks import TaskError
+
+        if isinstance(err, RecipeError):
+            _fail(str(err))
+        if isinstance(err, TaskError):
+            _fail(f"the task failed: {err}", code=1)
+        if isinstance(err, RunStopped | EngineError):
+            _fail(f"{what} stopped: {err}", code=1)
+        if isinstance(err, Interrupted):
+            err_console.print(f"[bold yellow]{err}[/]", highlight=False)
+            raise typer.Exit(130) from None
+        raise
 
 
 @app.command()
@@ -44,12 +91,14 @@ def train(
     quiet: bool = typer.Option(False, help="no live view"),
 ) -> None:
     """Train an adapter with RL: `orbit train recipes/tiny.yaml --mode double-buffer`."""
-    from orbit.run import Interrupted
-    from orbit.run import train as run_train
-    from orbit.tasks import TaskError
-
     # Ctrl-C must stop a run cleanly even when started with SIGINT ignored (e.g. a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    with _run_errors("the run"):
+        _train(recipe, mode, steps, out, engine, resume, quiet)
+
+
+def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
+    from orbit.run import train as run_train
 
     overrides = {
         "mode": mode.value if mode else None,
@@ -61,15 +110,7 @@ def train(
         r = load_recipe(recipe, overrides)
     except RecipeError as err:
         _fail(f"bad recipe {recipe}:\n{err}")
-    try:
-        result = run_train(r, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
-    except RecipeError as err:
-        _fail(str(err))
-    except TaskError as err:
-        _fail(f"the task failed: {err}", code=1)
-    except Interrupted as err:
-        err_console.print(f"[bold yellow]{err}[/]", highlight=False)
-        raise typer.Exit(130) from None
+    result = run_train(r, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
     console.print(
         f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
         f"(metrics.jsonl, timeline.jsonl, adapter/)"
@@ -87,12 +128,14 @@ def bench(
     """Run the five modes on one workload: summary.json, a table and panels.png."""
     from orbit.bench import run_bench
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     overrides = {"engine.backend": engine.value if engine else None}
     try:
         r = load_recipe(recipe, overrides)
-        result = run_bench(r, out, steps=steps, warmup=warmup, console=console)
     except RecipeError as err:
         _fail(f"bad bench arguments ({recipe}):\n{err}")
+    with _run_errors("the bench"):
+        result = run_bench(r, out, steps=steps, warmup=warmup, console=console)
     console.print(f"wrote {result.out / 'summary.json'} and {result.out / 'panels.png'}")
 
 
@@ -158,15 +201,11 @@ def eval_cmd(
 ) -> None:
     """Held-out accuracy, format rate, turns, tool calls and failure modes; writes eval.json."""
     from orbit.eval import resolve_target, run_eval
-    from orbit.tasks import TaskError
 
-    try:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with _run_errors("the evaluation"):
         t = resolve_target(target, task, model, max_new_tokens)
         run_eval(t, n=n, seed=seed, threads=threads, console=console)
-    except RecipeError as err:
-        _fail(str(err))
-    except TaskError as err:
-        _fail(f"the task failed: {err}", code=1)
     console.print(f"wrote {t.out / 'eval.json'}")
 
 

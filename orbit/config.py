@@ -13,8 +13,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from orbit.modes import MODE_NAMES
+from orbit.modes import MODE_NAMES, MODES
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -57,14 +59,22 @@ class RolloutConfig(_Section):
         default_factory=list, description="stop strings besides eos; each must be one token of the model's tokenizer"
     )
     replenish: bool = Field(True, description="submit a fresh prompt for every group dropped as stale")
+    admission: Literal["version", "run-ahead"] = Field(
+        "version", description="version: start a group only when it will be trained within max_staleness "
+        "versions; run-ahead: the former rule, (K+1) batches in flight or buffered (kept for comparison)")
+    max_attempts: int = Field(8, ge=1, le=1000, description="times a sample may be submitted (aborts resubmit it)")
+    stall_timeout_s: float = Field(
+        600.0, gt=0, description="stop the run when no rollout arrives for this long while the trainer waits")
 
 
 class LossConfig(_Section):
-    ratio: Literal["truncate", "clip"] = Field(
-        "truncate", description="truncate: min(ratio, truncate_max) importance weight; clip: PPO clip"
+    ratio: Literal["truncate", "clip", "decoupled"] = Field(
+        "truncate", description="truncate: min(ratio, truncate_max) importance weight; clip: PPO clip against "
+        "the engine's policy; decoupled: PPO clip against the trainer's own pre-step policy, times the "
+        "truncated weight min(p_prox / p_engine, truncate_max)",
     )
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
-    truncate_max: float = Field(2.0, ge=1.0)
+    truncate_max: float = Field(2.0, ge=1.0, description="cap of the importance weight (truncate, decoupled)")
     kl_coef: float = Field(0.0, ge=0.0, description="KL to the base model; 0 = off")
 
 
@@ -171,11 +181,13 @@ class Recipe(_Section):
                 f"engine.max_inflight ({self.engine.max_inflight}) must be >= rollout.group_size "
                 f"({self.rollout.group_size}), else no group ever completes"
             )
-        if self.max_staleness is not None and not self.rollout.replenish:
+        if self.max_staleness is not None and not self.rollout.replenish and MODES[self.mode].loop == "overlapped":
             # Dropped groups would not be replaced: the pipeline drains and the trainer waits forever.
+            # (Serial modes never drop: their batches are always fresh.)
             raise ValueError(
-                "rollout.replenish: false with max_staleness set would drop stale groups without "
-                "replacing them and hang the trainer; set rollout.replenish: true or max_staleness: null"
+                f"rollout.replenish: false with max_staleness set would, in the overlapped mode {self.mode!r}, drop "
+                "stale groups without replacing them and hang the trainer; set rollout.replenish: true or "
+                "max_staleness: null"
             )
         return self
 
@@ -204,11 +216,32 @@ def _explain(err: ValidationError) -> str:
 
 
 def _check_paths(recipe: Recipe) -> None:
+    """The model directory: a Hugging Face checkpoint with weights, a tokenizer and an architecture
+    the engine and the trainer can run. Each problem is one line naming the path."""
     model = recipe.model
     if not model.is_dir():
         raise RecipeError(f"model: no such directory {str(model)!r} (build one with `orbit model tiny DIR`)")
     if not (model / "config.json").exists():
         raise RecipeError(f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)")
+    try:
+        model_type = json.loads((model / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        raise RecipeError(f"model: {str(model / 'config.json')!r} is not a JSON object") from None
+    if not any((model / name).exists() for name in WEIGHT_FILES):
+        raise RecipeError(f"model: {str(model)!r} has no weights (expected {' or '.join(WEIGHT_FILES)})")
+    if not any((model / name).exists() for name in TOKENIZER_FILES):
+        raise RecipeError(f"model: {str(model)!r} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
+    if recipe.engine.backend == "embedded":
+        from orbit.engine.embedded.model import SUPPORTED_MODEL_TYPES
+
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise RecipeError(f"model: {str(model)!r} is a {model_type!r} model; the embedded engine runs "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (SGLang runs more: engine.backend: sglang)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise RecipeError(f"model: {str(model)!r} is a {model_type!r} model, which the trainer (transformers' "
+                          f"AutoModelForCausalLM) cannot load")
 
 
 def _in_features(model_config: dict) -> dict[str, int]:

@@ -12,6 +12,7 @@ the adapter directory) together with `eval_samples.jsonl` (every episode's text 
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -27,7 +28,7 @@ from orbit.engine.base import Engine, SamplingParams
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.groups import score as score_sample
 from orbit.tasks import FAILURE_MODES, make_task
-from orbit.tasks.base import Prompt, Task
+from orbit.tasks.base import Prompt, Task, TaskError
 
 DEFAULT_N = 200
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -122,19 +123,40 @@ def _jsonable(v) -> bool:
 
 def held_out_prompts(task: Task, n: int, seed: int = 0) -> list[Prompt]:
     """The first `n` distinct prompts of the task's eval split (fewer if the split is smaller: a
-    dataset's stream cycles)."""
-    stream = task.prompts(seed, "eval")
+    dataset's stream cycles). RecipeError when the task has no eval split; TaskError when its
+    prompts() itself fails."""
+    if not has_eval_split(task):
+        raise RecipeError(f"task {getattr(task, 'name', '?')!r} has no held-out split: its prompts(seed, split) must "
+                          "accept split='eval'")
     seen: set[tuple[str, str]] = set()
     prompts: list[Prompt] = []
-    for _ in range(max(20 * n, 1000)):
-        p = next(stream)
-        if (p.text, p.answer) in seen:
-            continue
-        seen.add((p.text, p.answer))
-        prompts.append(p)
-        if len(prompts) == n:
-            break
+    try:
+        stream = task.prompts(seed, "eval")
+        for _ in range(max(20 * n, 1000)):
+            p = next(stream)
+            if (p.text, p.answer) not in seen:
+                seen.add((p.text, p.answer))
+                prompts.append(p)
+            if len(prompts) >= n:
+                break
+    except StopIteration:
+        pass
+    except Exception as err:  # noqa: BLE001 - the task's own failure, named as such
+        raise TaskError(f"task {getattr(task, 'name', '?')!r}: prompts(seed, 'eval') failed: "
+                        f"{type(err).__name__}: {err}") from err
     return prompts
+
+
+def has_eval_split(task: Task) -> bool:
+    """Whether `task.prompts` takes a split (a second positional parameter, `split`, or **kwargs)."""
+    try:
+        params = inspect.signature(task.prompts).parameters.values()
+    except (TypeError, ValueError):
+        return True  # not introspectable (a C callable): try it
+    kinds = [p.kind for p in params]
+    positional = [k for k in kinds if k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return (len(positional) >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds
+            or any(p.name == "split" for p in params) or inspect.Parameter.VAR_KEYWORD in kinds)
 
 
 # ---- resolving what to evaluate -----------------------------------------------------------------
@@ -233,11 +255,7 @@ def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1
     console = console or Console()
     tokenizer = AutoTokenizer.from_pretrained(target.model)
     task = make_task(target.task, tokenizer)
-    try:
-        prompts = held_out_prompts(task, n, seed)
-    except TypeError as err:
-        raise RecipeError(f"task {target.task.name!r} has no held-out split: its prompts(seed, split) must accept "
-                          f"split='eval' ({err})") from None
+    prompts = held_out_prompts(task, n, seed)
     if len(prompts) < n:
         console.print(f"note: the held-out split has only {len(prompts)} distinct prompts; evaluating those")
         n = len(prompts)

@@ -3,25 +3,36 @@
 The loop kind only changes where a batch comes from: `serial` grants one batch per step and
 waits for all of it (and offloads the engine while training); `overlapped` has the producer run
 ahead all the time and takes complete groups as they arrive. The push is the mode's strategy.
+
+Every optimizer step that reaches the adapter gets its metrics line: Ctrl-C is held from the
+start of the optimizer step until the line is written, and a push that fails (a dead engine)
+writes the step's line before the error goes on. So the saved adapter's version and the last
+metrics line always agree, and `--resume` neither skips nor repeats a step.
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import sys
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 
 from rich.console import Console
 
-from orbit.engine.base import Engine
+from orbit.engine.base import Engine, EngineStats
 from orbit.metrics import JsonlWriter, LiveView, StepMetrics, Timeline
 from orbit.modes import Mode
 from orbit.rollout.buffer import GroupBuffer
 from orbit.rollout.producer import Producer
-from orbit.sync import Push
-from orbit.train.trainer import Trainer
+from orbit.rollout.sample import Sample
+from orbit.sync import Push, PushResult
+from orbit.train.trainer import StepResult, Trainer
 
 LOGPROB_WARN = 1e-2  # engine and trainer disagree on the same tokens by more than rounding
 
@@ -42,6 +53,9 @@ class LoopParts:
     save_every: int
     console: Console
     live: bool = True
+    stall_s: float | None = None  # rollout.stall_timeout_s
+    run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
+    engines: int = 1  # engine devices, for the per-device figures
 
 
 def run_steps(p: LoopParts) -> None:
@@ -50,7 +64,6 @@ def run_steps(p: LoopParts) -> None:
     with LiveView(p.mode.name, p.steps, p.trainer.version, enabled=p.live) as view:
         while p.trainer.version < p.steps:
             m, flipped = one_step(p, serial)
-            p.metrics.write(m.to_json())
             view.update(m, flipped)
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
@@ -63,42 +76,61 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     t_step = time.time()
     version = p.trainer.version
     before = p.engine.stats()
-    resubmitted = p.producer.resubmitted
+    counts = (p.producer.counts.resubmitted, p.producer.counts.aborted_tokens)
 
     # 1. Rollouts: a batch of complete groups, fresh enough for this version.
     if serial:
         p.producer.grant(p.prompts_per_step)
     with p.timeline.span("trainer", "wait", version) as wait:
-        batch = p.buffer.take(p.prompts_per_step, version)
+        batch = p.buffer.take(p.prompts_per_step, version, stall_s=p.stall_s)
     samples = batch.samples
-    staleness = [s.staleness(version) for s in samples]
 
-    # 2. Train on it (a serial engine is idle now: give its memory back meanwhile).
-    if serial:
-        p.engine.release_memory()
-    with p.timeline.span("trainer", "train", version) as train:
-        result = p.trainer.step(samples)
-    if serial:
-        p.engine.resume_memory()
+    with HeldInterrupt():
+        # 2. Train on it (a serial engine is idle now: give its memory back meanwhile).
+        if serial:
+            p.engine.release_memory()
+        with p.timeline.span("trainer", "train", version) as train:
+            result = p.trainer.step(samples)
 
-    # 3. Push the new version to the engine.
-    with p.timeline.span("trainer", "push", p.trainer.version, push=p.push.name):
-        pushed = p.push.push(p.engine, p.trainer, p.timeline)
+        # 3. Push the new version to the engine. The step reached the adapter: whatever happens
+        #    now, its line is written before an error goes on.
+        t_push = time.time()
+        failure: Exception | None = None
+        try:
+            if serial:
+                p.engine.resume_memory()
+            with p.timeline.span("trainer", "push", p.trainer.version, push=p.push.name):
+                pushed = p.push.push(p.engine, p.trainer, p.timeline)
+            p.producer.set_version(p.trainer.version)
+            if p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps:
+                with p.timeline.span("trainer", "save", p.trainer.version):
+                    p.trainer.save(p.run_dir / "adapter", p.run_state())
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the line
+            failure, pushed = err, PushResult(time.time() - t_push, 0.0)
 
-    if p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps:
-        with p.timeline.span("trainer", "save", p.trainer.version):
-            p.trainer.save(p.run_dir / "adapter")
+        m = _metrics(p, version, t_step, wait.seconds, train.seconds, batch, samples, result, pushed,
+                     before, _stats_or(p.engine, before), counts)
+        p.metrics.write(m.to_json())
+    if failure is not None:
+        raise failure
+    return m, pushed.flipped
 
-    after = p.engine.stats()
+
+def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch, samples: list[Sample],
+             result: StepResult, pushed: PushResult, before: EngineStats, after: EngineStats,
+             counts: tuple[int, int]) -> StepMetrics:
     step_s = time.time() - t_step
     tokens = after.tokens_generated - before.tokens_generated
-    m = StepMetrics(
+    trained_tokens = sum(sum(s.loss_mask) for s in samples)
+    wasted = batch.dropped_tokens + p.producer.counts.aborted_tokens - counts[1]
+    staleness = [s.staleness(version) for s in samples]
+    return StepMetrics(
         mode=p.mode.name,
         step=version,
         version=p.trainer.version,
         update_weights_s=pushed.seconds,
-        train_wait_s=wait.seconds,
-        rollout_tok_per_dev_s=tokens / step_s,  # one engine device (process or GPU)
+        train_wait_s=wait_s,
+        rollout_tok_per_dev_s=tokens / step_s / p.engines,
         step_s=step_s,
         staleness_mean=fmean(staleness),
         staleness_max=max(staleness),
@@ -107,17 +139,71 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
         reward_mean=fmean(s.reward for s in samples),
         loss=result.loss,
         stale_dropped=batch.stale_dropped,
-        train_s=train.seconds,
+        train_s=train_s,
         tokens_generated=tokens,
         logprob_diff_tokens=result.logprob_diff_tokens,
         policy_drift=_finite(result.policy_drift),
         grad_norm=result.grad_norm,
         full_push=pushed.full,
         merged_push=pushed.merged,
-        resubmitted=p.producer.resubmitted - resubmitted,
+        resubmitted=p.producer.counts.resubmitted - counts[0],
+        ratio_mean=_finite(result.ratio_mean),
+        ratio_max=_finite(result.ratio_max),
+        clip_frac=_finite(result.clip_frac),
+        trained_tokens=trained_tokens,
+        waste_frac=wasted / tokens if tokens else 0.0,
+        useful_tok_per_dev_s=trained_tokens / step_s / p.engines,
+        extra=task_figures(samples),
     )
-    return m, pushed.flipped
+
+
+def task_figures(samples: list[Sample]) -> dict:
+    """correct_rate, format_rate and failure-mode counts, for tasks whose scores say so."""
+    out: dict = {}
+    infos = [s.info for s in samples]
+    for key, name in (("correct", "correct_rate"), ("format_ok", "format_rate")):
+        known = [bool(i[key]) for i in infos if i.get(key) is not None]
+        if known:
+            out[name] = sum(known) / len(known)
+    modes = Counter(i["failure_mode"] for i in infos if i.get("failure_mode") is not None)
+    if modes:
+        out["failure_modes"] = dict(sorted(modes.items()))
+    return out
+
+
+def _stats_or(engine: Engine, fallback: EngineStats) -> EngineStats:
+    """The engine's counters, or the step's starting ones when it cannot answer (it died)."""
+    try:
+        return engine.stats()
+    except Exception:  # noqa: BLE001 - the push's own error is the one to report
+        return fallback
 
 
 def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
+
+
+class HeldInterrupt:
+    """Hold Ctrl-C (SIGINT) for the duration of the block, then raise it.
+
+    An optimizer step must not be cut between the update and its metrics line. Only the main
+    thread can hold signals; elsewhere this does nothing. A second Ctrl-C is held too.
+    """
+
+    def __enter__(self) -> HeldInterrupt:
+        self.pending = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if not self.pending:
+            sys.stderr.write("\nCtrl-C: finishing this step first (its adapter and metrics line must agree)\n")
+        self.pending = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if self.pending and exc_type is None:
+            raise KeyboardInterrupt

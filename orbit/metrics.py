@@ -1,4 +1,4 @@
-"""Step metrics (DESIGN §6), timeline events on one clock, JSON-lines writers and the live view."""
+"""Step metrics (docs/design.md §6), timeline events on one clock, JSON-lines writers and the live view."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rich.table import Table
 METRIC_FIELDS = (
     "mode", "step", "version", "update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s",
     "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
-    "stale_dropped",
+    "stale_dropped", "ratio_mean", "ratio_max", "clip_frac", "waste_frac", "useful_tok_per_dev_s",
 )
 
 
@@ -46,7 +46,13 @@ class StepMetrics:
     full_push: bool = False
     merged_push: bool = False  # OFT pushed as merged weights of the adapted modules (engine has no OFT slots)
     resubmitted: int = 0
-    extra: dict = field(default_factory=dict)
+    ratio_mean: float | None = None  # p_trainer / p_engine over the trained tokens
+    ratio_max: float | None = None
+    clip_frac: float | None = None  # share of tokens whose weight was truncated or clipped
+    trained_tokens: int = 0  # model tokens of the samples trained on
+    waste_frac: float = 0.0  # tokens of dropped or aborted samples / tokens generated in the step
+    useful_tok_per_dev_s: float = 0.0  # trained tokens / step_s / engines
+    extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -75,9 +81,11 @@ class JsonlWriter:
                 self._f.write(line + "\n")
 
     def close(self) -> None:
+        """Flush and close. Idempotent: a stopped run closes early, and the normal path again."""
         with self._lock:
-            self._f.flush()
-            self._f.close()
+            if not self._f.closed:
+                self._f.flush()
+                self._f.close()
 
 
 class Timeline:

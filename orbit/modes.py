@@ -1,4 +1,4 @@
-"""The five loop modes are two choices (DESIGN.md §1): a loop kind and a push strategy.
+"""The five loop modes are two choices (docs/design.md §1): a loop kind and a push strategy.
 
 The loop and the push are separate pieces (orbit/loop.py, orbit/sync.py); a mode only selects.
 """

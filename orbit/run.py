@@ -1,41 +1,51 @@
 """`orbit train`: build the pieces a recipe names, run the loop, and always leave a usable run.
 
 A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl` and `adapter/` (peft's
-format plus optimizer state). Ctrl-C stops cleanly: the engine is paused and shut down, the
-adapter saved, metrics flushed; `--resume RUN_DIR` continues from the last checkpoint.
+format plus optimizer state). However a run ends, what it leaves agrees with itself:
+- a run that fails (or is interrupted) before its first step leaves nothing in the way: the
+  files it created are removed, so the same command can simply run again;
+- once it has stepped, Ctrl-C, an engine's death or a rollout failure stops the engine, saves the
+  adapter of the last step with its metrics line, and says how to `--resume`;
+- `--resume RUN_DIR` continues from the checkpoint: same step numbering, the prompt stream where it
+  stopped, the same random state (a serial run resumed equals the run never stopped).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from transformers import AutoTokenizer
 
 from orbit.config import Recipe, RecipeError, dump_recipe
 from orbit.engine import start_engine
+from orbit.engine.base import EngineDeadError, EngineError
 from orbit.loop import LoopParts, run_steps
 from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
-from orbit.rollout.buffer import GroupBuffer
+from orbit.rollout.buffer import GroupBuffer, RolloutError
 from orbit.rollout.groups import sampling_params
-from orbit.rollout.producer import Producer, max_ahead_groups
+from orbit.rollout.producer import Admission, Producer
 from orbit.sync import make_push
 from orbit.tasks import TaskError, make_task
-from orbit.train.trainer import Trainer
+from orbit.train.trainer import STATE_FILE, Trainer
+
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl")
 
 
 class Interrupted(Exception):
-    """Ctrl-C during training; the run was saved."""
+    """Ctrl-C: the run was saved (or, before its first step, nothing was left behind)."""
 
-    def __init__(self, step: int, run_dir: Path) -> None:
-        super().__init__(
-            f"interrupted at step {step}: adapter saved to {run_dir / 'adapter'}; "
-            f"continue with `orbit train RECIPE --resume {run_dir}`"
-        )
+    def __init__(self, message: str, step: int = 0) -> None:
+        super().__init__(message)
         self.step = step
+
+
+class RunStopped(RuntimeError):
+    """The run could not go on (an engine died, rollouts stalled or kept failing). The message
+    says what happened and what was saved."""
 
 
 @dataclass
@@ -45,16 +55,37 @@ class RunResult:
     seconds: float
 
 
-def prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    """Refuse to mix two runs in one directory; resuming needs a checkpoint."""
+@dataclass
+class _Run:
+    """What a started run holds, for stopping it cleanly."""
+
+    trainer: Trainer
+    metrics: JsonlWriter
+    timeline: Timeline
+    engine: object = None
+    producer: Producer | None = None
+    parts: LoopParts | None = None
+    start_version: int = 0
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
+    """Refuse to mix two runs in one directory; resuming needs a checkpoint. Returns whether the
+    directory was created here (a failed start removes it again)."""
+    metrics = run_dir / "metrics.jsonl"
+    stepped = metrics.exists() and metrics.stat().st_size > 0
     if resume:
-        if not (run_dir / "adapter" / "trainer_state.json").exists():
+        if not (run_dir / "adapter" / STATE_FILE).exists():
+            if run_dir.is_dir() and not stepped:
+                raise RecipeError(f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
+                                  f"start it again without --resume")
             raise RecipeError(f"--resume: {run_dir} has no checkpoint (expected {run_dir}/adapter/)")
-    elif (run_dir / "metrics.jsonl").exists():
+    elif stepped or (run_dir / "adapter").exists():
         raise RecipeError(
             f"out: {run_dir} already holds a run; pass --resume {run_dir} to continue it or choose another --out"
         )
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
+    return created
 
 
 def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
@@ -72,85 +103,164 @@ def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
 def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Console | None = None) -> RunResult:
     console = console or Console()
     run_dir = Path(recipe.out)
+    t0 = time.time()
     # The task first: a bad task (import path, dataset row, option) fails before any compute.
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     task = make_task(recipe.task, tokenizer)
     stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
-    prepare_run_dir(run_dir, resume)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
-    mode = MODES[recipe.mode]
-    t0 = time.time()
-
-    trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed)
-    if resume:
-        trainer.load(run_dir / "adapter")
-    metrics = JsonlWriter(run_dir / "metrics.jsonl")
-    timeline = Timeline(run_dir / "timeline.jsonl")
-    engine = start_engine(recipe.engine, recipe.model, recipe.seed, recipe.adapter)
-    producer = None
-    start_version = trainer.version
+    created = prepare_run_dir(run_dir, resume)
     try:
+        run = _start(recipe, run_dir, resume, task, stop_ids, console, live)
+    except BaseException as err:
+        _undo_start(run_dir, created, resume)
+        if isinstance(err, KeyboardInterrupt):
+            raise Interrupted(f"interrupted during start-up: nothing was trained{_left(run_dir, resume)}") from None
+        raise
+    try:
+        _loop(run, recipe, run_dir, created, resume)
+    finally:
+        run.metrics.close()
+        run.timeline.close()
+    return RunResult(run_dir, run.trainer.version - run.start_version, time.time() - t0)
+
+
+def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int, ...], console: Console,
+           live: bool) -> _Run:
+    """Trainer, engine, the starting adapter on the engine, the producer: everything but the loop."""
+    mode = MODES[recipe.mode]
+    serial = mode.loop == "serial"
+    trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
+                      top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
+    run_state = trainer.load(run_dir / "adapter") if resume else {}
+    if resume:
+        _drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    run = _Run(trainer, JsonlWriter(run_dir / "metrics.jsonl"), Timeline(run_dir / "timeline.jsonl"),
+               start_version=trainer.version)
+    try:
+        run.engine = engine = start_engine(recipe.engine, recipe.model, recipe.seed, recipe.adapter,
+                                           call_timeout_s=recipe.rollout.stall_timeout_s)
         push = make_push(mode.push, recipe.adapter.type, engine)
         push.initial(engine, trainer)
         batch_groups = recipe.rollout.prompts_per_step
-        serial = mode.loop == "serial"
         buffer = GroupBuffer(None if serial else recipe.max_staleness)
         producer = Producer(
-            engine, task, sampling_params(recipe.rollout, stop_ids),
-            recipe.rollout.group_size, buffer,
+            engine, task, sampling_params(recipe.rollout, stop_ids), recipe.rollout.group_size, buffer,
             # A serial batch is one barrier: submit all of it at once.
             max_inflight=max(recipe.engine.max_inflight, batch_groups * recipe.rollout.group_size)
             if serial else recipe.engine.max_inflight,
-            max_ahead=max_ahead_groups(batch_groups, recipe.max_staleness if not serial else 0),
-            seed=recipe.seed + 7919 * trainer.version,  # a resumed run continues with new prompts
-            timeline=timeline,
+            admission=Admission(batch_groups, 0 if serial else recipe.max_staleness, recipe.rollout.admission),
+            seed=recipe.seed, timeline=run.timeline, max_attempts=recipe.rollout.max_attempts,
+            start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
+            start_version=trainer.version,
         )
+        run.producer = producer
         buffer.on_take = producer.wake
+        buffer.describe = producer.describe
+        buffer.on_drop = lambda n: producer.replace_dropped(n, recipe.rollout.replenish)
         if not serial:
             producer.grant((recipe.trainer.steps - trainer.version) * batch_groups)
-            if recipe.rollout.replenish:
-                buffer.on_drop = producer.grant  # replace every stale group dropped
         producer.start()
-        parts = LoopParts(
-            mode=mode, engine=engine, trainer=trainer, producer=producer, buffer=buffer, push=push,
-            metrics=metrics, timeline=timeline, run_dir=run_dir, steps=recipe.trainer.steps,
-            prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, console=console, live=live,
-        )
-        try:
-            run_steps(parts)
-        except KeyboardInterrupt:
-            _stop_and_save(engine, producer, trainer, run_dir)
-            producer = None  # already shut down
-            raise Interrupted(trainer.version, run_dir) from None
-        except RuntimeError as err:
-            if not isinstance(err.__cause__, TaskError):
-                raise
-            # The task failed (its tool or verifier raised): stop, keeping metrics and a checkpoint.
-            _stop_and_save(engine, producer, trainer, run_dir)
-            producer = None  # already shut down
-            raise TaskError(
-                f"{err.__cause__}\nthe run stopped after step {trainer.version}; {run_dir} keeps metrics.jsonl, "
-                f"timeline.jsonl and the adapter of step {trainer.version} (adapter/)"
-            ) from err.__cause__
-    finally:
-        if producer is not None:
-            _shutdown(engine, producer)
-        metrics.close()
-        timeline.close()
-    return RunResult(run_dir, trainer.version - start_version, time.time() - t0)
+    except BaseException:
+        _shutdown(run)
+        run.metrics.close()
+        run.timeline.close()
+        raise
+    run.parts = LoopParts(
+        mode=mode, engine=engine, trainer=trainer, producer=producer, buffer=buffer, push=push,
+        metrics=run.metrics, timeline=run.timeline, run_dir=run_dir, steps=recipe.trainer.steps,
+        prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, console=console, live=live,
+        stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": producer.next_group},
+    )
+    return run
 
 
-def _stop_and_save(engine, producer: Producer, trainer: Trainer, run_dir: Path) -> None:
-    """A run cut short: stop generation, then checkpoint what was trained."""
-    _shutdown(engine, producer)
-    trainer.save(run_dir / "adapter")
-
-
-def _shutdown(engine, producer: Producer) -> None:
-    """Stop submitting, abort what is in flight, stop the engine process."""
-    producer.stop()
+def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool) -> None:
+    """Run the steps; however they end, stop the engine and leave a run that agrees with itself."""
+    trainer = run.trainer
     try:
-        engine.pause_generation("abort")
-    except Exception:  # noqa: BLE001 - a dead engine must not hide the real outcome
-        pass
-    engine.shutdown()
+        run_steps(run.parts)
+    except KeyboardInterrupt:
+        if not _stop(run, run_dir, created, resume):
+            raise Interrupted(f"interrupted before the first step: nothing was trained{_left(run_dir, resume)}") \
+                from None
+        raise Interrupted(f"interrupted at step {trainer.version}: {_saved(run_dir, trainer.version)}",
+                          trainer.version) from None
+    except Exception as err:
+        cause = err.__cause__ if isinstance(err, RolloutError) and err.__cause__ is not None else err
+        stepped = _stop(run, run_dir, created, resume)
+        saved = _saved(run_dir, trainer.version) if stepped else f"nothing was trained{_left(run_dir, resume)}"
+        if isinstance(cause, TaskError):
+            raise TaskError(f"{cause}\nthe run stopped after step {trainer.version}; {saved}") from cause
+        if isinstance(cause, EngineError | RolloutError | FloatingPointError):
+            what = {EngineDeadError: "the engine died", FloatingPointError: "training cannot go on"}.get(
+                type(cause), "rollouts cannot go on")
+            raise RunStopped(f"{what}: {cause}\n{saved}") from cause
+        raise
+    _shutdown(run)
+
+
+def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
+    """Stop generation; checkpoint what was trained. Returns False (and removes the run's files,
+    unless resumed) when this run never completed a step."""
+    _shutdown(run)
+    if run.trainer.version == run.start_version:
+        run.metrics.close()
+        run.timeline.close()
+        _undo_start(run_dir, created, resume)
+        return False
+    state = run.parts.run_state() if run.parts is not None else {}
+    run.trainer.save(run_dir / "adapter", state)
+    return True
+
+
+def _saved(run_dir: Path, version: int) -> str:
+    return (f"the adapter of step {version} is saved in {run_dir / 'adapter'}, metrics.jsonl ends at that step; "
+            f"continue with `orbit train RECIPE --resume {run_dir}`")
+
+
+def _left(run_dir: Path, resume: bool) -> str:
+    return f" ({run_dir} is as it was)" if resume else f" (nothing left in {run_dir})"
+
+
+def _shutdown(run: _Run) -> None:
+    """Stop submitting, then stop the engine (which aborts what is in flight). Never raises: a
+    dead engine must not hide the real outcome."""
+    if run.producer is not None:
+        run.producer.stop()
+        run.producer = None
+    engine, run.engine = run.engine, None
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - see above
+            pass
+
+
+def _undo_start(run_dir: Path, created: bool, resume: bool) -> None:
+    """A fresh run that never stepped leaves nothing in the way of running it again."""
+    if resume:
+        return
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    if created:
+        try:
+            run_dir.rmdir()
+        except OSError:
+            pass  # something else lives there now: leave it
+
+
+def _drop_lines_after(path: Path, version: int) -> None:
+    """Resuming from the checkpoint of `version`: metrics lines of later steps describe updates the
+    checkpoint does not hold (the run died between checkpoints). They move to metrics.discarded.jsonl."""
+    if not path.exists():
+        return
+    keep, drop = [], []
+    for line in path.read_text().splitlines():
+        (keep if json.loads(line).get("version", 0) <= version else drop).append(line)
+    if drop:
+        with (path.parent / "metrics.discarded.jsonl").open("a") as f:
+            f.write("\n".join(drop) + "\n")
+        path.write_text("".join(x + "\n" for x in keep))

@@ -1,4 +1,4 @@
-"""Push strategies: how a new policy version reaches the engine (DESIGN §1).
+"""Push strategies: how a new policy version reaches the engine (docs/design.md §1).
 
 - full: merge the adapter into the base weights and ship all of them (`update_weights`).
 - adapter: one slot; pause → flush → overwrite the slot → continue.

@@ -37,7 +37,7 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
         assert s["steps"] == 2, mode
         for key in TIMED:
             assert s[key]["median"] >= 0 and s[key]["p90"] >= s[key]["median"] * 0.999
-        for key in ("staleness_mean", "staleness_max", "stale_dropped", "reward_mean"):
+        for key in ("staleness_mean", "staleness_max", "stale_dropped", "reward_mean", "waste_frac"):
             assert key in s
     assert summary["modes"]["sync"]["staleness_max"] == 0
     assert summary["ratios"]["double-buffer"]["step_s"]["vs_sync"] > 0
@@ -48,15 +48,18 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
     assert all(mode in text for mode in MODE_NAMES) and "vs sync" in text and "%" in text
     for _, label, _ in HEADLINE:
         assert label in text
+    assert "useful tok/s" in text and "waste" in text
 
 
 def test_summary_statistics():
-    rows = [{"update_weights_s": v, "train_wait_s": v, "rollout_tok_per_dev_s": v, "step_s": v,
-             "engine_paused_s": v, "staleness_mean": 1.0, "staleness_max": 2, "stale_dropped": 1,
-             "reward_mean": 0.5, "logprob_diff": None} for v in (1.0, 2.0, 3.0, 4.0, 10.0)]
+    rows = [{"update_weights_s": v, "train_wait_s": v, "rollout_tok_per_dev_s": v, "useful_tok_per_dev_s": v,
+             "step_s": v, "engine_paused_s": v, "staleness_mean": 1.0, "staleness_max": 2, "stale_dropped": 1,
+             "reward_mean": 0.5, "logprob_diff": None, "tokens_generated": 100 * v, "waste_frac": 0.1 * (v < 3)}
+            for v in (1.0, 2.0, 3.0, 4.0, 10.0)]
     s = summarize(rows)
     assert s["step_s"] == {"median": 3.0, "p90": 10.0}
     assert s["stale_dropped"] == 5 and s["staleness_max"] == 2
+    assert s["waste_frac"] == pytest.approx((10 + 20) / 2000)  # token-weighted over the steps
     assert p90([5.0]) == 5.0
 
 
@@ -82,3 +85,30 @@ def test_bad_bench_arguments(tmp_path, tiny_llama):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "tgi" in res.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, monkeypatch):
+    """A task that fails mid-bench and Ctrl-C both end the bench with one clear line and an exit code."""
+    from typer.testing import CliRunner
+
+    import orbit.run
+    from orbit.cli import app
+
+    recipe = tmp_path / "r.yaml"
+    data = {"model": str(tiny_llama), "adapter": {"r": 4, "alpha": 8},
+            "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 6},
+            "task": {"name": "tests/user_tasks.py:broken_scorer", "fail_after": 6}}
+    recipe.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "b")])
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 1 and "the task failed" in flat and "verifier crashed" in flat, res.output
+    assert "Traceback" not in res.output
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orbit.run, "start_engine", interrupted)
+    data["task"] = {"name": "pattern"}
+    recipe.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 130 and "nothing was trained" in " ".join(res.output.split()), res.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +63,39 @@ def test_missing_model_path():
 
 
 def test_drop_without_replenish_is_rejected(tiny_llama):
-    with pytest.raises(RecipeError, match="would drop stale groups without replacing them"):
+    with pytest.raises(RecipeError, match="drop stale groups without replacing them"):
         parse_recipe({"model": str(tiny_llama), "max_staleness": 1, "rollout": {"replenish": False}})
     parse_recipe({"model": str(tiny_llama), "max_staleness": None, "rollout": {"replenish": False}})
+    # serial modes never drop (every batch is fresh): nothing to replenish, nothing to refuse
+    for mode in ("sync", "sync-adapter"):
+        parse_recipe({"model": str(tiny_llama), "mode": mode, "max_staleness": 1, "rollout": {"replenish": False}})
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("no weights", "has no weights (expected model.safetensors or model.safetensors.index.json)"),
+    ("no tokenizer", "has no tokenizer (expected tokenizer.json or tokenizer_config.json)"),
+    ("gpt2", "is a 'gpt2' model; the embedded engine runs llama, qwen2, qwen3"),
+])
+def test_a_bad_model_directory_is_one_line(tmp_path, tiny_llama, problem, message):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    if problem == "no weights":
+        (model / "model.safetensors").unlink()
+    elif problem == "no tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model / name).unlink(missing_ok=True)
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "model_type": problem}))
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({"model": str(model)})
+    assert str(err.value) == f"model: {str(model)!r} {message}" or message in str(err.value)
+    assert str(model) in str(err.value) and "\n" not in str(err.value)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": str(model), "out": str(tmp_path / "run")}))
+    res = subprocess.run([sys.executable, "-m", "orbit.cli", "train", str(recipe)], capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and message in " ".join(res.stderr.split())
+    assert not (tmp_path / "run").exists()
 
 
 def test_group_larger_than_inflight_is_rejected(tiny_llama):

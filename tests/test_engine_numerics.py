@@ -80,21 +80,29 @@ def test_greedy_generation_matches_transformers_generate(tiny_any, adapter):
         assert max_diff(c.logprobs, hf_logprobs(model, p, c.output_ids)) <= TOL
 
 
-def test_sampled_logprobs_are_the_untruncated_policy(tiny_llama):
-    """logprobs = log_softmax(logits / T) of the sampled token, before top-k/top-p."""
+@pytest.mark.parametrize("top_p, top_k", [(0.8, 0), (1.0, 5), (1.0, 0)])
+def test_sampled_logprobs_are_the_truncated_policy(tiny_llama, top_p, top_k):
+    """The reported logprob is the sampled token's under the distribution it was sampled from:
+    softmax(logits / T) truncated by transformers' own TopK/TopP warpers and renormalised."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     core, ref = engine_core(tiny_llama), hf_model(tiny_llama)
     p = prompts(1, seed=5)[0]
-    for sp in (SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.8, top_k=20, seed=3),
-               SamplingParams(max_new_tokens=24, temperature=0.5, seed=4)):
-        rid = core.submit(p, sp, None)
-        c = dict(core.run_until_idle())[rid]
-        with torch.no_grad():
-            logits = ref(torch.tensor([p + c.output_ids])).logits[0, len(p) - 1:-1]
-        want = torch.log_softmax(logits / sp.temperature, -1).gather(1, torch.tensor(c.output_ids)[:, None])
-        assert max_diff(c.logprobs, want.squeeze(1).tolist()) <= TOL
-        if sp.top_k:  # and the tokens respect the truncation
-            ranks = (logits > logits.gather(1, torch.tensor(c.output_ids)[:, None])).sum(-1)
-            assert int(ranks.max()) < sp.top_k
+    sp = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=top_p, top_k=top_k, seed=3, ignore_eos=True)
+    rid = core.submit(p, sp, None)
+    c = dict(core.run_until_idle())[rid]
+    with torch.no_grad():
+        logits = ref(torch.tensor([p + c.output_ids])).logits[0, len(p) - 1:-1]
+    scores = TemperatureLogitsWarper(sp.temperature)(None, logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    want = torch.log_softmax(scores, -1).gather(1, torch.tensor(c.output_ids)[:, None]).squeeze(1)
+    assert max_diff(c.logprobs, want.tolist()) <= TOL
+    untruncated = torch.log_softmax(logits / sp.temperature, -1).gather(1, torch.tensor(c.output_ids)[:, None])
+    if top_p < 1 or top_k:  # the truncation really moved them: each kept token gains log(1 / kept mass)
+        assert min(a - b for a, b in zip(c.logprobs, untruncated.squeeze(1).tolist(), strict=True)) > 1e-3
 
 
 def test_top_k_one_is_greedy(tiny_qwen2):
@@ -121,7 +129,8 @@ def _three_slotengine_core(path):
 def test_mixed_batch_rows_match_alone(tiny_any):
     core = _three_slotengine_core(tiny_any)
     ps = prompts(3, seed=7)
-    jobs = [(p, slot, SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, top_p=0.95, seed=i,
+    # every other row truncates (top_p 0.95): its logprobs are of the truncated distribution
+    jobs = [(p, slot, SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, top_p=(0.95, 1.0)[i % 2], seed=i,
                                      ignore_eos=True))
             for i, (p, slot) in enumerate((p, s) for p in ps for s in (0, 1, None))]
     alone = []
@@ -130,12 +139,16 @@ def test_mixed_batch_rows_match_alone(tiny_any):
         alone.append(dict(core.run_until_idle())[rid])
     rids = [core.submit(p, sp, slot) for p, slot, sp in jobs]  # all nine in one batch
     together = dict(core.run_until_idle())
-    for rid, a, (p, slot, _) in zip(rids, alone, jobs, strict=True):
+    for rid, a, (p, slot, sp) in zip(rids, alone, jobs, strict=True):
         t = together[rid]
         assert t.slot == a.slot == slot
         assert t.output_ids == a.output_ids  # per-request seed: same tokens whatever the company
         assert max_diff(t.logprobs, a.logprobs) <= 1e-5
-        assert max_diff(core.score(p, t.output_ids, slot), t.logprobs) <= TOL
+        untruncated = core.score(p, t.output_ids, slot)
+        if sp.top_p == 1.0:
+            assert max_diff(untruncated, t.logprobs) <= TOL
+        else:  # renormalised over the kept head: never below the untruncated logprob
+            assert all(x >= y - TOL for x, y in zip(t.logprobs, untruncated, strict=True))
     # the three slots really differ on the same prompt
     first = [together[r].logprobs[0] for r in rids[:3]]
     assert len({round(x, 3) for x in first}) == 3
@@ -145,10 +158,10 @@ def test_mixed_batch_rows_match_alone(tiny_any):
         assert max_diff(got, core.score(p, c, slot)) <= 1e-5
 
 
-def test_full_weight_push_equals_adapter_slot(tiny_llama):
+def test_full_weight_push_equals_adapter_slot(tiny_any):
     """update_weights with peft's merged weights serves what the LoRA slot serves."""
-    model, tensors, config = peft_adapter(tiny_llama, "lora", seed=13)
-    core = engine_core(tiny_llama)
+    model, tensors, config = peft_adapter(tiny_any, "lora", seed=13)
+    core = engine_core(tiny_any)
     core.load_adapter(0, tensors, config, version=1)
     merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
     p, c = prompts(1, seed=8)[0], _continuations(1, 8)[0]
@@ -158,6 +171,29 @@ def test_full_weight_push_equals_adapter_slot(tiny_llama):
     assert core.stats().base_version == 5
     assert max_diff(core.score(p, c, None), via_slot) <= TOL
     assert max_diff(before, via_slot) > 10 * TOL
+
+
+def test_params_name_every_checkpoint_tensor(tiny_any):
+    """params() covers the whole HF state dict (Qwen3's q_norm/k_norm included), shapes equal."""
+    params, hf = engine_core(tiny_any).decoder.params(), hf_model(tiny_any).state_dict()
+    assert {k: tuple(v.shape) for k, v in params.items()} == {k: tuple(v.shape) for k, v in hf.items()}
+
+
+def test_full_weight_push_writes_qk_norms(tiny_qwen3):
+    """Qwen3's per-head q/k norm weights are pushable and act as transformers' do."""
+    core, ref = engine_core(tiny_qwen3), hf_model(tiny_qwen3)
+    gen = torch.Generator().manual_seed(15)
+    state = ref.state_dict()
+    new = {k: v * (1 + 0.3 * torch.randn(v.shape, generator=gen)) for k, v in state.items()
+           if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert len(new) == 2 * core.spec.num_layers
+    p, c = prompts(1, seed=12)[0], _continuations(1, 12)[0]
+    before = core.score(p, c, None)
+    core.update_weights(new, version=2)
+    ref.load_state_dict(new, strict=False)
+    after = core.score(p, c, None)
+    assert max_diff(after, hf_logprobs(ref, p, c)) <= TOL
+    assert max_diff(before, after) > 10 * TOL
 
 
 @pytest.mark.parametrize("rope", [

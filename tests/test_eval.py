@@ -110,6 +110,17 @@ def test_eval_errors(tmp_path, tiny_llama):
     assert res.exit_code == 2 and "not a run directory" in res.output
 
 
+def test_eval_tells_a_missing_split_from_a_task_bug(tiny_llama):
+    """A task without an eval split is a usage error (exit 2); a TypeError inside the task's own eval
+    prompts is the task failing (exit 1), not 'no held-out split'."""
+    res = CliRunner().invoke(app, ["eval", str(tiny_llama), "--task", "tests/user_tasks.py:no_split", "--n", "2"])
+    assert res.exit_code == 2 and "has no held-out split" in res.output, res.output
+    res = CliRunner().invoke(app, ["eval", str(tiny_llama), "--task", "tests/user_tasks.py:eval_split_bug", "--n", "2"])
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 1 and "the task failed" in flat and "TypeError" in flat, res.output
+    assert "no held-out split" not in flat
+
+
 def test_eval_jsonl_dataset_stops_at_its_held_out_rows(tmp_path, tiny_task_tokens):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(30)))

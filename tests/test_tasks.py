@@ -19,7 +19,7 @@ from orbit.cli import app
 from orbit.config import AdapterConfig, LossConfig, RecipeError, TaskConfig, TrainerConfig, parse_recipe
 from orbit.engine.base import Completion, SamplingParams
 from orbit.rollout.buffer import GroupBuffer
-from orbit.rollout.producer import Producer
+from orbit.rollout.producer import Admission, Producer
 from orbit.rollout.sample import Sample
 from orbit.run import train
 from orbit.tasks import TaskError, make_task
@@ -205,11 +205,11 @@ def _rollout(engine, task, sampling: SamplingParams, group_size: int, groups: in
     """One batch of `groups` groups from a real Producer over `engine`."""
     buffer = GroupBuffer(None)
     producer = Producer(engine, task, sampling, group_size=group_size, buffer=buffer, max_inflight=max_inflight,
-                        max_ahead=4, seed=0)
+                        admission=Admission(groups, None), seed=0)
     producer.grant(groups)
     producer.start()
     try:
-        return buffer.take(groups, version=0, timeout=timeout)
+        return buffer.take(groups, version=0, stall_s=timeout)
     finally:
         producer.stop()
 
@@ -448,7 +448,7 @@ def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
     message = str(info.value)
     assert "next_turn (the tool) failed on prompt 'zorplex-train-" in message
     assert "ConnectionError: lookup service unavailable (HTTP 503)" in message
-    assert f"{run_dir} keeps metrics.jsonl" in message
+    assert f"the adapter of step {len(run_metrics(run_dir))} is saved in {run_dir / 'adapter'}" in message
     rows = run_metrics(run_dir)  # every line whole
     assert 1 <= len(rows) < 30
     state = json.loads((run_dir / "adapter" / "trainer_state.json").read_text())
@@ -465,8 +465,10 @@ def test_tool_error_on_the_command_line(tmp_path, warm_zorplex):
     )))
     res = CliRunner().invoke(app, ["train", str(recipe_file), "--quiet"])
     assert res.exit_code == 1
-    assert "the task failed" in res.output and "lookup service unavailable" in res.output
-    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    flat = " ".join(res.output.split())
+    assert "the task failed" in flat and "lookup service unavailable" in flat
+    # it failed before its first step: nothing was trained, nothing is left in the way of a re-run
+    assert "nothing was trained" in flat and not (tmp_path / "run").exists()
 
 
 # ---- the warm start -------------------------------------------------------------------------------

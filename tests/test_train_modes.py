@@ -53,9 +53,28 @@ def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
             assert 0 <= row["staleness_max"] <= 2
     assert sum(r["tokens_generated"] for r in rows) > 0
     assert rows[0]["logprob_diff"] is not None and rows[0]["logprob_diff"] < LOGPROB_DIFF_MAX
+    for row in rows:
+        assert row["ratio_max"] >= row["ratio_mean"] > 0 and 0 <= row["clip_frac"] <= 1
+        assert 0 <= row["waste_frac"] and row["useful_tok_per_dev_s"] > 0
     kinds = {(e["actor"], e["kind"]) for e in run_timeline(tmp_path / mode)}
     assert {("trainer", "wait"), ("trainer", "train"), ("trainer", "push"), ("engine", "request")} <= kinds
     assert (tmp_path / mode / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_truncated_sampling_end_to_end_with_task_figures(tmp_path, tiny_llama):
+    """top_p/top_k: engine and trainer score the same truncated distribution, so logprob_diff stays at
+    rounding (it would be ~1 with one side untruncated); a task that knows correctness gets its figures."""
+    recipe = parse_recipe(_recipe(
+        tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=1,
+        rollout={"top_p": 0.8, "top_k": 5, "temperature": 0.8}, trainer={"steps": 4},
+        task={"name": "tests/user_tasks.py:count_word"}, adapter={"dropout": 0.1},
+    ))
+    train(recipe, live=False)
+    rows = run_metrics(tmp_path / "run")
+    for row in rows:
+        assert row["logprob_diff"] is not None and row["logprob_diff"] < LOGPROB_DIFF_MAX
+        assert 0 <= row["correct_rate"] <= 1 and row["format_rate"] == 1.0
+        assert sum(row["failure_modes"].values()) == 8 and set(row["failure_modes"]) <= {"success", "wrong_answer"}
 
 
 @pytest.mark.timeout(180)  # a drained pipeline would hang: the timeout fails the test
@@ -63,8 +82,9 @@ def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
 def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
     recipe = parse_recipe(_recipe(
         tiny_llama, tmp_path / "run", mode=mode, max_staleness=k,
-        # many requests in flight per batch, so groups are routinely left behind by a push
-        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24},
+        # many requests in flight per batch, and the former run-ahead admission, which starts groups
+        # that go stale: the drop-and-replenish safety net must carry the run
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24, "admission": "run-ahead"},
         trainer={"steps": 6},
     ))
     train(recipe, live=False)
@@ -78,7 +98,9 @@ def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
 def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, tiny_llama):
     recipe = parse_recipe(_recipe(
         tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=None,
-        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 160}, trainer={"steps": 6},
+        # run-ahead admission keeps requests in flight two versions back, so loads meet them
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 160, "admission": "run-ahead"},
+        trainer={"steps": 6},
     ))
     train(recipe, live=False)
     events = run_timeline(tmp_path / "run")

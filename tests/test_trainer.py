@@ -161,6 +161,45 @@ def test_version_and_logprob_diff(tiny_llama: Path):
     assert math.isnan(result.logprob_diff) and result.logprob_diff_tokens == 0
 
 
+def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
+    """With adapter dropout, the training forward is noisy: logprob_diff is measured in eval mode
+    (engine logprobs equal to the eval-mode ones read 0, not the dropout noise). Re-scored stale samples
+    are spread over the step's groups, not the first few samples of the first group."""
+    from orbit.train.trainer import RESCORE_SAMPLES, spread_over_groups
+
+    trainer = _trainer(tiny_llama, adapter=AdapterConfig(type="lora", r=4, alpha=8.0, dropout=0.5), seed=3)
+    _perturb(trainer, 0.3)
+    exact = trainer.logprobs(SAMPLES)  # eval mode: what an engine reports for the same weights
+    batch = [_sample(s.prompt_ids, s.output_ids, lp, a) for s, lp, a in zip(SAMPLES, exact, (1.0, -1.0, 0.5),
+                                                                              strict=True)]
+    result = trainer.step(batch)
+    assert result.logprob_diff == pytest.approx(0.0, abs=1e-5) and result.logprob_diff_tokens > 0
+    # spread: 4 groups of 4 samples, all from one stale version -> the first of every group first
+    samples = [_sample(SAMPLES[0].prompt_ids, SAMPLES[0].output_ids, version=(0, 0)) for _ in range(16)]
+    for i, s in enumerate(samples):
+        s.group_id = i // 4
+    picked = spread_over_groups(samples, RESCORE_SAMPLES)
+    assert len(picked) == RESCORE_SAMPLES and sorted({s.group_id for s in picked}) == [0, 1, 2, 3]
+    assert [s.group_id for s in picked[:4]] == [0, 1, 2, 3]
+
+
+def test_truncated_sampling_is_scored_truncated(tiny_llama: Path):
+    """With top_p/top_k the trainer's logprobs are the truncated, renormalised distribution's."""
+    from orbit.truncation import truncated_logprobs
+
+    plain, truncated = _trainer(tiny_llama, temperature=0.7), Trainer(
+        tiny_llama, LORA, TrainerConfig(), temperature=0.7, seed=0, top_p=0.8, top_k=5)
+    a, b = plain.logprobs(SAMPLES), truncated.logprobs(SAMPLES)
+    for s, x, y in zip(SAMPLES, a, b, strict=True):
+        ids = torch.tensor([s.prompt_ids + s.output_ids])
+        with torch.no_grad():
+            logits = plain.model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        logp = torch.log_softmax(logits / 0.7, -1)
+        assert x == pytest.approx(logp.gather(1, torch.tensor(s.output_ids)[:, None]).squeeze(1).tolist(), abs=1e-5)
+        assert y == pytest.approx(truncated_logprobs(logp, torch.tensor(s.output_ids), 0.8, 5).tolist(), abs=1e-5)
+        assert all(v > u for u, v in zip(x, y, strict=True))  # renormalised: each kept token gains
+
+
 def test_masked_tokens_do_not_affect_the_update(tiny_llama: Path):
     samples = []
     for garbage in (0.0, -1e9):  # the behaviour logprob of a tool token must not matter

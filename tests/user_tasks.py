@@ -62,3 +62,45 @@ class BrokenLookup(ZorplexTask):
 
 def broken_zorplex(tokenizer, fail_after: int = 100) -> BrokenLookup:
     return BrokenLookup(tokenizer, fail_after)
+
+
+class NoSplit(CountWord):
+    """prompts(seed) only: a task with no held-out split."""
+
+    def prompts(self, seed: int):  # noqa: D102 - deliberately without `split`
+        return super().prompts(seed)
+
+
+def no_split(tokenizer) -> NoSplit:
+    return NoSplit(tokenizer)
+
+
+class EvalSplitBug(CountWord):
+    """Has an eval split, whose prompt code has a bug (a TypeError of its own)."""
+
+    def prompts(self, seed: int, split: str = "train"):
+        if split == "eval":
+            return iter([None + 1])  # the bug: TypeError
+        return super().prompts(seed, split)
+
+
+def eval_split_bug(tokenizer) -> EvalSplitBug:
+    return EvalSplitBug(tokenizer)
+
+
+class BrokenScorer(CountWord):
+    """Its verifier fails after `fail_after` scores."""
+
+    def __init__(self, tokenizer, fail_after: int = 10) -> None:
+        super().__init__(tokenizer)
+        self.fail_after, self.calls = fail_after, 0
+
+    def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
+        self.calls += 1
+        if self.calls > self.fail_after:
+            raise RuntimeError("verifier crashed")
+        return super().score(prompt, output_ids)
+
+
+def broken_scorer(tokenizer, fail_after: int = 10) -> BrokenScorer:
+    return BrokenScorer(tokenizer, fail_after)

@@ -8,18 +8,20 @@ from orbit.config import AdapterConfig, EngineConfig
 from orbit.engine.base import Engine
 
 
-def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None) -> Engine:
+def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
+                 call_timeout_s: float | None = None) -> Engine:
     """Start the backend a recipe's `engine` section names and return its client.
 
     `adapter` sizes what SGLang must fix at start (max LoRA rank, target modules; no LoRA for OFT);
     without it the SGLang backend accepts LoRA rank <= 8 on all seven projections.
+    `call_timeout_s`: an engine that answers no control call for this long is hung (EngineDeadError).
     """
     if cfg.backend == "embedded":
         from orbit.engine.embedded import start_embedded_engine
 
         return start_embedded_engine(
             model, max_running=cfg.max_running, dtype=cfg.dtype, device=cfg.device,
-            threads=cfg.threads, seed=seed,
+            threads=cfg.threads, seed=seed, **({"call_timeout_s": call_timeout_s} if call_timeout_s else {}),
         )
     if cfg.backend == "sglang":
         from orbit.engine.sglang import start_sglang_engine

@@ -1,4 +1,4 @@
-"""The engine protocol (DESIGN.md §3) and the records that cross it.
+"""The engine protocol (docs/design.md §3) and the records that cross it.
 
 Every backend (embedded, SGLang) implements `Engine`. Calls are made from trainer-side threads:
 `generate` returns a `Future` at once so a producer can keep many requests in flight, and the
@@ -60,10 +60,10 @@ class SamplingParams:
 class Completion:
     """One finished request.
 
-    `logprobs[i]` is the log-probability of `output_ids[i]` under the policy's sampling
-    distribution before truncation: log_softmax(logits / temperature) (temperature 1 when
-    greedy), i.e. without top-k/top-p filtering. This is what the trainer recomputes, so the two
-    can be compared token by token (`logprob_diff`).
+    `logprobs[i]` is the log-probability of `output_ids[i]` under the distribution it was sampled
+    from: log_softmax(logits / temperature), truncated to top-k/top-p and renormalised when those
+    are set (orbit/truncation.py); log_softmax(logits) when greedy. This is what the trainer
+    recomputes, so the two can be compared token by token (`logprob_diff`).
 
     When `finish_reason` is "stop", `output_ids` ends with the stop token (eos or one of
     `stop_token_ids`) and `logprobs` has its logprob, as transformers' `generate` keeps it.
@@ -80,6 +80,7 @@ class Completion:
     t_start: float = 0.0  # time.time() when the engine admitted it
     t_end: float = 0.0  # time.time() when it finished
     meta: dict = field(default_factory=dict)  # caller's tag, returned unchanged
+    detail: str = ""  # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
 
 
 @dataclass

@@ -6,12 +6,12 @@ loop forever in a thread of its own and submits every call to it as a coroutine
 (`asyncio.run_coroutine_threadsafe`): the synchronous `Engine` methods are
 `loop.run_until_complete(...)` and cannot overlap a running generation (docs/sglang.md §5).
 
-Mapping (DESIGN.md §4):
+Mapping (docs/design.md §4):
 
 | protocol               | SGLang 0.5.23                                                                  |
 |------------------------|--------------------------------------------------------------------------------|
-| generate               | `Engine.async_generate(input_ids, sampling_params, return_logprob=True,        |
-|                        | lora_path=<the request's slot name>)`                                          |
+| generate               | `tokenizer_manager.generate_request(GenerateReqInput(input_ids, sampling_params,|
+|                        | return_logprob=True, lora_path=<the request's slot name>[, return_sampling_mask]))|
 | load_adapter(slot)     | unload `orbit-slot-<slot>` if loaded, then `load_lora_adapter_from_tensors`   |
 | activate(slot)         | Orbit-side: the slot name that new requests carry                              |
 | pause / continue       | `tokenizer_manager.pause_generation` / `continue_generation` (not on `Engine`)  |
@@ -31,11 +31,14 @@ refused while the engine is paused. The double-buffer push writes the inactive s
 active one serves, so nothing waits there. Each load gets a fresh `lora_id` and SGLang's radix
 cache is keyed by it: KV computed with an older adapter is never reused, with or without a flush.
 
-Logprobs: `Completion.logprobs[i]` is SGLang's `output_token_logprobs[i]`, which with the default
-sampler is log(softmax(logits / temperature)) of the sampled token, before top-k/top-p
-truncation, and log_softmax(logits) (temperature 1) for greedy requests: the same distribution
-as the trainer's log_softmax(logits / T) (measured: 1.4e-6 at T = 0.7 on the tiny model). Do not
-set SGLANG_RETURN_ORIGINAL_LOGPROB: it makes SGLang return the temperature-1 distribution.
+Logprobs: `Completion.logprobs[i]` is the sampled token's logprob under the distribution it was
+sampled from, the trainer's too (orbit/truncation.py). Without top-k/top-p that is SGLang's
+`output_token_logprobs[i]`, log(softmax(logits / temperature)) (log_softmax(logits) for greedy
+requests; measured within 1.4e-6 of the trainer at T = 0.7 on the tiny model). With top-k/top-p
+SGLang's `output_token_logprobs` are *untruncated*, so the request asks for
+`return_sampling_mask` and the logprobs are SGLang's `output_token_sampling_logprobs`: the
+truncated, renormalised distribution (measured within 3e-7 of Orbit's rule). Do not set
+SGLANG_RETURN_ORIGINAL_LOGPROB: it makes SGLang return the temperature-1 distribution.
 
 Rejected before anything reaches SGLang (EngineError, the slot keeps its adapter): unknown
 tensor names, wrong shapes, non-float dtypes, NaN/Inf (shared with the embedded engine:
@@ -92,6 +95,7 @@ from orbit.engine.sglang_process import (
     proc_name,
     sigquits,
 )
+from orbit.truncation import truncates
 
 __all__ = ["ALL_TARGETS", "INSTALL_HINT", "SLOT_NAMES", "SGLangEngine", "SGLangOptions", "start_sglang_engine"]
 
@@ -120,9 +124,30 @@ def _resolve(fut: Future, result=None, exc: BaseException | None = None) -> None
         pass  # already failed (dead engine) or cancelled by the caller
 
 
-def _finish(info: object) -> FinishReason:
+def _finish(info: object) -> tuple[FinishReason, str]:
+    """(finish reason, SGLang's message). A reason Orbit does not know is an error, not an abort:
+    resubmitting a request SGLang ended for an unknown cause would hide it and could loop."""
     kind = info.get("type") if isinstance(info, dict) else info
-    return kind if kind in ("stop", "length") else "abort"  # abort, or anything unknown: the producer resubmits
+    if kind not in ("stop", "length", "abort"):
+        raise EngineError(f"SGLang ended a request with a finish reason Orbit does not know: {info!r} "
+                          "(known: stop, length, abort)")
+    message = info.get("message") if isinstance(info, dict) else None
+    return kind, str(message or "")
+
+
+def _logprobs(meta_info: dict, truncated: bool, finish: str) -> list[float]:
+    """The sampled tokens' logprobs under the distribution they were sampled from: with top-k/top-p,
+    SGLang's sampling-mask logprobs (truncated and renormalised, `return_sampling_mask`), else its
+    output logprobs (log_softmax(logits / T))."""
+    if not truncated:
+        return [float(lp) for lp, _tok, _txt in meta_info["output_token_logprobs"]]
+    values = meta_info.get("output_token_sampling_logprobs")
+    if values is None:
+        if finish == "abort":  # aborted before its first token: no sampling mask was ever captured
+            return [float(lp) for lp, _tok, _txt in meta_info.get("output_token_logprobs") or []]
+        raise EngineError("SGLang returned no sampling-mask logprobs for a top-k/top-p request "
+                          "(return_sampling_mask is needed for truncated sampling)")
+    return [float(v) for v in values]
 
 
 def _version_of(meta: dict, default: int) -> int:
@@ -317,6 +342,9 @@ class SGLangEngine:
         }
         if sampling.top_k > 0:
             params["top_k"] = sampling.top_k
+        elif truncates(sampling.top_p, 0) and sampling.temperature > 0:
+            # return_sampling_mask needs a finite top_k: the whole vocabulary cuts nothing
+            params["top_k"] = self.spec.vocab_size
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
@@ -328,13 +356,39 @@ class SGLangEngine:
         return prompt, params, bound  # type: ignore[return-value]
 
     def _submit(self, make_coro, fut: Future) -> Future:
+        """Run `make_coro(key)` on the engine's loop for the caller's `fut`. However the coroutine
+        ends (a reply that cannot be read, a bug, cancellation), `fut` is resolved: a caller never
+        waits on a request that has left SGLang."""
+        async def guarded(key: int) -> None:
+            try:
+                await make_coro(key)
+            except asyncio.CancelledError:
+                _resolve(fut, exc=self._dead or EngineDeadError("engine was shut down"))
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever broke, the caller hears of it
+                _resolve(fut, exc=e if isinstance(e, EngineError) else EngineError(
+                    f"SGLang's reply could not be read: {type(e).__name__}: {e}"))
+            finally:
+                with self._lock:
+                    self._pending.pop(key, None)
+            _resolve(fut, exc=EngineError("internal error: a request ended without an answer"))  # no-op if resolved
+
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(str(self._dead))
             key = next(self._ids)
-            task = asyncio.run_coroutine_threadsafe(make_coro(key), self._loop)
+            task = asyncio.run_coroutine_threadsafe(guarded(key), self._loop)
             self._pending[key] = (fut, task)
         return fut
+
+    def _wait(self, fut: Future):
+        """A request's answer, with the engine's liveness checked while waiting (never forever)."""
+        while True:
+            try:
+                return fut.result(_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if self._dead is not None and not fut.done():
+                    raise EngineDeadError(str(self._dead)) from None
 
     async def _run(self, key: int, slot: int | None, fut: Future, **request) -> tuple[dict, int, float] | None:
         """One request on SGLang: wait for its slot, carry its adapter name, count it in and out."""
@@ -360,7 +414,7 @@ class SGLangEngine:
             t_start = time.time()
             self._busy(+1)
             try:
-                out = await self._sgl.async_generate(return_logprob=True, lora_path=lora_path, **request)
+                out = await self._generate(lora_path=lora_path, **request)
             finally:
                 self._busy(-1)
                 if slot is not None:
@@ -369,16 +423,19 @@ class SGLangEngine:
                         self._slot_idle[slot].set()
             return out, version, t_start
         except asyncio.CancelledError:
-            _resolve(fut, exc=self._dead or EngineDeadError("engine was shut down"))
             raise
         except EngineError as e:
             _resolve(fut, exc=e)
         except Exception as e:  # noqa: BLE001 - SGLang's own refusals (ValueError, ...) reach the caller
             _resolve(fut, exc=self._dead or EngineError(f"SGLang refused the request: {e}"))
-        finally:
-            with self._lock:
-                self._pending.pop(key, None)
         return None
+
+    async def _generate(self, **request) -> dict:
+        """One `GenerateReqInput` through the tokenizer manager (what `Engine.async_generate` does,
+        with the fields it does not pass, such as `return_sampling_mask`)."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        return await self._tm.generate_request(GenerateReqInput(return_logprob=True, **request), None).__anext__()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
                  meta: dict | None = None) -> Future[Completion]:
@@ -390,19 +447,20 @@ class SGLangEngine:
         requests, the base version SGLang stamped on its last token.
         """
         prompt, params, bound = self._request(prompt_ids, sampling, slot)
+        truncated = truncates(sampling.top_p, sampling.top_k) and sampling.temperature > 0
+        extra = {"return_sampling_mask": True} if truncated else {}
 
         async def run(key: int) -> None:
-            got = await self._run(key, bound, fut, input_ids=prompt, sampling_params=params)
+            got = await self._run(key, bound, fut, input_ids=prompt, sampling_params=params, **extra)
             if got is None:
                 return
             out, version, t_start = got
             meta_info = out["meta_info"]
             output_ids = [int(t) for t in out["output_ids"]]
-            logprobs = [float(lp) for lp, _tok, _txt in meta_info["output_token_logprobs"]]
+            finish, detail = _finish(meta_info.get("finish_reason"))
+            logprobs = _logprobs(meta_info, truncated, finish)
             if len(logprobs) != len(output_ids):
-                _resolve(fut, exc=EngineError(f"SGLang returned {len(logprobs)} logprobs for {len(output_ids)} tokens"))
-                return
-            finish = _finish(meta_info.get("finish_reason"))
+                raise EngineError(f"SGLang returned {len(logprobs)} logprobs for {len(output_ids)} tokens")
             version_end = version if bound is not None else _version_of(meta_info, self._base_version)
             c = self._counters
             c["tokens_generated"] += len(output_ids)
@@ -413,7 +471,7 @@ class SGLangEngine:
             _resolve(fut, Completion(
                 prompt_ids=prompt, output_ids=output_ids, logprobs=logprobs, finish_reason=finish, slot=bound,
                 version_start=version, version_end=version_end, t_start=t_start, t_end=time.time(),
-                meta=meta if meta is not None else {},
+                meta=meta if meta is not None else {}, detail=detail,
             ))
 
         fut: Future = Future()
@@ -433,7 +491,7 @@ class SGLangEngine:
                 _resolve(fut, [float(lp) for lp, _tok, _txt in got[0]["meta_info"]["input_token_logprobs"][1:]])
 
         fut: Future = Future()
-        return self._submit(run, fut).result()
+        return self._wait(self._submit(run, fut))
 
     # ---- adapters ------------------------------------------------------------------------------
 

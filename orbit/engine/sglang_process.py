@@ -124,6 +124,9 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         model_path=str(path), device=opts.device, dtype=opts.dtype, random_seed=opts.seed,
         max_running_requests=opts.max_running, context_length=context, skip_tokenizer_init=True,
         log_level="error",
+        # a top-k/top-p request returns its sampling support (truncated logprobs); SGLang aborts a
+        # request whose support is larger than this, and no support is larger than the vocabulary
+        sampling_mask_max_tokens=spec.vocab_size,
     )
     if opts.lora:
         kwargs.update(

@@ -16,6 +16,12 @@ class Group:
 
     prompt: Prompt
     samples: list[Sample]
+    id: int = 0  # the producer's group number: admission order
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the model generated for this group (injected tool tokens excluded)."""
+        return sum(sum(s.loss_mask) for s in self.samples)
 
     @property
     def oldest_version(self) -> int:
@@ -73,4 +79,4 @@ def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) ->
         )
         for c, s, a in zip(completions, scores, advantages, strict=True)
     ]
-    return Group(prompt=prompt, samples=samples)
+    return Group(prompt=prompt, samples=samples, id=group_id)

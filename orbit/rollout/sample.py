@@ -34,5 +34,5 @@ class Sample:
             raise ValueError("output_ids, behaviour_logprobs and loss_mask must have one entry per token")
 
     def staleness(self, step_version: int) -> int:
-        """How many optimizer steps behind the trainer this sample's policy is (DESIGN §5)."""
+        """How many optimizer steps behind the trainer this sample's policy is (docs/design.md §5)."""
         return step_version - self.version_start

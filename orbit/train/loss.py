@@ -1,8 +1,15 @@
 """GRPO advantages and the token-level policy-gradient loss with off-policy correction.
 
 The engine samples with slightly stale weights (async modes) and its own numerics, so every
-token carries the engine's behaviour logprob; the loss reweights by ratio = p_trainer / p_engine,
-either truncated (truncated importance sampling) or PPO-clipped.
+token carries the engine's behaviour logprob. Three ways to use it (`loss.ratio`):
+- truncate: policy gradient weighted by min(p_trainer / p_engine, truncate_max) (truncated IS);
+- clip: PPO's clipped surrogate on ratio = p_trainer / p_engine. In overlapped modes the engine's
+  policy is several versions old, so drifted tokens sit outside the clip range and lose their
+  gradient;
+- decoupled (AReaL's decoupled PPO): the clip is taken against the *proximal* policy, the
+  trainer's own weights before this step, and the behaviour policy only sets a truncated
+  importance weight min(p_prox / p_engine, truncate_max). Orbit takes one optimizer step per
+  batch, so p_prox is the trainer's logprob under the same weights, detached: no extra forward.
 """
 
 from __future__ import annotations
@@ -51,10 +58,12 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
     num_tokens: int | None = None,
+    prox_logp: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """Token-level policy loss, averaged over the masked tokens.
 
-    logp, behaviour_logp, mask (and ref_logp): [B, T]; advantages: [B] (one per sample) or [B, T].
+    logp, behaviour_logp, mask (and ref_logp, prox_logp): [B, T]; advantages: [B] (one per sample)
+    or [B, T]. `prox_logp` is the proximal policy of the decoupled loss (default: logp detached).
     Masked-out tokens (mask 0: padding, injected tool tokens) contribute nothing, not even NaN.
     `num_tokens` overrides the denominator so micro-batches add up to the whole batch's mean.
     The KL term (k3 estimator against `ref_logp`) is added only when cfg.kl_coef > 0.
@@ -72,11 +81,16 @@ def policy_loss(
         weight = ratio.detach().clamp(max=cfg.truncate_max)
         per_token = -weight * adv * logp
         clipped = ratio.detach() > cfg.truncate_max
-    else:
-        surrogate = ratio * adv
-        clipped_surrogate = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
-        per_token = -torch.minimum(surrogate, clipped_surrogate)
-        clipped = (clipped_surrogate < surrogate).detach()  # the clip binds: no gradient from the token
+    elif cfg.ratio == "clip":
+        per_token, clipped = _clipped_surrogate(ratio, adv, cfg.clip_eps)
+    else:  # decoupled
+        prox = logp.detach() if prox_logp is None else torch.where(mask, prox_logp.to(logp.dtype), zero)
+        prox_ratio = torch.exp((logp - prox).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        behaviour_weight = torch.exp((prox - behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        weight = behaviour_weight.clamp(max=cfg.truncate_max)
+        surrogate, clip_bound = _clipped_surrogate(prox_ratio, adv, cfg.clip_eps)
+        per_token = weight * surrogate
+        clipped = clip_bound | (behaviour_weight > cfg.truncate_max)
 
     kl = None
     if ref_logp is not None:
@@ -89,6 +103,13 @@ def policy_loss(
     denom = max(num_tokens if num_tokens is not None else count, 1)
     loss = torch.where(mask, per_token, zero).sum() / denom
     return loss, _stats(ratio.detach(), clipped, kl, mask, count)
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """PPO's -min(r A, clip(r, 1-eps, 1+eps) A) per token, and where the clip binds (no gradient there)."""
+    surrogate = ratio * adv
+    clipped_surrogate = ratio.clamp(1.0 - eps, 1.0 + eps) * adv
+    return -torch.minimum(surrogate, clipped_surrogate), (clipped_surrogate < surrogate).detach()
 
 
 def _stats(ratio: Tensor, clipped: Tensor, kl: Tensor | None, mask: Tensor, count: int) -> LossStats:

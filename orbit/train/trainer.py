@@ -1,7 +1,9 @@
 """The trainer: a Hugging Face causal LM wrapped with a peft adapter, one optimizer step per batch.
 
-Only the adapter trains; the base stays frozen in fp32. Logprobs are log_softmax(logits / T) of
-the output tokens, the same distribution the engine reports, so the two compare token by token.
+Only the adapter trains; the base stays frozen in fp32. Logprobs are those of the distribution
+the engine samples from, log_softmax(logits / T) truncated to top-k/top-p and renormalised when
+those are set (orbit/truncation.py): the same distribution the engine reports, so the two compare
+token by token and the loss differentiates the policy that was actually sampled from.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from orbit import adapters
 from orbit.config import AdapterConfig, TrainerConfig
 from orbit.rollout.sample import Sample
 from orbit.train.loss import LossStats, policy_loss
+from orbit.truncation import truncated_logprobs
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
-RESCORE_SAMPLES = 8  # at most this many stale samples re-scored per step (one extra no-grad forward)
+RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 
@@ -92,11 +95,24 @@ def _mean(total: float, count: int) -> float:
     return total / count if count else math.nan
 
 
+def spread_over_groups(samples: list[Sample], n: int) -> list[Sample]:
+    """Up to `n` samples taken round-robin over their groups (the first of each group, then the
+    second, ...), so a measurement on a few samples sees every group rather than the first one."""
+    by_group: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    out: list[Sample] = []
+    for rank in range(max((len(g) for g in by_group.values()), default=0)):
+        out += [g[rank] for g in by_group.values() if rank < len(g)]
+    return out[:n]
+
+
 class Trainer:
     """Trains a LoRA or OFT adapter on scored samples (see `step`)."""
 
     def __init__(
-        self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int
+        self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int,
+        top_p: float = 1.0, top_k: int = 0,
     ) -> None:
         # The engine runs in its own process with its own threads; don't let torch take every core.
         torch.set_num_threads(cfg.threads)
@@ -104,8 +120,9 @@ class Trainer:
         self.cfg = cfg
         self.adapter = adapter
         self.device = torch.device(cfg.device)
-        # Temperature 0 means greedy on the engine, which then reports temperature-1 logprobs.
+        # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated logprobs.
         self.temperature = temperature if temperature > 0 else 1.0
+        self.top_p, self.top_k = (top_p, top_k) if temperature > 0 else (1.0, 0)
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model: peft.PeftModel = peft.get_peft_model(base, adapters.peft_config(adapter, base))
         self.model.to(self.device)
@@ -138,8 +155,10 @@ class Trainer:
             )
             loss.backward()
             totals.add(loss, stats, (logp.detach() - batch.behaviour).abs(), batch)
-        if totals.diff_tokens[0] == 0:
-            self._rescore_stale(samples, totals)
+        if totals.diff_tokens[0] == 0 or self.adapter.dropout > 0:
+            # No fresh token, or the training forward ran with dropout: measure agreement apart.
+            totals.diff[0], totals.diff_tokens[0] = 0.0, 0
+            self._rescore(samples, totals)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             # An update now would put NaN into the adapter that the engine serves next.
@@ -157,17 +176,19 @@ class Trainer:
             del self._snapshots[old]
 
     @torch.no_grad()
-    def _rescore_stale(self, samples: list[Sample], totals: _Totals) -> None:
-        """Engine-vs-trainer agreement when every sample is stale (overlapped modes): re-score a few
-        samples under the exact adapter version that generated them, so `logprob_diff` measures
-        numerics every step rather than policy drift."""
-        chosen = [s for s in samples if s.version_start == s.version_end in self._snapshots][:RESCORE_SAMPLES]
+    def _rescore(self, samples: list[Sample], totals: _Totals) -> None:
+        """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples, spread over
+        the step's groups, each under the exact adapter version that generated it, so `logprob_diff`
+        measures numerics every step (not policy drift) even when every sample is stale."""
+        chosen = spread_over_groups(
+            [s for s in samples if s.version_start == s.version_end in self._snapshots], RESCORE_SAMPLES)
         current = [p.detach().clone() for p in self.params]
         was_training = self.model.training
         self.model.eval()
         try:
             for version in sorted({s.version_start for s in chosen}):
-                for p, old in zip(self.params, self._snapshots[version], strict=True):
+                weights = current if version == self.version else self._snapshots[version]  # not stepped yet
+                for p, old in zip(self.params, weights, strict=True):
                     p.copy_(old)
                 batch = self._collate([s for s in chosen if s.version_start == version])
                 diff = (self._logprobs(batch) - batch.behaviour).abs()[batch.loss_mask]
@@ -215,11 +236,11 @@ class Trainer:
         return out
 
     def _logprobs(self, batch: _Batch) -> Tensor:
-        """[B, T] log_softmax(logits / T) of the next token, from position `start` on."""
+        """[B, T] logprob of the next token under the sampling distribution, from position `start` on."""
         keep = batch.input_ids.shape[1] - batch.start  # skip lm_head on prompt positions no one needs
         out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep)
         logp = torch.log_softmax(out.logits[:, :-1].float() / self.temperature, dim=-1)
-        return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+        return truncated_logprobs(logp, batch.targets, self.top_p, self.top_k)
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: _Batch) -> Tensor:
@@ -272,8 +293,9 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def save(self, directory: str | Path) -> Path:
-        """Adapter in peft's format, optimizer state and trainer state (version, RNG)."""
+    def save(self, directory: str | Path, run_state: dict | None = None) -> Path:
+        """Adapter in peft's format, optimizer state and trainer state (version, RNG, and the run's
+        own `run_state`, e.g. where the prompt stream stands, which `load` returns)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(directory)
@@ -285,12 +307,14 @@ class Trainer:
                 "torch": torch.get_rng_state().tolist(),
                 "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
             },
+            "run": run_state or {},
         }
         (directory / STATE_FILE).write_text(json.dumps(state))
         return directory
 
-    def load(self, directory: str | Path) -> None:
-        """Restore what `save` wrote, so training continues exactly where it stopped."""
+    def load(self, directory: str | Path) -> dict:
+        """Restore what `save` wrote, so training continues exactly where it stopped; returns the
+        saved `run_state`."""
         directory = Path(directory)
         weights = peft.utils.load_peft_weights(str(directory), device=str(self.device))
         expected = set(peft.get_peft_model_state_dict(self.model))
@@ -308,6 +332,7 @@ class Trainer:
         self._snapshots.clear()
         self._snapshot()
         self._set_rng(state["rng"])
+        return state.get("run", {})
 
     @classmethod
     def resume(

@@ -1,4 +1,4 @@
-"""Orbit's embedded engine (DESIGN §4): its own decoder, KV cache, continuous batching, prefix
+"""Orbit's embedded engine (docs/design.md §4): its own decoder, KV cache, continuous batching, prefix
 cache and two adapter slots, in its own process.
 
     model.py      decoder for Llama/Qwen2 checkpoints (plain tensors, fused projections)

@@ -34,12 +34,19 @@ from orbit.engine.embedded.process import EngineInfo, engine_main
 
 _POLL_S = 0.2
 _STARTUP_TIMEOUT_S = 600.0
+# Control calls wait for one engine step plus their own work (milliseconds to seconds); an engine
+# that stays silent this long is hung (e.g. stopped), not busy.
+CALL_TIMEOUT_S = 300.0
+_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_context: int | None = None,
                           dtype: str = "float32", device: str = "cpu", threads: int = 1, seed: int = 0,
-                          prefix_cache_size: int = 64, max_prefill_tokens: int = 4096) -> EmbeddedClient:
-    """Spawn the engine process on a Hugging Face checkpoint directory and return its client."""
+                          prefix_cache_size: int = 64, max_prefill_tokens: int = 4096,
+                          call_timeout_s: float = CALL_TIMEOUT_S) -> EmbeddedClient:
+    """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
+
+    `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError)."""
     options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
                             seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens)
     ctx = mp.get_context("spawn")
@@ -61,7 +68,7 @@ def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_
     if kind != "ready":
         process.join(5)
         raise payload
-    return EmbeddedClient(process, commands, reader, payload)
+    return EmbeddedClient(process, commands, reader, payload, call_timeout_s)
 
 
 class EmbeddedClient:
@@ -72,8 +79,9 @@ class EmbeddedClient:
     loads_while_paused = True  # a slot can be overwritten under paused requests (they continue on it)
     flush_while_running = True  # flush_cache works in any state
 
-    def __init__(self, process, commands, results, info: EngineInfo) -> None:
+    def __init__(self, process, commands, results, info: EngineInfo, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.info = info
+        self.call_timeout_s = call_timeout_s
         self._process = process
         self._commands = commands
         self._results = results
@@ -102,8 +110,15 @@ class EmbeddedClient:
             self._commands.put((kind, key, payload))
         return fut
 
-    def _call(self, method: str, *args: object) -> object:
-        return self._submit("call", (method, args)).result()
+    def _call(self, method: str, *args: object, timeout: float | None = None) -> object:
+        timeout = self.call_timeout_s if timeout is None else timeout
+        fut = self._submit("call", (method, args))
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise EngineDeadError(f"engine process {self.pid} did not answer {method} within {timeout:g} s "
+                                  f"(alive: {self._process.is_alive()}); it is hung") from None
 
     def _read(self) -> None:
         try:
@@ -219,20 +234,21 @@ class EmbeddedClient:
     def resume_memory(self) -> None:
         self._call("resume_memory")
 
-    def stats(self) -> EngineStats:
-        return self._call("stats")  # type: ignore[return-value]
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        return self._call("stats", timeout=timeout)  # type: ignore[return-value]
 
     def shutdown(self) -> None:
-        """Abort what is in flight, stop the process. Idempotent."""
+        """Abort what is in flight, stop the process (killed if it does not stop: a hung or stopped
+        process must not hold the caller). Idempotent."""
         self._closing = True
         try:
-            self._call("shutdown")
+            self._call("shutdown", timeout=_SHUTDOWN_TIMEOUT_S)
         except EngineDeadError:
             pass
-        self._process.join(5)
+        self._process.join(_SHUTDOWN_TIMEOUT_S)
         if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
+            self._process.kill()  # SIGKILL: a SIGSTOPped process ignores SIGTERM until continued
+            self._process.join(_SHUTDOWN_TIMEOUT_S)
         self._fail_all(EngineDeadError("engine was shut down"))
         self._commands.close()
 

@@ -5,7 +5,7 @@ between steps, so a control call always sees the engine between two forwards. A 
 waiting requests into free KV rows and prefill them (prefix-cache hits and duplicate prompts
 skip the forward), then one batched decode forward over every running row.
 
-Slot rules (DESIGN §3):
+Slot rules (docs/design.md §3):
 - `generate(slot=ACTIVE)` binds the request to the active slot at submission; the binding never
   changes. `version_start` is the bound slot's (or base) version when the request is admitted;
   `version_end` is that same slot's (or base) version when it finishes, so the two differ only

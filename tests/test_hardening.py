@@ -1,0 +1,333 @@
+"""A run never hangs without a word and never leaves a broken run directory: Ctrl-C, engine death,
+silent stalls, endless aborts, failed starts, exact resume (embedded engine, tiny model)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+from run_helpers import patched, run_metrics
+from safetensors.torch import load_file
+
+import orbit.run
+from orbit.config import parse_recipe
+from orbit.engine.base import EngineDeadError
+from orbit.rollout.buffer import GroupBuffer, RolloutError
+from orbit.rollout.producer import Admission, Producer
+from orbit.run import Interrupted, RunStopped, train
+from orbit.train.trainer import STATE_FILE
+
+
+def _recipe(model: Path, out: Path, **patch) -> dict:
+    data = {
+        "model": str(model),
+        "adapter": {"type": "lora", "r": 4, "alpha": 8},
+        "engine": {"max_inflight": 16, "max_running": 16},
+        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
+        "trainer": {"lr": 0.01, "steps": 4, "save_every": 1000},
+        "mode": "double-buffer",
+        "out": str(out),
+        "seed": 1,
+    }
+    return patched(data, patch)
+
+
+def _saved_version(run_dir: Path) -> int | None:
+    state = run_dir / "adapter" / STATE_FILE
+    return yaml.safe_load(state.read_text())["version"] if state.exists() else None
+
+
+def _capture_engine(monkeypatch) -> list:
+    """The engines `train` starts (to kill or stop one from the test)."""
+    started: list = []
+    real = orbit.run.start_engine
+
+    def start(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        started.append(engine)
+        return engine
+
+    monkeypatch.setattr(orbit.run, "start_engine", start)
+    return started
+
+
+def _when(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
+    """SIGINT at random moments: the saved adapter's version always equals the last metrics line's,
+    and --resume carries on from exactly there (no step trained without a line)."""
+    rng = random.Random(0)
+    for trial in range(6):
+        run_dir = tmp_path / f"t{trial}"
+        recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 200}))
+        started = time.monotonic()
+
+        def interrupt(delay=rng.uniform(0.3, 1.5), run_dir=run_dir):
+            _when(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size)
+            time.sleep(delay)  # somewhere inside a later step: waiting, training, pushing or writing
+            os.kill(os.getpid(), signal.SIGINT)
+
+        killer = threading.Thread(target=interrupt, daemon=True)
+        killer.start()
+        with pytest.raises(Interrupted) as err:
+            train(recipe, live=False)
+        killer.join()
+        rows = run_metrics(run_dir)
+        saved = _saved_version(run_dir)
+        assert saved == rows[-1]["version"] == len(rows), f"trial {trial}: adapter {saved}, lines {len(rows)}"
+        assert f"step {saved}" in str(err.value) and "--resume" in str(err.value)
+        assert time.monotonic() - started < 60
+    # and the last one resumes from its checkpoint, numbering on
+    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": saved + 2}))
+    train(recipe, resume=True, live=False)
+    assert [r["step"] for r in run_metrics(run_dir)] == list(range(saved + 2))
+
+
+def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama, monkeypatch):
+    def interrupted_start(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orbit.run, "start_engine", interrupted_start)
+    with pytest.raises(Interrupted, match="during start-up: nothing was trained"):
+        train(parse_recipe(_recipe(tiny_llama, tmp_path / "run")), live=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_during_start_up_on_the_command_line(tmp_path, tiny_llama):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, tmp_path / "run")))
+    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # still importing torch/transformers or starting the engine
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "nothing was trained" in " ".join(err.split()) and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---- an engine that dies or goes silent ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_engine_death_saves_the_newest_adapter_on_the_command_line(tmp_path, tiny_llama):
+    """Engine killed after 3 steps: orbit exits within 2 s with one clear line (no traceback), leaves
+    nothing running, and the adapter of its last step is saved with that step's metrics line."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, trainer={"steps": 500})))
+    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3, timeout=120)
+        engines = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(c.cmdline())]
+        assert engines, "no engine process found"
+        killed = time.monotonic()
+        for e in engines:
+            e.kill()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - killed
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert took < 2.0 + 1.0, f"took {took:.1f} s to notice the dead engine"  # + interpreter exit
+    flat = " ".join(err.split())
+    assert "the engine died" in flat and "died (exit code" in flat and "Traceback" not in err
+    rows = run_metrics(run_dir)
+    assert _saved_version(run_dir) == rows[-1]["version"] >= 3
+    assert not [c for c in engines if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+class _GoesSilent:
+    """A real task whose prompt stream stops yielding (without an error) after `n` prompts."""
+
+    def __init__(self, task, n: int) -> None:
+        self.task, self.n, self.name, self.score = task, n, task.name, task.score
+
+    def prompts(self, seed, split="train"):
+        for i, p in enumerate(self.task.prompts(seed, split)):
+            if i == self.n:
+                time.sleep(6)  # silent: nothing in flight, nothing arriving, no error
+            yield p
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llama, monkeypatch):
+    """The producer goes quiet: the run stops after stall_timeout_s with what was seen (in flight,
+    grants left, the engine's state), saves the adapter of its last step and leaves nothing running."""
+    real = orbit.run.make_task
+    monkeypatch.setattr(orbit.run, "make_task", lambda *a: _GoesSilent(real(*a), n=6))
+    engines = _capture_engine(monkeypatch)
+    run_dir = tmp_path / "run"
+    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 1.5}))
+    with pytest.raises(RunStopped) as err:
+        train(recipe, live=False)
+    message = " ".join(str(err.value).split())
+    assert "rollouts cannot go on: no rollout arrived for" in message and "(rollout.stall_timeout_s: 1.5)" in message
+    assert "0 group(s) in flight (0 request(s))" in message and "grant(s) left" in message
+    assert "engine: 0 running, 0 waiting, not paused" in message
+    assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] == 3
+    assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeypatch):
+    """SIGSTOP: the engine is alive but silent. Whatever the trainer was doing (waiting for rollouts or
+    pushing), the run stops within about stall_timeout_s, names the engine, saves, and kills it."""
+    engines = _capture_engine(monkeypatch)
+    run_dir = tmp_path / "run"
+    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 2}))
+
+    def stop_engine():
+        _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2)
+        os.kill(engines[0].pid, signal.SIGSTOP)
+
+    threading.Thread(target=stop_engine, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(RunStopped) as err:
+        train(recipe, live=False)
+    message = " ".join(str(err.value).split())
+    assert (f"engine process {engines[0].pid} did not answer" in message and "it is hung" in message) or (
+        "no rollout arrived" in message and "engine: no answer within 2 s" in message), message
+    assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
+    assert time.monotonic() - t0 < 30
+    assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
+    """Every request aborted (a pause in abort mode, again and again): after max_attempts the producer
+    stops with the prompt and the last finish reason instead of resubmitting for ever."""
+    from transformers import AutoTokenizer
+
+    from orbit.engine.base import SamplingParams
+    from orbit.engine.embedded import start_embedded_engine
+    from orbit.tasks.pattern import PatternTask
+
+    task = PatternTask(AutoTokenizer.from_pretrained(tiny_llama))
+    with start_embedded_engine(tiny_llama, max_running=8) as engine:
+        buffer = GroupBuffer(None)
+        producer = Producer(engine, task, SamplingParams(max_new_tokens=200, ignore_eos=True), 2, buffer, 8,
+                            Admission(1, 0), seed=0, max_attempts=3)
+        stop = threading.Event()
+
+        def abort_everything():
+            while not stop.is_set():
+                engine.pause_generation("abort")
+                engine.continue_generation()
+                time.sleep(0.01)
+
+        aborter = threading.Thread(target=abort_everything, daemon=True)
+        aborter.start()
+        producer.grant(1)
+        producer.start()
+        try:
+            with pytest.raises(RolloutError) as err:
+                buffer.take(1, 0, stall_s=30)
+        finally:
+            stop.set()
+            aborter.join()
+            producer.stop()
+    cause = str(err.value.__cause__)
+    assert "prompt 'pattern-" in cause and "aborted 3 times" in cause and "rollout.max_attempts: 3" in cause
+    assert "last finish reason 'abort'" in cause
+
+
+def test_stall_error_from_a_producer_that_never_gets_an_answer():
+    """Unit test of the buffer's bound: nothing in flight ever answers."""
+    from concurrent.futures import Future
+
+    from orbit.engine.base import EngineStats, SamplingParams
+    from orbit.tasks.pattern import PatternTask
+
+    class Silent:  # a test double for one piece: an engine whose requests never finish
+        def generate(self, *a, **k):
+            return Future()
+
+        def stats(self):
+            return EngineStats(running=2, waiting=0, paused=False, active_slot=0)
+
+    class Tok:
+        eos_token_id = 0
+
+        def encode(self, text, add_special_tokens=False):
+            return [1, 2, 3]
+
+    buffer = GroupBuffer(1)
+    producer = Producer(Silent(), PatternTask(Tok()), SamplingParams(), 2, buffer, 8, Admission(1, 1), seed=0)
+    buffer.describe = producer.describe
+    producer.grant(3)
+    producer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError) as err:
+        buffer.take(1, 0, stall_s=1.0)
+    producer.stop()
+    assert time.monotonic() - t0 < 5
+    msg = str(err.value)
+    assert "no rollout arrived for 1 s" in msg and "2 group(s) in flight (4 request(s))" in msg
+    assert "engine: 2 running, 0 waiting, not paused" in msg and "grant(s) left" in msg
+
+
+# ---- failed starts, resume -----------------------------------------------------------------------------
+
+
+def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypatch):
+    run_dir = tmp_path / "run"
+    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 2}))
+
+    def broken(*args, **kwargs):
+        raise EngineDeadError("engine process failed to start (exit code 1)")
+
+    with monkeypatch.context() as m:
+        m.setattr(orbit.run, "start_engine", broken)
+        with pytest.raises(EngineDeadError):
+            train(recipe, live=False)
+    assert not run_dir.exists()
+    # --resume of a run that never stepped says so
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")  # what older versions left behind
+    with pytest.raises(orbit.run.RecipeError, match="never completed a step, so there is nothing to resume"):
+        train(recipe, resume=True, live=False)
+    # and the plain re-run just works
+    assert train(recipe, live=False).steps_done == 2
+
+
+@pytest.mark.parametrize("mode", ["sync-adapter", "sync"])
+def test_a_serial_run_resumed_equals_the_run_never_stopped(tmp_path, tiny_llama, mode):
+    """Fixed seeds, embedded engine: stop at step 2, resume to 4 — steps 2 and 3 and the final adapter
+    are those of the uninterrupted run (no prompt replayed or skipped, the same random state)."""
+    patch = dict(mode=mode, adapter={"dropout": 0.1}, rollout={"max_new_tokens": 10})
+    whole = tmp_path / "whole"
+    train(parse_recipe(_recipe(tiny_llama, whole, trainer={"steps": 4}, **patch)), live=False)
+    part = tmp_path / "part"
+    train(parse_recipe(_recipe(tiny_llama, part, trainer={"steps": 2}, **patch)), live=False)
+    train(parse_recipe(_recipe(tiny_llama, part, trainer={"steps": 4}, **patch)), resume=True, live=False)
+    a, b = run_metrics(whole), run_metrics(part)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for x, y in zip(a, b, strict=True):
+        assert x["reward_mean"] == y["reward_mean"] and x["tokens_generated"] == y["tokens_generated"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
+    wa, wb = load_file(whole / "adapter" / "adapter_model.safetensors"), load_file(part / "adapter" /
+                                                                                    "adapter_model.safetensors")
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    assert any(float(t.abs().max()) > 0 for k, t in wa.items() if "lora_B" in k)  # it trained
+    assert torch.equal(torch.tensor([r["version"] for r in a]), torch.tensor([1, 2, 3, 4]))
