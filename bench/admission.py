@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from statistics import median
 import shutil
 import sys
 import tempfile
@@ -44,7 +45,8 @@ def measure(recipe_path: Path, mode: str, k: int, admission: str, steps: int | N
         "staleness_max": max(r["staleness_max"] for r in rows),
         "staleness_bound_held": all(r["staleness_max"] <= k for r in rows),
         "waste_frac": wasted / generated if generated else 0.0,
-        "useful_tok_s": sum(r["trained_tokens"] for r in rows) / result.seconds,
+        # per step, past the pipeline's first two steps (engine warm-up, the first batches' fill)
+        "useful_tok_s": median(r["useful_tok_per_dev_s"] for r in rows[2:]),
         "reward_first_quarter": _mean([r["reward_mean"] for r in rows[: len(rows) // 4]]),
         "reward_last_quarter": _mean([r["reward_mean"] for r in rows[-(len(rows) // 4):]]),
         "seconds": result.seconds,
