@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from statistics import median
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 from rich.console import Console
 from rich.table import Table
