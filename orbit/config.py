@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
@@ -39,13 +39,42 @@ class AdapterConfig(_Section):
     )
 
 
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+
+
 class EngineConfig(_Section):
     backend: Literal["embedded", "sglang"] = "embedded"
-    max_inflight: int = Field(32, ge=1, le=4096, description="requests the producer keeps in flight")
-    max_running: int = Field(32, ge=1, le=4096, description="requests the engine decodes at once")
+    max_inflight: int = Field(32, ge=1, le=4096, description="requests the producer keeps in flight, per engine")
+    max_running: int = Field(32, ge=1, le=4096, description="requests an engine decodes at once")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    threads: int = Field(1, ge=1, le=256, description="torch threads of the engine process")
+    device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    threads: int = Field(1, ge=1, le=256, description="torch threads of each engine process")
+    replicas: int | None = Field(None, ge=1, le=64, description="engines in the pool; default: one per entry "
+                                 "of devices, else 1")
+    devices: list[Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(
+        None, description="one device per engine, e.g. [cuda:1, cuda:2]; default: device for every engine")
+    flip: Literal["independent", "barrier"] = Field(
+        "independent", description="independent: each engine loads and flips on its own and the trainer waits "
+        "for none; barrier: pause all, load all, activate all, continue all while the trainer waits")
+    slots: int = Field(2, ge=2, le=16, description="adapter slots per engine, a ring (2: the classic double buffer)")
+
+    @model_validator(mode="after")
+    def _replicas_and_devices(self) -> EngineConfig:
+        if self.devices is not None and self.replicas is not None and len(self.devices) != self.replicas:
+            raise ValueError(f"engine.devices: {len(self.devices)} device(s) for engine.replicas {self.replicas}; "
+                             "give one device per engine (or leave replicas unset)")
+        if self.devices is not None and not self.devices:
+            raise ValueError("engine.devices: empty; give one device per engine, or leave it unset")
+        return self
+
+    @property
+    def engines(self) -> int:
+        """How many engines the pool has."""
+        return self.replicas or (len(self.devices) if self.devices else 1)
+
+    def engine_devices(self) -> list[str]:
+        """The device of each engine of the pool."""
+        return list(self.devices) if self.devices else [self.device] * self.engines
 
 
 class RolloutConfig(_Section):
@@ -84,7 +113,7 @@ class TrainerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0)
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=1, description="checkpoint the adapter every N steps")
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    device: str = Field("cpu", pattern=DEVICE_PATTERN)
     threads: int = Field(1, ge=1, le=256)
     micro_batch: int = Field(0, ge=0, description="samples per forward/backward; 0 = the whole batch")
     loss: LossConfig = Field(default_factory=LossConfig)

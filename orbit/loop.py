@@ -25,14 +25,16 @@ from statistics import fmean
 
 from rich.console import Console
 
-from orbit.engine.base import Engine, EngineStats
+from orbit.engine.base import EngineStats
+from orbit.engine.pool import EnginePool
 from orbit.metrics import JsonlWriter, LiveView, StepMetrics, Timeline
 from orbit.modes import Mode
 from orbit.rollout.buffer import GroupBuffer
 from orbit.rollout.producer import Producer
 from orbit.rollout.sample import Sample
-from orbit.sync import Push, PushResult
+from orbit.sync import PushResult
 from orbit.train.trainer import StepResult, Trainer
+from orbit.updaters import PoolPush
 
 LOGPROB_WARN = 1e-2  # engine and trainer disagree on the same tokens by more than rounding
 
@@ -40,11 +42,11 @@ LOGPROB_WARN = 1e-2  # engine and trainer disagree on the same tokens by more th
 @dataclass
 class LoopParts:
     mode: Mode
-    engine: Engine
+    engine: EnginePool
     trainer: Trainer
     producer: Producer
     buffer: GroupBuffer
-    push: Push
+    push: PoolPush
     metrics: JsonlWriter
     timeline: Timeline
     run_dir: Path
@@ -55,7 +57,6 @@ class LoopParts:
     live: bool = True
     stall_s: float | None = None  # rollout.stall_timeout_s
     run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
-    engines: int = 1  # engine devices, for the per-device figures
 
 
 def run_steps(p: LoopParts) -> None:
@@ -64,7 +65,7 @@ def run_steps(p: LoopParts) -> None:
     with LiveView(p.mode.name, p.steps, p.trainer.version, enabled=p.live) as view:
         while p.trainer.version < p.steps:
             m, flipped = one_step(p, serial)
-            view.update(m, flipped)
+            view.update(m, flipped, p.engine.versions())
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
                     f"[bold red]WARNING[/] step {m.step}: engine and trainer logprobs differ by "
@@ -101,7 +102,6 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
                 p.engine.resume_memory()
             with p.timeline.span("trainer", "push", p.trainer.version, push=p.push.name):
                 pushed = p.push.push(p.engine, p.trainer, p.timeline)
-            p.producer.set_version(p.trainer.version)
             if p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps:
                 with p.timeline.span("trainer", "save", p.trainer.version):
                     p.trainer.save(p.run_dir / "adapter", p.run_state())
@@ -121,6 +121,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
              counts: tuple[int, int]) -> StepMetrics:
     step_s = time.time() - t_step
     tokens = after.tokens_generated - before.tokens_generated
+    engines = len(p.engine.members)  # engine devices: the per-device figures divide by all of them
+    lag = p.engine.flip_lag()
     trained_tokens = sum(sum(s.loss_mask) for s in samples)
     wasted = batch.dropped_tokens + p.producer.counts.aborted_tokens - counts[1]
     staleness = [s.staleness(version) for s in samples]
@@ -130,7 +132,7 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         version=p.trainer.version,
         update_weights_s=pushed.seconds,
         train_wait_s=wait_s,
-        rollout_tok_per_dev_s=tokens / step_s / p.engines,
+        rollout_tok_per_dev_s=tokens / step_s / engines,
         step_s=step_s,
         staleness_mean=fmean(staleness),
         staleness_max=max(staleness),
@@ -152,7 +154,9 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         clip_frac=_finite(result.clip_frac),
         trained_tokens=trained_tokens,
         waste_frac=wasted / tokens if tokens else 0.0,
-        useful_tok_per_dev_s=trained_tokens / step_s / p.engines,
+        useful_tok_per_dev_s=trained_tokens / step_s / engines,
+        flip_lag_s=lag[1] if lag is not None else None,
+        engines_alive=len(p.engine.alive()),
         extra=task_figures(samples),
     )
 
@@ -171,7 +175,7 @@ def task_figures(samples: list[Sample]) -> dict:
     return out
 
 
-def _stats_or(engine: Engine, fallback: EngineStats) -> EngineStats:
+def _stats_or(engine: EnginePool, fallback: EngineStats) -> EngineStats:
     """The engine's counters, or the step's starting ones when it cannot answer (it died)."""
     try:
         return engine.stats()

@@ -19,6 +19,7 @@ METRIC_FIELDS = (
     "mode", "step", "version", "update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s",
     "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
     "stale_dropped", "ratio_mean", "ratio_max", "clip_frac", "waste_frac", "useful_tok_per_dev_s",
+    "flip_lag_s", "engines_alive",
 )
 
 
@@ -52,6 +53,8 @@ class StepMetrics:
     trained_tokens: int = 0  # model tokens of the samples trained on
     waste_frac: float = 0.0  # tokens of dropped or aborted samples / tokens generated in the step
     useful_tok_per_dev_s: float = 0.0  # trained tokens / step_s / engines
+    flip_lag_s: float | None = None  # from the push of the newest version every engine serves to its last flip
+    engines_alive: int = 1
     extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
 
     def to_json(self) -> str:
@@ -133,6 +136,7 @@ class LiveView:
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
         self.flips = 0
         self.last: StepMetrics | None = None
+        self.versions: list[int | None] = []
         self._live = Live(self._render(), refresh_per_second=4) if enabled else None
 
     def __enter__(self) -> LiveView:
@@ -144,9 +148,10 @@ class LiveView:
         if self._live:
             self._live.__exit__(*exc)
 
-    def update(self, m: StepMetrics, flipped: bool) -> None:
+    def update(self, m: StepMetrics, flipped: bool, versions: list[int | None] | None = None) -> None:
         self.flips += int(flipped)
         self.last = m
+        self.versions = versions or []
         self.progress.update(self.task, completed=m.step + 1)
         if self._live:
             self._live.update(self._render())
@@ -154,7 +159,7 @@ class LiveView:
     def _render(self):
         table = Table(box=None, show_header=True, header_style="bold cyan")
         for col in ("step", "reward", "step s", "train wait s", "push s", "staleness", "dropped",
-                    "logprob diff", "flips"):
+                    "logprob diff", "flips", "engine versions"):
             table.add_column(col, justify="right")
         m = self.last
         if m is not None:
@@ -163,5 +168,6 @@ class LiveView:
                 str(m.step), f"{m.reward_mean:.3f}", f"{m.step_s:.2f}", f"{m.train_wait_s:.2f}",
                 f"{m.update_weights_s:.3f}", f"{m.staleness_mean:.2f}/{m.staleness_max}",
                 str(m.stale_dropped), diff, str(self.flips),
+                " ".join("gone" if v is None else f"v{v}" for v in self.versions),
             )
         return RichGroup(self.progress, table)

@@ -44,11 +44,28 @@ def pack_lanes(requests: list[dict]) -> list[int]:
     return lanes
 
 
+def engine_bands(requests: list[dict]) -> tuple[list[int], list[tuple[int, float, float]]]:
+    """Lanes for requests with each engine in a band of its own: (lane per request, and per engine
+    (index, first lane, last lane + 1))."""
+    engines = sorted({r.get("engine", 0) for r in requests})
+    lanes = [0] * len(requests)
+    bands, base = [], 0
+    for engine in engines:
+        idx = [i for i, r in enumerate(requests) if r.get("engine", 0) == engine]
+        packed = pack_lanes([requests[i] for i in idx])
+        for i, lane in zip(idx, packed, strict=True):
+            lanes[i] = base + lane
+        height = max(packed, default=-1) + 1
+        bands.append((engine, base, base + height))
+        base += height + (1 if len(engines) > 1 else 0)  # a gap between bands
+    return lanes, bands
+
+
 def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float) -> None:
     requests = sorted(
         (e for e in events if e["kind"] == "request" and e["t1"] > t0 and e["t0"] < t1), key=lambda e: e["t0"]
     )
-    lanes = pack_lanes(requests)
+    lanes, bands = engine_bands(requests)
     n_lanes = max(lanes, default=-1) + 1
     trainer_y = n_lanes + 1
     for r, lane in zip(requests, lanes, strict=True):
@@ -68,7 +85,17 @@ def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float) -> None:
             ax.broken_barh([(e["t0"] - t0, max(e["t1"] - e["t0"], 1e-3))], (trainer_y + 0.3, 0.6),
                            facecolors=PAUSE_COLOR)
             ax.axvline(e["t1"] - t0, color=PAUSE_COLOR, linestyle="--", linewidth=0.7, alpha=0.7)
-    ax.set_yticks([n_lanes / 2, trainer_y + 0.6], ["engine", "trainer"])
+    for e in events:  # an engine's own flips (or loads) on its band
+        if e["actor"] == "engine" and e["kind"] in ("load_adapter", "lost") and t0 < e["t1"] < t1 and len(bands) > 1:
+            band = next((b for b in bands if b[0] == e.get("engine", 0)), None)
+            if band is not None:
+                color = "black" if e["kind"] == "lost" else PAUSE_COLOR
+                ax.plot([e["t1"] - t0] * 2, [band[1], band[2]], color=color, linewidth=1.2)
+    if len(bands) > 1:
+        ticks = [((lo + hi) / 2, f"engine {i}") for i, lo, hi in bands]
+        ax.set_yticks([y for y, _ in ticks] + [trainer_y + 0.6], [t for _, t in ticks] + ["trainer"])
+    else:
+        ax.set_yticks([n_lanes / 2, trainer_y + 0.6], ["engine", "trainer"])
     ax.set_ylim(-0.5, trainer_y + 1.7)
     m = MODES[mode]
     ax.set_title(f"{mode}  ({m.loop} loop, {m.push} push)", loc="left", fontsize=10)

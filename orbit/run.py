@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from orbit.config import Recipe, RecipeError, dump_recipe
-from orbit.engine import start_engine
+from orbit.engine import start_pool
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.loop import LoopParts, run_steps
 from orbit.metrics import JsonlWriter, Timeline
@@ -28,11 +28,11 @@ from orbit.modes import MODES
 from orbit.rollout.buffer import GroupBuffer, RolloutError
 from orbit.rollout.groups import sampling_params
 from orbit.rollout.producer import Admission, Producer
-from orbit.sync import make_push
 from orbit.tasks import TaskError, make_task
 from orbit.train.trainer import STATE_FILE, Trainer
+from orbit.updaters import PoolPush
 
-RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl")
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log")
 
 
 class Interrupted(Exception):
@@ -62,7 +62,8 @@ class _Run:
     trainer: Trainer
     metrics: JsonlWriter
     timeline: Timeline
-    engine: object = None
+    engine: object = None  # the EnginePool
+    push: PoolPush | None = None
     producer: Producer | None = None
     parts: LoopParts | None = None
     start_version: int = 0
@@ -140,17 +141,20 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
     run = _Run(trainer, JsonlWriter(run_dir / "metrics.jsonl"), Timeline(run_dir / "timeline.jsonl"),
                start_version=trainer.version)
     try:
-        run.engine = engine = start_engine(recipe.engine, recipe.model, recipe.seed, recipe.adapter,
-                                           call_timeout_s=recipe.rollout.stall_timeout_s)
-        push = make_push(mode.push, recipe.adapter.type, engine)
+        run.engine = engine = start_pool(recipe.engine, recipe.model, recipe.seed, recipe.adapter,
+                                         call_timeout_s=recipe.rollout.stall_timeout_s, timeline=run.timeline,
+                                         on_warning=_warner(console, run_dir))
+        # Serial modes stay on-policy: all engines hold the new version before the next batch.
+        run.push = push = PoolPush(mode.push, recipe.adapter.type, engine, recipe.engine.flip, wait_all=serial,
+                                   timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
         push.initial(engine, trainer)
         batch_groups = recipe.rollout.prompts_per_step
         buffer = GroupBuffer(None if serial else recipe.max_staleness)
+        per_engine = recipe.engine.max_inflight * recipe.engine.engines
         producer = Producer(
             engine, task, sampling_params(recipe.rollout, stop_ids), recipe.rollout.group_size, buffer,
             # A serial batch is one barrier: submit all of it at once.
-            max_inflight=max(recipe.engine.max_inflight, batch_groups * recipe.rollout.group_size)
-            if serial else recipe.engine.max_inflight,
+            max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size) if serial else per_engine,
             admission=Admission(batch_groups, 0 if serial else recipe.max_staleness, recipe.rollout.admission),
             seed=recipe.seed, timeline=run.timeline, max_attempts=recipe.rollout.max_attempts,
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
@@ -159,6 +163,7 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         run.producer = producer
         buffer.on_take = producer.wake
         buffer.describe = producer.describe
+        buffer.due_in_flight = producer.due_in_flight
         buffer.on_drop = lambda n: producer.replace_dropped(n, recipe.rollout.replenish)
         if not serial:
             producer.grant((recipe.trainer.steps - trainer.version) * batch_groups)
@@ -182,6 +187,7 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
     trainer = run.trainer
     try:
         run_steps(run.parts)
+        run.push.finish(recipe.rollout.stall_timeout_s)  # the last version reaches the engines; refusals surface
     except KeyboardInterrupt:
         if not _stop(run, run_dir, created, resume):
             raise Interrupted(f"interrupted before the first step: nothing was trained{_left(run_dir, resume)}") \
@@ -216,6 +222,15 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
     return True
 
 
+def _warner(console: Console, run_dir: Path):
+    """Warnings (an engine leaving the pool): on the console and in RUN_DIR/run.log."""
+    def warn(message: str) -> None:
+        console.print(f"[bold yellow]WARNING[/] {message}", highlight=False)
+        with (run_dir / "run.log").open("a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING {message}\n")
+    return warn
+
+
 def _saved(run_dir: Path, version: int) -> str:
     return (f"the adapter of step {version} is saved in {run_dir / 'adapter'}, metrics.jsonl ends at that step; "
             f"continue with `orbit train RECIPE --resume {run_dir}`")
@@ -226,11 +241,14 @@ def _left(run_dir: Path, resume: bool) -> str:
 
 
 def _shutdown(run: _Run) -> None:
-    """Stop submitting, then stop the engine (which aborts what is in flight). Never raises: a
-    dead engine must not hide the real outcome."""
+    """Stop submitting and updating, then stop the engines (which abort what is in flight). Never
+    raises: a dead engine must not hide the real outcome."""
     if run.producer is not None:
         run.producer.stop()
         run.producer = None
+    if run.push is not None:
+        for updater in run.push.updaters:
+            updater.stop()
     engine, run.engine = run.engine, None
     if engine is not None:
         try:

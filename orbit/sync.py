@@ -1,12 +1,18 @@
-"""Push strategies: how a new policy version reaches the engine (docs/design.md §1).
+"""Push strategies: how a new policy version reaches one engine (docs/design.md §1).
 
 - full: merge the adapter into the base weights and ship all of them (`update_weights`).
 - adapter: one slot; pause → flush → overwrite the slot → continue.
-- double-buffer: write the *inactive* slot while the active one keeps serving, then
-  pause → flush → activate → continue; the flip itself moves no tensors.
+- double-buffer: write an inactive slot while the active one keeps serving, then
+  pause → activate → continue; the flip itself moves no tensors. With `engine.slots: S` the slots
+  form a ring and a load goes to the slot inactive longest with no request of its own left.
 - merged: OFT on an engine without OFT slots (SGLang serves LoRA only): the merged weights of
   the OFT-adapted modules only (`merged_weights(only_adapted=True)`), as a full push does. Chosen
   for the adapter and double-buffer modes there; marked `merged_push` in the metrics.
+
+Every strategy is three phases, so that one engine's push (`push`) and a barrier over many engines
+(pool.py: every engine's `prepare`, then every pause, every `apply`, every continue) are the same
+code: `prepare` runs while the engine serves, `apply` while it is paused in `pause_mode` (right
+after `prepare` when `pause_mode` is None).
 
 `make_push` picks the strategy from (the mode's push, the adapter type, the engine's
 capabilities). Engines declare what they cannot do with class attributes (absent = can):
@@ -36,7 +42,7 @@ from orbit.metrics import Timeline
 
 @dataclass
 class PushResult:
-    seconds: float  # update_weights_s: the whole sync call
+    seconds: float  # update_weights_s: how long the push held the trainer
     paused_s: float  # time between pause_generation and continue_generation
     flipped: bool = False
     full: bool = False
@@ -44,7 +50,7 @@ class PushResult:
 
 
 class PolicySource(Protocol):
-    """What a push needs from the trainer."""
+    """What a push needs from the trainer (or from a snapshot of it, pool.py)."""
 
     version: int
 
@@ -55,60 +61,76 @@ class PolicySource(Protocol):
     def merged_weights(self, only_adapted: bool = False) -> dict: ...
 
 
-class Push(Protocol):
-    name: str
+def _event(timeline: Timeline | None, kind: str, t0: float, version: int, engine: int, **extra) -> None:
+    if timeline is not None:
+        timeline.event("engine", kind, t0, time.time(), version, engine=engine, **extra)
+
+
+class Push:
+    """One engine's push, in phases (see the module docstring). Subclasses set the class attributes
+    and override `prepare` / `apply`."""
+
+    name = "push"
+    pause_mode: PauseMode | None = "retract"
+    flips = False
+    full = False
+    merged = False
+
+    def __init__(self, engine_index: int = 0) -> None:
+        self.engine_index = engine_index  # tags this engine's timeline events
 
     def initial(self, engine: Engine, policy: PolicySource) -> None:
         """Put the starting policy into the engine before any generation."""
-        ...
+        raise NotImplementedError
 
-    def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult: ...
+    def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
+        """What can be done while the engine serves."""
+
+    def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
+        """What must be done while it is paused in `pause_mode`."""
+
+    def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult:
+        """The whole push on this engine: prepare, pause, apply, continue."""
+        t0 = time.time()
+        self.prepare(engine, policy, timeline)
+        paused = 0.0
+        if self.pause_mode is None:
+            self.apply(engine, policy, timeline)
+        else:
+            t_pause = time.time()
+            engine.pause_generation(self.pause_mode)
+            try:
+                self.apply(engine, policy, timeline)
+            finally:
+                engine.continue_generation()
+            paused = time.time() - t_pause
+            _event(timeline, "paused", t_pause, policy.version, self.engine_index, mode=self.pause_mode)
+        return self.result(time.time() - t0, paused)
+
+    def result(self, seconds: float, paused_s: float) -> PushResult:
+        return PushResult(seconds, paused_s, flipped=self.flips, full=self.full, merged=self.merged)
+
+    def _load(self, engine: Engine, slot: int, policy: PolicySource, timeline: Timeline | None) -> None:
+        """Write the policy's adapter into `slot`, recorded as a `load_adapter` span: the span is the
+        trainer side's view (transfer included); `written` is the engine's own time of the write, the
+        moment no request on that slot may be running."""
+        t0 = time.time()
+        written = engine.load_adapter(slot, policy.adapter_tensors(), policy.adapter_config(), policy.version)
+        _event(timeline, "load_adapter", t0, policy.version, self.engine_index, slot=slot, written=written)
 
 
-def _paused(engine: Engine, mode: PauseMode, change, timeline: Timeline | None, version: int,
-            flush: bool = True) -> float:
-    """pause → flush → change() → continue; returns the paused seconds."""
-    t0 = time.time()
-    engine.pause_generation(mode)
-    try:
-        if flush:
-            engine.flush_cache()
-        change()
-    finally:
-        engine.continue_generation()
-    t1 = time.time()
-    if timeline:
-        timeline.event("engine", "paused", t0, t1, version, mode=mode)
-    return t1 - t0
-
-
-def _load(engine: Engine, slot: int, policy: PolicySource, timeline: Timeline | None, tensors=None, config=None):
-    """Write the policy's adapter into `slot`, recorded on the timeline as a `load_adapter` span.
-
-    The span is the trainer's view of the call (transfer included); `written` is the engine's own
-    time of the write, the moment no request on that slot may be running."""
-    tensors = policy.adapter_tensors() if tensors is None else tensors
-    config = policy.adapter_config() if config is None else config
-    t0 = time.time()
-    written = engine.load_adapter(slot, tensors, config, policy.version)
-    if timeline:
-        timeline.event("engine", "load_adapter", t0, time.time(), policy.version, slot=slot, written=written)
-
-
-class FullPush:
+class FullPush(Push):
     name = "full"
+    full = True
     only_adapted = False  # all of the model's weights
 
     def initial(self, engine: Engine, policy: PolicySource) -> None:
         engine.update_weights(policy.merged_weights(only_adapted=self.only_adapted), policy.version)
         engine.activate(None)
 
-    def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult:
-        t0 = time.time()
-        tensors = policy.merged_weights(only_adapted=self.only_adapted)
-        paused = _paused(engine, "retract", lambda: engine.update_weights(tensors, policy.version),
-                         timeline, policy.version)
-        return PushResult(time.time() - t0, paused, full=not self.only_adapted, merged=self.only_adapted)
+    def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
+        engine.flush_cache()
+        engine.update_weights(policy.merged_weights(only_adapted=self.only_adapted), policy.version)
 
 
 class MergedPush(FullPush):
@@ -120,65 +142,81 @@ class MergedPush(FullPush):
     """
 
     name = "merged"
+    full = False
+    merged = True
     only_adapted = True
 
 
-class AdapterPush:
+class AdapterPush(Push):
     name = "adapter"
     slot = 0
 
-    def __init__(self, load_while_paused: bool = True) -> None:
+    def __init__(self, engine_index: int = 0, load_while_paused: bool = True) -> None:
+        super().__init__(engine_index)
         self.load_while_paused = load_while_paused
+        # Where the engine cannot load under paused requests, it swaps the slot while generation runs:
+        # requests on it finish on the old adapter, new ones wait for the new one (no pause, no recompute).
+        self.pause_mode = "retract" if load_while_paused else None
 
     def initial(self, engine: Engine, policy: PolicySource) -> None:
         engine.load_adapter(self.slot, policy.adapter_tensors(), policy.adapter_config(), policy.version)
         engine.activate(self.slot)
 
-    def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult:
-        t0 = time.time()
-        tensors, config = policy.adapter_tensors(), policy.adapter_config()
-        if not self.load_while_paused:
-            # The engine swaps the slot while generation runs: requests on it finish on the old
-            # adapter, new ones wait for the new one (nothing is paused, nothing recomputed).
-            _load(engine, self.slot, policy, timeline, tensors, config)
-            return PushResult(time.time() - t0, 0.0)
-        paused = _paused(
-            engine, "retract", lambda: _load(engine, self.slot, policy, timeline, tensors, config),
-            timeline, policy.version,
-        )
-        return PushResult(time.time() - t0, paused)
+    def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
+        if self.load_while_paused:
+            engine.flush_cache()
+        self._load(engine, self.slot, policy, timeline)
 
 
-class DoubleBufferPush:
+class DoubleBufferPush(Push):
     name = "double-buffer"
+    pause_mode = "in_place"
+    flips = True
 
-    def __init__(self, flush: bool = True) -> None:
-        self.active = 0
+    def __init__(self, engine_index: int = 0, slots: int = 2, flush: bool = True) -> None:
+        super().__init__(engine_index)
+        self.slots = slots
         self.flush = flush  # False where flush_cache refuses running requests (its cache is per adapter load)
+        self.active = 0
+        self.target = 1
+        self._deactivated = [0] * slots  # the flip count at which each slot last stopped being active
+        self._flips = 0
 
     def initial(self, engine: Engine, policy: PolicySource) -> None:
         engine.load_adapter(self.active, policy.adapter_tensors(), policy.adapter_config(), policy.version)
         engine.activate(self.active)
 
-    def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult:
-        t0 = time.time()
-        inactive = 1 - self.active
-        # The active slot keeps serving while the inactive one is written.
-        _load(engine, inactive, policy, timeline)
-        paused = _paused(engine, "in_place", lambda: engine.activate(inactive), timeline, policy.version,
-                         flush=self.flush)
-        self.active = inactive
-        return PushResult(time.time() - t0, paused, flipped=True)
+    def choose_slot(self, engine: Engine) -> int:
+        """The ring: the slot inactive longest among those with no request of their own left, else
+        the one inactive longest (its requests are then aborted, or waited for, by the engine)."""
+        busy = engine.stats().slot_requests
+        others = [s for s in range(self.slots) if s != self.active]
+        return min(others, key=lambda s: (busy[s] > 0 if s < len(busy) else False, self._deactivated[s]))
+
+    def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
+        # The active slot keeps serving while another one is written.
+        self.target = self.choose_slot(engine)
+        self._load(engine, self.target, policy, timeline)
+
+    def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
+        if self.flush:
+            engine.flush_cache()
+        engine.activate(self.target)
+        self._flips += 1
+        self._deactivated[self.active] = self._flips
+        self.active = self.target
 
 
-def make_push(name: str, adapter_type: str = "lora", engine: Engine | None = None) -> Push:
-    """The push for a mode's `push` on this adapter type and engine (see the module docstring)."""
+def make_push(name: str, adapter_type: str = "lora", engine: Engine | None = None, engine_index: int = 0) -> Push:
+    """One engine's push for a mode's `push` on this adapter type and engine (module docstring)."""
     if name == "full":
-        return FullPush()
+        return FullPush(engine_index)
     if adapter_type == "oft" and not getattr(engine, "supports_oft_slots", True):
-        return MergedPush()
+        return MergedPush(engine_index)
     if name == "adapter":
-        return AdapterPush(load_while_paused=getattr(engine, "loads_while_paused", True))
+        return AdapterPush(engine_index, load_while_paused=getattr(engine, "loads_while_paused", True))
     if name == "double-buffer":
-        return DoubleBufferPush(flush=getattr(engine, "flush_while_running", True))
+        slots = getattr(engine, "num_slots", 2)
+        return DoubleBufferPush(engine_index, slots=slots if isinstance(slots, int) else 2,  # a class: its default
+                                flush=getattr(engine, "flush_while_running", True))
     raise ValueError(f"unknown push {name!r} (allowed: full, adapter, double-buffer)")

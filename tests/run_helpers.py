@@ -29,8 +29,9 @@ def run_timeline(run_dir: Path) -> list[dict]:
 
 
 def check_no_request_ran_on_a_slot_being_written(events: list[dict]) -> int:
-    """No finished request on a slot was running at the engine's write time of that slot; returns
-    how many slot writes were checked.
+    """Per engine: no finished request on a slot was running at that engine's write time of the slot,
+    and every request's version is the version its slot held when it started (the last write before
+    it). Returns how many slot writes were checked.
 
     The write time is the engine's own (`written`): the trainer's span of the call also covers the
     tensor transfer, during which the engine may rightly still finish requests on that slot.
@@ -40,10 +41,16 @@ def check_no_request_ran_on_a_slot_being_written(events: list[dict]) -> int:
     for load in loads:
         assert load["t0"] <= load["written"] <= load["t1"], load
         for req in requests:
-            if req["slot"] == load["slot"]:
+            if (req.get("engine", 0), req["slot"]) == (load.get("engine", 0), load["slot"]):
                 assert not req["t0"] < load["written"] < req["t1"], \
-                    f"request on slot {req['slot']} ran while that slot was written: {req} {load}"
+                    f"a request ran on its slot while that slot was written: {req} {load}"
     for req in requests:
-        if req["slot"] is not None:
-            assert req["version"] == req["version_end"], f"a request saw its slot change under it: {req}"
+        if req["slot"] is None:
+            continue
+        assert req["version"] == req["version_end"], f"a request saw its slot change under it: {req}"
+        before = [x for x in loads if (x.get("engine", 0), x["slot"]) == (req.get("engine", 0), req["slot"])
+                  and x["written"] <= req["t0"]]
+        if before:  # (the initial load before the run is not on the timeline)
+            assert max(before, key=lambda x: x["written"])["version"] == req["version"], \
+                f"a request's version is not its slot's: {req}"
     return len(loads)

@@ -45,10 +45,12 @@ def test_admission_rule():
 @pytest.mark.parametrize("mode", OVERLAPPED)
 def test_staleness_bound_holds_and_nothing_is_wasted(tmp_path, tiny_llama, mode):
     """K = 0, 1, 2: the bound holds on every step, nothing hangs (the test timeout), and what is
-    generated is trained (no drop, no waste); K = 0 is on-policy, K > 0 still uses the overlap."""
+    generated is trained (no drop, no waste); K = 0 is on-policy, K > 0 still uses the overlap.
+    Double-buffer has K + 2 slots, so a load never meets requests still running on its slot."""
     for k in (0, 1, 2):
         run_dir = tmp_path / f"k{k}"
-        train(parse_recipe(_recipe(tiny_llama, run_dir, mode=mode, max_staleness=k)), live=False)
+        engine = {"max_inflight": 32, "max_running": 32, "slots": max(2, k + 2)}
+        train(parse_recipe(_recipe(tiny_llama, run_dir, mode=mode, max_staleness=k, engine=engine)), live=False)
         rows = run_metrics(run_dir)
         assert len(rows) == 6
         assert all(r["staleness_max"] <= k for r in rows), (k, [r["staleness_max"] for r in rows])
@@ -59,9 +61,9 @@ def test_staleness_bound_holds_and_nothing_is_wasted(tmp_path, tiny_llama, mode)
 
 @pytest.mark.timeout(300)
 def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
-    """Long-tailed output lengths (common stop tokens, a high cap): with version admission and
-    oldest-first batches the mean length of the trained samples is within 5% of the mean length of
-    every sample generated in the run."""
+    """Long-tailed output lengths (common stop tokens, a high cap): with version admission, oldest-first
+    batches and the deadline rule (a group due this step is waited for, not overtaken), the mean length of
+    the trained samples is within 5% of the mean length of every sample generated in the run."""
     admission = "version"
     run_dir = tmp_path / admission
     recipe = parse_recipe(_recipe(
@@ -70,7 +72,7 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
         # are short and a few run to the cap
         rollout={"max_new_tokens": 96, "stop": [" 4", ",", " m", "war", "vv", "odel", "'", "f"],
                  "admission": admission, "prompts_per_step": 2},
-        engine={"max_inflight": 24, "max_running": 24}, trainer={"steps": 24}, seed=3,
+        engine={"max_inflight": 24, "max_running": 24, "slots": 3}, trainer={"steps": 24}, seed=3,
     ))
     train(recipe, live=False)
     rows = run_metrics(run_dir)
@@ -80,5 +82,7 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
     lengths = sorted(generated)
     assert lengths[-1] >= 3 * lengths[len(lengths) // 2], "outputs are not long-tailed"
     ratio = trained / fmean(generated)
-    print(f"\n{admission}: trained mean length {trained:.1f}, generated {fmean(generated):.1f}, ratio {ratio:.2f}")
+    print(f"\n{admission}: trained mean length {trained:.1f}, generated {fmean(generated):.1f}, ratio {ratio:.2f}, "
+          f"dropped {sum(r['stale_dropped'] for r in rows)}, resubmitted {sum(r['resubmitted'] for r in rows)}")
     assert ratio >= 0.95
+    assert sum(r["stale_dropped"] for r in rows) == 0  # no slow group overtaken and dropped

@@ -107,7 +107,7 @@ def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, mon
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(orbit.run, "start_engine", interrupted)
+    monkeypatch.setattr(orbit.run, "start_pool", interrupted)
     data["task"] = {"name": "pattern"}
     recipe.write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "c")])

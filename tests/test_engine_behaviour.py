@@ -305,7 +305,7 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
         ({**good, a_name.replace("lora_A", "lora_C"): good[a_name]}, config, 1, "unknown adapter tensor name"),
         ({**good, a_name.replace("layers.0", "layers.9"): good[a_name]}, config, 1, "unknown adapter tensor name"),
         (missing, config, 1, "lacks lora_B"),
-        (good, config, 2, "slot must be 0 or 1"),
+        (good, config, 2, "slot must be one of 0..1"),
         (good, {**config, "peft_type": "IA3"}, 1, "unsupported peft_type"),
         (good, {**config, "use_dora": True}, 1, "use_dora"),
     ]

@@ -50,14 +50,14 @@ def _saved_version(run_dir: Path) -> int | None:
 def _capture_engine(monkeypatch) -> list:
     """The engines `train` starts (to kill or stop one from the test)."""
     started: list = []
-    real = orbit.run.start_engine
+    real = orbit.run.start_pool
 
     def start(*args, **kwargs):
         engine = real(*args, **kwargs)
         started.append(engine)
         return engine
 
-    monkeypatch.setattr(orbit.run, "start_engine", start)
+    monkeypatch.setattr(orbit.run, "start_pool", start)
     return started
 
 
@@ -106,7 +106,7 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama,
     def interrupted_start(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(orbit.run, "start_engine", interrupted_start)
+    monkeypatch.setattr(orbit.run, "start_pool", interrupted_start)
     with pytest.raises(Interrupted, match="during start-up: nothing was trained"):
         train(parse_recipe(_recipe(tiny_llama, tmp_path / "run")), live=False)
     assert not (tmp_path / "run").exists()
@@ -184,9 +184,9 @@ def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llam
         train(recipe, live=False)
     message = " ".join(str(err.value).split())
     assert "rollouts cannot go on: no rollout arrived for" in message and "(rollout.stall_timeout_s: 1.5)" in message
-    assert "0 group(s) in flight (0 request(s))" in message and "grant(s) left" in message
-    assert "engine: 0 running, 0 waiting, not paused" in message
-    assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] == 3
+    assert "group(s) in flight" in message and "grant(s) left" in message and "engine versions [" in message
+    assert "engine 0: 0 running, 0 waiting, not paused" in message
+    assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
     assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
 
 
@@ -207,8 +207,10 @@ def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeyp
     with pytest.raises(RunStopped) as err:
         train(recipe, live=False)
     message = " ".join(str(err.value).split())
+    # whichever noticed first: a control call's bound, the pool's ping, or the rollout stall
     assert (f"engine process {engines[0].pid} did not answer" in message and "it is hung" in message) or (
-        "no rollout arrived" in message and "engine: no answer within 2 s" in message), message
+        "did not answer for 5 s (hung)" in message) or (
+        "no rollout arrived" in message and "engine 0: no answer within 2 s" in message), message
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
     assert time.monotonic() - t0 < 30
     assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
@@ -284,7 +286,7 @@ def test_stall_error_from_a_producer_that_never_gets_an_answer():
     assert time.monotonic() - t0 < 5
     msg = str(err.value)
     assert "no rollout arrived for 1 s" in msg and "2 group(s) in flight (4 request(s))" in msg
-    assert "engine: 2 running, 0 waiting, not paused" in msg and "grant(s) left" in msg
+    assert "engine 0: 2 running, 0 waiting, not paused" in msg and "grant(s) left" in msg
 
 
 # ---- failed starts, resume -----------------------------------------------------------------------------
@@ -298,7 +300,7 @@ def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypa
         raise EngineDeadError("engine process failed to start (exit code 1)")
 
     with monkeypatch.context() as m:
-        m.setattr(orbit.run, "start_engine", broken)
+        m.setattr(orbit.run, "start_pool", broken)
         with pytest.raises(EngineDeadError):
             train(recipe, live=False)
     assert not run_dir.exists()

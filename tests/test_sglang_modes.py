@@ -110,3 +110,22 @@ def test_oft_on_sglang_is_pushed_as_merged_weights(tmp_path, tiny_llama):
     assert not [e for e in events if e["kind"] == "load_adapter"], "OFT must not go into a slot on SGLang"
     print(f"\nOFT merged push: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "
           f"push {_fmt(r['update_weights_s'] for r in rows)} s")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["double-buffer", "sync"])
+def test_two_sglang_engines_train(tmp_path, tiny_llama, mode):
+    """`engine.replicas: 2` on SGLang: both engines generate, each flips on its own (double-buffer) or
+    every engine takes the new weights before the next batch (sync), versions stay exact per engine."""
+    path = _recipe_file(tmp_path, tiny_llama, mode, engine={"max_inflight": 8, "max_running": 8, "replicas": 2,
+                                                            "slots": 3}, rollout={"group_size": 4,
+                                                                                  "prompts_per_step": 2,
+                                                                                  "max_new_tokens": 12,
+                                                                                  "top_p": 0.9})
+    train(load_recipe(path, {"engine.backend": "sglang"}), live=False)
+    rows = _check_run(tmp_path / "run", mode)
+    assert all(r["engines_alive"] == 2 for r in rows)
+    requests = [e for e in run_timeline(tmp_path / "run") if e["kind"] == "request"]
+    assert {e["engine"] for e in requests} == {0, 1}
+    print(f"\n{mode} on two SGLang engines: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "
+          f"push {_fmt(r['update_weights_s'] for r in rows)} s, flip lag {_fmt(r['flip_lag_s'] for r in rows)} s")

@@ -18,8 +18,8 @@ PauseMode = Literal["in_place", "retract", "abort"]
 PAUSE_MODES: tuple[str, ...] = ("in_place", "retract", "abort")
 FinishReason = Literal["stop", "length", "abort"]
 
-# `slot` argument of `generate`: an adapter slot (0 or 1), None for the base model without any
-# adapter, or ACTIVE for whatever slot `activate` chose last (the base model before any activate).
+# `slot` argument of `generate`: an adapter slot (0 .. slots - 1), None for the base model without
+# any adapter, or ACTIVE for whatever slot `activate` chose last (the base model before any activate).
 ACTIVE = "active"
 Slot = int | None | Literal["active"]
 
@@ -81,6 +81,7 @@ class Completion:
     t_end: float = 0.0  # time.time() when it finished
     meta: dict = field(default_factory=dict)  # caller's tag, returned unchanged
     detail: str = ""  # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
+    engine: int = 0  # which engine of the pool ran it (the pool sets it)
 
 
 @dataclass
@@ -93,7 +94,8 @@ class EngineStats:
     prefix_cache_entries: int = 0
     prefix_cache_hits: int = 0
     active_slot: int | None = None
-    slot_versions: tuple[int | None, int | None] = (None, None)
+    slot_versions: tuple[int | None, ...] = (None, None)  # per slot: the version it holds (None: empty)
+    slot_requests: tuple[int, ...] = (0, 0)  # per slot: requests bound to it, running or waiting
     base_version: int = 0
     paused: bool = False
     prefill_tokens: int = 0  # prompt (or retracted prompt+output) tokens run through a forward

@@ -97,9 +97,14 @@ from orbit.engine.sglang_process import (
 )
 from orbit.truncation import truncates
 
-__all__ = ["ALL_TARGETS", "INSTALL_HINT", "SLOT_NAMES", "SGLangEngine", "SGLangOptions", "start_sglang_engine"]
+__all__ = ["ALL_TARGETS", "INSTALL_HINT", "SGLangEngine", "SGLangOptions", "slot_name", "start_sglang_engine"]
 
-SLOT_NAMES = ("orbit-slot-0", "orbit-slot-1")
+
+def slot_name(slot: int) -> str:
+    """The SGLang adapter name of a slot: requests on the slot carry it as `lora_path`."""
+    return f"orbit-slot-{slot}"
+
+
 _POLL_S = 0.2
 
 
@@ -212,17 +217,20 @@ class SGLangEngine:
 
         self._lock = threading.Lock()  # guards what caller threads read: below, up to _closed
         self._active: int | None = None
-        self._slot_version: list[int | None] = [None, None]
+        slots = options.slots
+        self.num_slots = slots
+        self._slot_version: list[int | None] = [None] * slots
         self._pending: dict[int, tuple[Future, concurrent.futures.Future]] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
         self._closed = False
         # loop-thread state (touched only by coroutines on the engine's loop)
-        self._slot_ready = [asyncio.Event(), asyncio.Event()]  # cleared while a slot is rewritten
-        self._slot_users = [0, 0]  # requests admitted on each slot and not finished
-        self._slot_idle = [asyncio.Event(), asyncio.Event()]
-        self._slot_loading = [asyncio.Lock(), asyncio.Lock()]  # one load per slot at a time
-        self._slot_backup: list[tuple[dict, dict] | None] = [None, None]  # put back if SGLang refuses a load
+        self._slot_ready = [asyncio.Event() for _ in range(slots)]  # cleared while a slot is rewritten
+        self._slot_users = [0] * slots  # requests admitted on each slot and not finished
+        self._slot_held = [0] * slots  # requests waiting for their slot's rewrite to end
+        self._slot_idle = [asyncio.Event() for _ in range(slots)]
+        self._slot_loading = [asyncio.Lock() for _ in range(slots)]  # one load per slot at a time
+        self._slot_backup: list[tuple[dict, dict] | None] = [None] * slots  # put back if SGLang refuses a load
         for e in (*self._slot_ready, *self._slot_idle):
             e.set()
         self._base_version = 0
@@ -334,8 +342,9 @@ class SGLangEngine:
             raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {self.max_context} "
                               f"(the prompt must leave room for at least one generated token)")
         self._check_ids(list(sampling.stop_token_ids), "stop")
-        if slot not in (ACTIVE, None, 0, 1) or isinstance(slot, bool):
-            raise EngineError(f"slot must be 'active', None, 0 or 1, got {slot!r}")
+        if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
+                                                    and 0 <= slot < self.num_slots)):
+            raise EngineError(f"slot must be 'active', None or one of 0..{self.num_slots - 1}, got {slot!r}")
         params = {
             "max_new_tokens": min(sampling.max_new_tokens, self.max_context - len(prompt)),
             "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
@@ -393,14 +402,16 @@ class SGLangEngine:
     async def _run(self, key: int, slot: int | None, fut: Future, **request) -> tuple[dict, int, float] | None:
         """One request on SGLang: wait for its slot, carry its adapter name, count it in and out."""
         try:
-            lora_path = None if slot is None else SLOT_NAMES[slot]
+            lora_path = None if slot is None else slot_name(slot)
             if slot is not None:
                 while not self._slot_ready[slot].is_set():  # the slot is being rewritten: wait for the new adapter
                     self._held += 1
+                    self._slot_held[slot] += 1
                     try:
                         await self._slot_ready[slot].wait()
                     finally:
                         self._held -= 1
+                        self._slot_held[slot] -= 1
                 version = self._slot_version[slot]
                 if version is None:
                     raise EngineError(f"slot {slot} is empty: its last load failed")
@@ -409,7 +420,7 @@ class SGLangEngine:
             else:
                 version = self._base_version
             # Every request on a slot carries that slot's adapter; only base-model requests carry none.
-            if (slot is None) != (lora_path is None) or (slot is not None and lora_path != SLOT_NAMES[slot]):
+            if (slot is None) != (lora_path is None) or (slot is not None and lora_path != slot_name(slot)):
                 raise EngineError(f"internal error: a request on slot {slot} would run with lora_path={lora_path!r}")
             t_start = time.time()
             self._busy(+1)
@@ -525,7 +536,7 @@ class SGLangEngine:
         Bad input raises EngineError before anything reaches SGLang; a load SGLang itself refuses
         restores the slot's previous adapter. Refused while paused if the slot holds an adapter
         (the unload would wait for paused requests forever). Returns the time the unload began."""
-        slot = check_slot(slot)
+        slot = check_slot(slot, self.num_slots)
         _check_version(version)
         named, config = self._prepare_adapter(tensors, adapter_config)
         return self._call(self._load(slot, named, config, version))
@@ -542,7 +553,7 @@ class SGLangEngine:
     async def _load(self, slot: int, tensors: dict[str, torch.Tensor], config: dict, version: int) -> float:
         from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
 
-        name = SLOT_NAMES[slot]
+        name = slot_name(slot)
         async with self._slot_loading[slot]:
             previous = self._slot_version[slot]
             if previous is not None and self._paused:
@@ -584,7 +595,7 @@ class SGLangEngine:
     def activate(self, slot: int | None) -> None:
         """New ACTIVE requests carry this slot's adapter (None = base weights) from now on."""
         if slot is not None:
-            slot = check_slot(slot)
+            slot = check_slot(slot, self.num_slots)
         with self._lock:
             self._check_alive()
             if slot is not None and self._slot_version[slot] is None:
@@ -699,7 +710,8 @@ class SGLangEngine:
         return EngineStats(
             tokens_generated=c["tokens_generated"], busy_s=busy, paused_s=paused, running=self._inflight,
             waiting=self._held, prefix_cache_hits=c["prefix_cache_hits"], active_slot=active,
-            slot_versions=versions, base_version=self._base_version, paused=self._paused,  # type: ignore[arg-type]
+            slot_versions=versions, base_version=self._base_version, paused=self._paused,
+            slot_requests=tuple(u + h for u, h in zip(self._slot_users, self._slot_held, strict=True)),
             prefill_tokens=c["prefill_tokens"], aborted=c["aborted"], retracted=c["retracted"],
         )
 

@@ -61,6 +61,7 @@ class SGLangOptions:
     threads: int = 1  # CPU: torch threads of SGLang's scheduler process (OMP_NUM_THREADS at its start)
     seed: int = 0  # SGLang's random_seed
     lora: bool = True  # False: no LoRA at all (OFT recipes push merged weights; slots stay unusable)
+    slots: int = 2  # adapter slots: SGLang adapter names orbit-slot-0 .. orbit-slot-(slots-1)
     max_lora_rank: int = 8
     lora_target_modules: tuple[str, ...] = ALL_TARGETS  # completed to whole q/k/v, gate/up groups
     context_length: int | None = None  # None: min(max_position_embeddings, 4096)
@@ -132,7 +133,7 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         kwargs.update(
             enable_lora=True, max_lora_rank=opts.max_lora_rank,
             lora_target_modules=sglang_target_modules(opts.lora_target_modules),
-            max_loras_per_batch=3,  # both slots and the base model in one batch (None counts as one)
+            max_loras_per_batch=opts.slots + 1,  # every slot and the base model in one batch (None counts)
         )
     if on_cpu:
         kwargs.update(

@@ -33,6 +33,11 @@ class GroupBuffer:
     """A thread-safe pool of complete groups. The trainer takes whole batches, oldest first; groups
     too stale to train are dropped.
 
+    Deadlines: a group that started at version v must be trained by step v + K. When a group still
+    in flight is at that deadline (`due_in_flight(v)` counts them), the trainer waits for it rather
+    than taking newer complete groups past it: overtaken, it would be dropped next step, and the
+    ones overtaken are the slow, long ones (a bias toward short rollouts).
+
     `on_drop(n)` is called for every drop so the producer can replenish: without that, the
     pipeline would drain and `take` would wait forever. `on_take()` is called after every take.
     `describe()` says what the rollout side is doing (in flight per engine, grants left), for the
@@ -40,11 +45,13 @@ class GroupBuffer:
     """
 
     def __init__(self, max_staleness: int | None, on_drop=None, on_take=None,
-                 describe: Callable[[], str] | None = None) -> None:
+                 describe: Callable[[], str] | None = None,
+                 due_in_flight: Callable[[int], int] | None = None) -> None:
         self.max_staleness = max_staleness
         self.on_drop = on_drop or (lambda n: None)
         self.on_take = on_take or (lambda: None)
         self.describe = describe or (lambda: "")
+        self.due_in_flight = due_in_flight or (lambda version: 0)
         self._groups: list[Group] = []
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -88,7 +95,7 @@ class GroupBuffer:
                 if stale:
                     dropped += stale
                     self.on_drop(len(stale))  # at once: the replacements must start while we wait
-                if len(self._groups) >= n:
+                if len(self._groups) >= n and not self._due_in_flight(version):
                     break
                 quiet = time.monotonic() - self._last_progress
                 if stall_s is not None and quiet > stall_s:
@@ -103,6 +110,10 @@ class GroupBuffer:
         self.on_take()
         return Batch(groups=taken, wait_s=time.time() - t0, stale_dropped=len(dropped),
                      dropped_tokens=sum(g.tokens for g in dropped))
+
+    def _due_in_flight(self, version: int) -> bool:
+        """Is a group still in flight that must be trained at this step (started at version - K)?"""
+        return self.max_staleness is not None and self.due_in_flight(version - self.max_staleness) > 0
 
     def _drop_stale(self, version: int) -> list[Group]:
         if self.max_staleness is None:

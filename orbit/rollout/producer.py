@@ -11,11 +11,14 @@ Admission (docs/design.md §5): a group is started only when it can be trained w
 `max_staleness` (K) versions. Groups are trained in the order they start (the buffer hands out the
 oldest first), B per step, so the g-th group counted from the start of the run is trained at step
 g // B; started at version v, its staleness is g // B - v <= K exactly when
-g < (v + K + 1) * B. So with the engine at version v, at most (v + K + 1) * B groups may have been
-started (dropped ones do not count: each is replaced). Unbounded staleness (K = None) admits as
-K = 1 (one step off). The former rule (`rollout.admission: run-ahead`: at most (K + 1) batches in
-flight or buffered) let new groups start as soon as the trainer *took* a batch, while the engine
-was still a version behind, and a third of them went stale; it is kept to measure the difference.
+g < (v + K + 1) * B, i.e. v >= g // B - K. So the g-th group starts on an engine serving at least
+version g // B - K (dropped groups do not count: each is replaced), and waits until one does.
+With a pool of engines each engine has its own version: the group goes, whole (its samples
+share the prompt's prefix cache), to the least-loaded engine that is fresh enough. Unbounded
+staleness (K = None) admits as K = 1 (one step off). The former rule (`rollout.admission:
+run-ahead`: at most (K + 1) batches in flight or buffered) let new groups start as soon as the
+trainer *took* a batch, while the engine was still a version behind, and a third of them went
+stale; it is kept to measure the difference.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from orbit.engine.base import ACTIVE, Completion, Engine, SamplingParams
+from orbit.engine.pool import EnginePool
 from orbit.metrics import Timeline
 from orbit.rollout.buffer import GroupBuffer, RolloutError
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
@@ -37,29 +41,14 @@ ADMISSIONS = ("version", "run-ahead")
 _DESCRIBE_WAIT_S = 2.0
 
 
-def bounded(call, seconds: float):
-    """`call()`'s result, or the exception it raised, or TimeoutError after `seconds` (the call is
-    left running in a daemon thread: for describing a possibly hung engine, never for control)."""
-    box: list = []
-    thread = threading.Thread(target=lambda: box.append(_outcome(call)), daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return box[0] if box else TimeoutError(f"no answer within {seconds:g} s")
-
-
-def _outcome(call):
-    try:
-        return call()
-    except BaseException as err:  # noqa: BLE001 - handed back to the caller as a value
-        return err
-
-
 @dataclass
 class _Pending:
     prompt: Prompt
     completions: list[Completion | Episode | None]
     attempts: list[int] = field(default_factory=list)
     episodes: list[Episode] | None = None  # multi-turn tasks: each sample's episode in progress
+    engine: int = 0  # the engine the group runs on
+    version: int = 0  # the version its engine served when it started (its samples' version_start, or older)
 
 
 @dataclass(frozen=True)
@@ -70,13 +59,20 @@ class Admission:
     max_staleness: int | None
     policy: str = "version"  # or "run-ahead" (the former rule, for comparison)
 
+    @property
+    def k(self) -> int:
+        return 1 if self.max_staleness is None else self.max_staleness
+
+    def min_version(self, started: int) -> int | None:
+        """The oldest engine version the next group may start on (`started`: groups started so far,
+        dropped ones not counted); None: any (the run-ahead rule does not look at versions)."""
+        return None if self.policy == "run-ahead" else started // self.batch - self.k
+
     def allows(self, version: int, started: int, in_pipeline: int) -> bool:
-        """May one more group start? `started`: groups started so far (not counting dropped ones),
-        `in_pipeline`: groups in flight or buffered."""
-        k = 1 if self.max_staleness is None else self.max_staleness
+        """May one more group start on an engine at `version`? `in_pipeline`: groups in flight or buffered."""
         if self.policy == "run-ahead":
-            return in_pipeline < (k + 1) * self.batch
-        return started < (version + k + 1) * self.batch
+            return in_pipeline < (self.k + 1) * self.batch
+        return version >= self.min_version(started)
 
 
 @dataclass
@@ -90,7 +86,7 @@ class ProducerCounts:
 class Producer:
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | EnginePool,
         task: Task,
         sampling: SamplingParams,
         group_size: int,
@@ -103,7 +99,11 @@ class Producer:
         start_group: int = 0,
         start_version: int = 0,
     ) -> None:
-        self.engine = engine
+        """`max_inflight`: requests in flight at most, over all engines. `start_group` / `start_version`:
+        where a resumed run's prompt stream and versions stand."""
+        # A plain engine (tests, scripts) is a pool of one, whose version stays where it started.
+        self.engine = engine if isinstance(engine, EnginePool) else EnginePool([engine], monitor=False)
+        self.engine.listen(self.wake)  # a version or liveness change may open admission
         self.task = task
         self.sampling = with_task_stops(sampling, task)  # + the task's own (a tool call's end)
         self.multi_turn = is_multi_turn(task)
@@ -121,9 +121,8 @@ class Producer:
         self._events: queue.Queue = queue.Queue()
         self._pending: dict[int, _Pending] = {}
         self._inflight = 0
-        self._lock = threading.Lock()  # guards what other threads change: grants, version, started
+        self._lock = threading.Lock()  # guards what other threads change: grants, started
         self._granted = 0
-        self._version = start_version
         # Groups counted by the admission rule: every group trained before this run started counts.
         self._started = start_version * admission.batch
         self.next_group = start_group  # group number (and prompt index) of the next group
@@ -149,12 +148,6 @@ class Producer:
                 self._granted += n_groups
         self._events.put(None)
 
-    def set_version(self, version: int) -> None:
-        """The engine serves `version` now: admission may open."""
-        with self._lock:
-            self._version = max(self._version, version)
-        self._events.put(None)
-
     def wake(self) -> None:
         """Re-check whether more groups may be submitted (the buffer made room)."""
         self._events.put(None)
@@ -164,20 +157,26 @@ class Producer:
         self._events.put(None)
         self._thread.join(timeout=10)
 
+    def due_in_flight(self, version: int) -> int:
+        """Groups still in flight that started at `version` (the buffer's deadline rule)."""
+        with self._lock:
+            return sum(1 for p in self._pending.values() if p.version == version)
+
     def describe(self) -> str:
         """What the rollout side holds now (for errors that must say what was seen)."""
         with self._lock:
-            granted, version, started = self._granted, self._version, self._started
-        in_flight = len(self._pending)
-        s = bounded(self.engine.stats, _DESCRIBE_WAIT_S)
-        if isinstance(s, BaseException):
-            engine = f"engine: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
-        else:
-            engine = (f"engine: {s.running} running, {s.waiting} waiting, "
-                      f"{'paused' if s.paused else 'not paused'}, active slot {s.active_slot}")
+            granted, started = self._granted, self._started
+        with self._lock:
+            in_flight = len(self._pending)
+        members = self.engine.member_stats_bounded(_DESCRIBE_WAIT_S)
+        engines = "; ".join(
+            f"engine {i}: {s.running} running, {s.waiting} waiting, {'paused' if s.paused else 'not paused'}, "
+            f"active slot {s.active_slot}" if not isinstance(s, BaseException) else
+            f"engine {i}: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
+            for i, s in members)
         return (f"{in_flight} group(s) in flight ({self._inflight} request(s)); {granted} grant(s) left; "
-                f"{started} group(s) started for version {version} ({self.admission.policy} admission, "
-                f"max_staleness {self.admission.max_staleness}); {engine}")
+                f"{started} group(s) started ({self.admission.policy} admission, max_staleness "
+                f"{self.admission.max_staleness}, engine versions {self.engine.versions()}); {engines}")
 
     # ---- the producer thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -191,19 +190,27 @@ class Producer:
             self.buffer.fail(err)
 
     def _fill(self) -> None:
-        while not self._stop.is_set() and self._take_grant():
-            self._submit_group(self._next_prompt())
+        while not self._stop.is_set():
+            engine = self._take_grant()
+            if engine is None:
+                return
+            self._submit_group(self._next_prompt(), engine)
 
-    def _take_grant(self) -> bool:
+    def _take_grant(self) -> int | None:
+        """The engine the next group may start on, taking its grant; None when none may start now."""
         if self._inflight + self.group_size > self.max_inflight:
-            return False
+            return None
         in_pipeline = len(self.buffer) + len(self._pending)  # outside our lock: the buffer has its own
         with self._lock:
-            if self._granted > 0 and self.admission.allows(self._version, self._started, in_pipeline):
-                self._granted -= 1
-                self._started += 1
-                return True
-        return False
+            if self._granted <= 0:
+                return None
+            engine = self.engine.pick(self.admission.min_version(self._started))
+            if engine is None or (self.admission.policy == "run-ahead"
+                                  and not self.admission.allows(0, self._started, in_pipeline)):
+                return None
+            self._granted -= 1
+            self._started += 1
+            return engine
 
     def _next_prompt(self) -> Prompt:
         try:
@@ -214,15 +221,19 @@ class Producer:
         except Exception as err:  # noqa: BLE001 - a failing task stops the run, named
             raise TaskError(f"task {self.task.name!r}: prompts() failed: {type(err).__name__}: {err}") from err
 
-    def _submit_group(self, prompt: Prompt) -> None:
+    def _submit_group(self, prompt: Prompt, engine: int) -> None:
         gid = self.next_group
         self.next_group += 1
         episodes = [Episode(list(prompt.prompt_ids)) for _ in range(self.group_size)] if self.multi_turn else None
-        self._pending[gid] = _Pending(prompt, [None] * self.group_size, [0] * self.group_size, episodes)
+        with self._lock:
+            self._pending[gid] = _Pending(prompt, [None] * self.group_size, [0] * self.group_size, episodes, engine,
+                                          self.engine.members[engine].version)
         for idx in range(self.group_size):
             self._submit(gid, idx)
 
     def _submit(self, gid: int, idx: int) -> None:
+        """Sample `idx` of group `gid` (its next turn, multi-turn) on the group's engine: the prompt's
+        prefix cache (an episode's context) is there. The pool reroutes if that engine is gone."""
         pending = self._pending[gid]
         if pending.episodes is None:
             context, key = list(pending.prompt.prompt_ids), (self.seed, gid, idx, pending.attempts[idx])
@@ -232,7 +243,7 @@ class Producer:
         # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every run.
         seed = hash(key) & 0x7FFFFFFF
         sampling = dataclasses.replace(self.sampling, seed=seed)
-        fut: Future = self.engine.generate(context, sampling, slot=ACTIVE)
+        fut: Future = self.engine.generate(context, sampling, slot=ACTIVE, engine=pending.engine)
         self._inflight += 1
         fut.add_done_callback(lambda f, g=gid, i=idx: self._events.put((g, i, f)))
 
@@ -242,6 +253,7 @@ class Producer:
         completion: Completion = fut.result()  # an engine error propagates to the trainer
         self._record(completion)
         pending = self._pending[gid]
+        pending.engine = completion.engine  # where it ran (the pool may have moved it off a dead engine)
         if completion.finish_reason == "abort":
             self.counts.aborted_tokens += len(completion.output_ids)
             self._retry(gid, idx, pending, completion)
@@ -255,8 +267,10 @@ class Producer:
             completion = episode
         pending.completions[idx] = completion
         if all(c is not None for c in pending.completions):
-            del self._pending[gid]
-            self.buffer.put(build_group(self.task, pending.prompt, pending.completions, gid))
+            group = build_group(self.task, pending.prompt, pending.completions, gid)
+            with self._lock:
+                del self._pending[gid]
+            self.buffer.put(group)
 
     def _retry(self, gid: int, idx: int, pending: _Pending, completion: Completion) -> None:
         """The engine aborted the sample (a pause in abort mode, its slot overwritten): regenerate it
@@ -276,6 +290,6 @@ class Producer:
     def _record(self, c: Completion) -> None:
         if self.timeline is not None:
             self.timeline.event(
-                "engine", "request", c.t_start, c.t_end, c.version_start,
+                "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,
                 slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
             )

@@ -43,12 +43,15 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_context: int | None = None,
                           dtype: str = "float32", device: str = "cpu", threads: int = 1, seed: int = 0,
                           prefix_cache_size: int = 64, max_prefill_tokens: int = 4096,
-                          call_timeout_s: float = CALL_TIMEOUT_S) -> EmbeddedClient:
+                          call_timeout_s: float = CALL_TIMEOUT_S, slots: int = 2,
+                          load_delay_s: float = 0.0) -> EmbeddedClient:
     """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
 
-    `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError)."""
+    `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError).
+    `slots`: adapter slots; `load_delay_s`: a test hook that makes every load this much slower."""
     options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
-                            seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens)
+                            seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens,
+                            slots=slots, load_delay_s=load_delay_s)
     ctx = mp.get_context("spawn")
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
@@ -96,6 +99,10 @@ class EmbeddedClient:
     @property
     def pid(self) -> int:
         return self.info.pid
+
+    @property
+    def num_slots(self) -> int:
+        return self.info.slots
 
     # ---- plumbing ------------------------------------------------------------------------------
 
@@ -196,8 +203,9 @@ class EmbeddedClient:
         if len(prompt) >= self.info.max_context:
             raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {self.info.max_context} "
                               f"(the prompt must leave room for at least one generated token)")
-        if slot not in (ACTIVE, None, 0, 1) or isinstance(slot, bool):
-            raise EngineError(f"slot must be 'active', None, 0 or 1, got {slot!r}")
+        if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
+                                                    and 0 <= slot < self.num_slots)):
+            raise EngineError(f"slot must be 'active', None or one of 0..{self.num_slots - 1}, got {slot!r}")
         return self._submit("generate", (prompt, sampling, slot), meta)
 
     def score(self, prompt_ids: list[int], continuation_ids: list[int], slot: Slot = ACTIVE) -> list[float]:
@@ -251,6 +259,14 @@ class EmbeddedClient:
             self._process.join(_SHUTDOWN_TIMEOUT_S)
         self._fail_all(EngineDeadError("engine was shut down"))
         self._commands.close()
+
+    def kill(self) -> None:
+        """Stop a dead or hung engine at once (SIGKILL), without asking it first."""
+        self._closing = True
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(_SHUTDOWN_TIMEOUT_S)
+        self._fail_all(EngineDeadError("engine was killed"))
 
     def __enter__(self) -> EmbeddedClient:
         return self

@@ -50,6 +50,8 @@ class EngineOptions:
     seed: int = 0
     prefix_cache_size: int = 64  # prompts kept (LRU)
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one request)
+    slots: int = NUM_SLOTS  # adapter slots (engine.slots)
+    load_delay_s: float = 0.0  # test hook: every load_adapter takes this much longer (a slow engine)
 
 
 class EngineCore:
@@ -67,7 +69,9 @@ class EngineCore:
                            self.decoder.dtype, self.decoder.device)
         self.cache = PrefixCache(opts.prefix_cache_size)
         self.scheduler = Scheduler(opts.max_running, opts.max_prefill_tokens)
-        self.slots: list[SlotWeights | None] = [None] * NUM_SLOTS
+        if opts.slots < 1:
+            raise EngineError(f"slots must be >= 1, got {opts.slots}")
+        self.slots: list[SlotWeights | None] = [None] * opts.slots
         self.active: int | None = None
         self.base_version = 0
         self.paused = False
@@ -132,7 +136,7 @@ class EngineCore:
             return self.active
         if slot is None:
             return None
-        slot = check_slot(slot)
+        slot = check_slot(slot, len(self.slots))
         if self.slots[slot] is None:
             raise EngineError(f"slot {slot} is empty: load_adapter into it first")
         return slot
@@ -288,8 +292,10 @@ class EngineCore:
         generation is running, requests running on this slot are aborted (never write under a
         running request); if paused, they keep their binding and continue on the new contents.
         """
-        slot = check_slot(slot)
+        slot = check_slot(slot, len(self.slots))
         _check_version(version)
+        if self.options.load_delay_s:
+            time.sleep(self.options.load_delay_s)
         weights = parse_adapter(tensors, adapter_config, version, self.spec, self.decoder.dtype,
                                 self.decoder.device)  # validates everything; raises before any change
         if not self.paused:
@@ -304,7 +310,7 @@ class EngineCore:
     def activate(self, slot: int | None) -> None:
         """New ACTIVE requests bind to `slot` (None = base weights). Moves no tensors."""
         if slot is not None:
-            slot = check_slot(slot)
+            slot = check_slot(slot, len(self.slots))
             if self.slots[slot] is None:
                 raise EngineError(f"cannot activate slot {slot}: it is empty")
         self.active = slot
@@ -409,7 +415,9 @@ class EngineCore:
             tokens_generated=c["tokens_generated"], busy_s=c["busy_s"], paused_s=paused_s,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             prefix_cache_entries=len(self.cache), prefix_cache_hits=self.cache.hits, active_slot=self.active,
-            slot_versions=tuple(None if w is None else w.version for w in self.slots),  # type: ignore[arg-type]
+            slot_versions=tuple(None if w is None else w.version for w in self.slots),
+            slot_requests=tuple(sum(1 for q in (*self.scheduler.running, *self.scheduler.waiting) if q.slot == i)
+                                for i in range(len(self.slots))),
             base_version=self.base_version, paused=self.paused, prefill_tokens=c["prefill_tokens"],
             aborted=c["aborted"], aborted_on_load=c["aborted_on_load"], retracted=c["retracted"],
         )

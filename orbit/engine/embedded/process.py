@@ -46,6 +46,7 @@ class EngineInfo:
     num_layers: int
     device: str
     dtype: str
+    slots: int = 2
 
 
 def engine_main(model_path: str, options: EngineOptions, threads: int, commands, out: Connection) -> None:
@@ -60,7 +61,8 @@ def engine_main(model_path: str, options: EngineOptions, threads: int, commands,
         return
     spec = core.spec
     out.send(("ready", None, EngineInfo(os.getpid(), spec.model_type, spec.vocab_size, core.max_context,
-                                        spec.eos_token_ids, spec.num_layers, options.device, options.dtype)))
+                                        spec.eos_token_ids, spec.num_layers, options.device, options.dtype,
+                                        options.slots)))
     try:
         _serve(core, commands, out)
     except BaseException:  # noqa: BLE001 - a bug in the engine: tell the client, then die

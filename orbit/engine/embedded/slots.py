@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from orbit.engine.base import EngineError
 from orbit.engine.embedded.model import GROUPS, MODULES, Linear, ModelSpec, check_tensor
 
-NUM_SLOTS = 2
+NUM_SLOTS = 2  # the default: the classic double buffer (engine.slots)
 _NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)"
     r"\.(lora_A|lora_B|oft_R)\.weight$"
@@ -317,7 +317,7 @@ def _lora_group(members: tuple[str, ...], parts: dict[str, dict[str, torch.Tenso
     return LoraGroup(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
 
 
-def check_slot(slot: object) -> int:
-    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < NUM_SLOTS:
-        raise EngineError(f"slot must be 0 or 1, got {slot!r}")
+def check_slot(slot: object, num_slots: int = NUM_SLOTS) -> int:
+    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < num_slots:
+        raise EngineError(f"slot must be one of 0..{num_slots - 1}, got {slot!r}")
     return slot

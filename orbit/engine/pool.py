@@ -1,0 +1,417 @@
+"""N engines behind the engine protocol (docs/design.md §8). Loops, modes and the producer see one
+engine; the pool routes, fails over, and keeps each member's version.
+
+- Routing: a request goes to the live engine with the least outstanding work (requests in flight
+  over its `max_running`), or to the engine the caller names (a multi-turn episode stays on its
+  engine, whose prefix cache holds its context).
+- Versions: each member serves the version of its last completed push. The producer asks
+  `pick(min_version)` for an engine fresh enough for a new group (admission, §5).
+- Faults: a member whose requests fail with EngineDeadError, or that does not answer a ping
+  within `ping_timeout_s`, leaves the pool at once: a warning, a timeline event, its engine shut
+  down (only its own processes), and its outstanding requests resubmitted to the others. Only
+  when no member is left do requests and calls fail (EngineDeadError naming every member's end).
+- Control calls (`pause_generation`, `release_memory`, ...) go to every live member in parallel.
+
+Pushes to a pool go through `PoolPush` (orbit/updaters.py): one updater thread per member, or a
+barrier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from orbit.engine.base import ACTIVE, Completion, Engine, EngineDeadError, EngineStats, SamplingParams, Slot
+
+PING_S = 1.0  # liveness check of every member this often
+
+
+@dataclass
+class Member:
+    index: int
+    engine: Engine
+    capacity: int  # its max_running: routing balances outstanding / capacity
+    alive: bool = True
+    version: int = 0  # the policy version it serves (its last completed push)
+    outstanding: int = 0  # requests submitted to it and not answered
+    reason: str = ""  # why it left the pool
+
+
+@dataclass
+class _Request:
+    """One caller request; `attempt` changes when it is resubmitted, so a late answer from the
+    engine it left is ignored."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    slot: Slot
+    meta: dict | None
+    future: Future
+    member: int = -1
+    attempt: int = 0
+    rid: int = 0
+
+
+@dataclass
+class _FlipClock:
+    """When each version was pushed and when each member first served it: flip lag."""
+
+    pushed: dict[int, float] = field(default_factory=dict)
+    reached: dict[int, dict[int, float]] = field(default_factory=dict)
+    last: tuple[int, float] | None = None  # (version, lag) of the newest version every live member serves
+
+
+class EnginePool:
+    """Implements the Engine protocol over `engines` (one or more)."""
+
+    def __init__(self, engines: list[Engine], capacities: list[int] | None = None, timeline=None,
+                 ping_timeout_s: float = 5.0, monitor: bool = True,
+                 on_warning: Callable[[str], None] | None = None) -> None:
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        capacities = capacities or [getattr(getattr(e, "info", None), "max_running", 32) or 32 for e in engines]
+        self.members = [Member(i, e, max(1, c)) for i, e, c in zip(itertools.count(), engines, capacities)]
+        self.timeline = timeline
+        self.ping_timeout_s = ping_timeout_s
+        self.on_warning = on_warning or (lambda message: None)
+        self._listeners: list[Callable[[], None]] = []
+        self._lock = threading.RLock()
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._clock = _FlipClock()
+        self._reapers: list[threading.Thread] = []  # stopping the engines that left the pool
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="orbit-pool-monitor", daemon=True)
+        if monitor:
+            self._monitor.start()
+
+    # ---- what the protocol's callers read ---------------------------------------------------------
+
+    @property
+    def info(self):
+        return self.members[0].engine.info  # model facts are the same on every member
+
+    def __getattr__(self, name: str):
+        # Capabilities the push strategies read (supports_oft_slots, num_slots, ...): every member
+        # runs the same backend, so the first one answers for all.
+        if name.startswith("_") or name in ("members",):
+            raise AttributeError(name)
+        return getattr(self.members[0].engine, name)
+
+    def alive(self) -> list[Member]:
+        with self._lock:
+            return [m for m in self.members if m.alive]
+
+    def versions(self) -> list[int | None]:
+        """Per member: the version it serves, None once it has left the pool."""
+        with self._lock:
+            return [m.version if m.alive else None for m in self.members]
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """`callback()` after any member's version or liveness changes (the producer re-checks admission)."""
+        self._listeners.append(callback)
+
+    def pick(self, min_version: int | None = None) -> int | None:
+        """The live member with the least outstanding work that serves at least `min_version`."""
+        with self._lock:
+            fresh = [m for m in self.members if m.alive and (min_version is None or m.version >= min_version)]
+            if not fresh:
+                return None
+            return min(fresh, key=lambda m: (m.outstanding / m.capacity, m.index)).index
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
+                 meta: dict | None = None, engine: int | None = None) -> Future[Completion]:
+        """Submit to member `engine` (if alive) or to the least-loaded one. Bad input raises here, as
+        the member engine would; the future's Completion carries the member's index as `engine`."""
+        req = _Request(list(prompt_ids), sampling, slot, meta, Future(), rid=next(self._ids))
+        self._dispatch(req, engine, raise_errors=True)
+        return req.future
+
+    def _dispatch(self, req: _Request, engine: int | None, raise_errors: bool = False) -> None:
+        with self._lock:
+            target = engine if engine is not None and self.members[engine].alive else self.pick()
+            if target is None:
+                self._resolve(req, exc=self._all_dead())
+                return
+            member = self.members[target]
+            member.outstanding += 1
+            req.member, req.attempt = target, req.attempt + 1
+            attempt = req.attempt
+            self._requests[req.rid] = req
+        try:
+            inner = member.engine.generate(req.prompt_ids, req.sampling, req.slot, req.meta)
+        except EngineDeadError as err:
+            self._settle(member)
+            self._lose(member, str(err))
+            self._redispatch([req])
+            return
+        except Exception as err:  # bad input: the caller's mistake, on every member alike
+            self._settle(member)
+            with self._lock:
+                self._requests.pop(req.rid, None)
+            if raise_errors:
+                raise
+            self._resolve(req, exc=err)
+            return
+        inner.add_done_callback(lambda f: self._answered(req, member, attempt, f))
+
+    def _answered(self, req: _Request, member: Member, attempt: int, inner: Future) -> None:
+        self._settle(member)
+        if req.attempt != attempt or req.future.done():
+            return  # resubmitted elsewhere meanwhile: this late answer is not the caller's
+        err = inner.exception()
+        if isinstance(err, EngineDeadError) and not self._closed:
+            self._lose(member, str(err))
+            if req.slot == ACTIVE:  # any engine's active slot will do; a named slot is that engine's
+                self._redispatch([req])
+                return
+        if err is not None:
+            self._resolve(req, exc=err)
+            return
+        completion = inner.result()
+        completion.engine = member.index
+        self._resolve(req, completion)
+
+    def _settle(self, member: Member) -> None:
+        with self._lock:
+            member.outstanding -= 1
+
+    def _resolve(self, req: _Request, result=None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._requests.pop(req.rid, None)
+        try:
+            if exc is not None:
+                req.future.set_exception(exc)
+            else:
+                req.future.set_result(result)
+        except InvalidStateError:
+            pass  # cancelled by the caller
+
+    def _redispatch(self, requests: list[_Request]) -> None:
+        for req in requests:
+            if not req.future.done():
+                self._dispatch(req, None)
+
+    # ---- faults -----------------------------------------------------------------------------------
+
+    def _lose(self, member: Member, reason: str) -> None:
+        """`member` died or stopped answering: out of the pool, its requests to the others."""
+        with self._lock:
+            if not member.alive or self._closed:
+                return
+            member.alive, member.reason = False, reason
+            left = sum(m.alive for m in self.members)
+            orphans = [r for r in self._requests.values() if r.member == member.index and r.slot == ACTIVE]
+        self.on_warning(f"engine {member.index} left the pool: {reason}; {left} engine(s) left"
+                        + (f", its {len(orphans)} request(s) resubmitted to them" if orphans and left else ""))
+        if self.timeline is not None:
+            now = time.time()
+            self.timeline.event("engine", "lost", now, now, member.version, engine=member.index, reason=reason)
+        # dead or hung: stop it without asking (only its own processes)
+        stop = getattr(member.engine, "kill", member.engine.shutdown)
+        reaper = threading.Thread(target=_quietly, args=(stop,), daemon=True)
+        reaper.start()
+        self._reapers.append(reaper)
+        self._redispatch(orphans)
+        self._notify()
+
+    def _all_dead(self) -> EngineDeadError:
+        ends = "; ".join(f"engine {m.index}: {m.reason}" for m in self.members)
+        return EngineDeadError(f"no engine left ({ends})" if len(self.members) > 1 else self.members[0].reason
+                               or "the engine is dead")
+
+    def _watch(self) -> None:
+        """Ping every live member; one that does not answer within ping_timeout_s is hung."""
+        while not self._stop.wait(PING_S):
+            for member in self.alive():
+                answer = bounded(member.engine.stats, self.ping_timeout_s)
+                if self._stop.is_set():
+                    return
+                if isinstance(answer, TimeoutError):
+                    self._lose(member, f"did not answer for {self.ping_timeout_s:g} s (hung)")
+                elif isinstance(answer, EngineDeadError):
+                    self._lose(member, str(answer))
+
+    # ---- versions and flips -----------------------------------------------------------------------
+
+    def pushed(self, version: int, at: float) -> None:
+        with self._lock:
+            self._clock.pushed[version] = at
+
+    def serves(self, member: Member, version: int, at: float | None = None) -> None:
+        """`member` now serves `version` (its push or flip completed)."""
+        at = time.time() if at is None else at
+        with self._lock:
+            member.version = max(member.version, version)
+            clock = self._clock
+            for v in [v for v in clock.pushed if v <= member.version]:
+                clock.reached.setdefault(v, {}).setdefault(member.index, at)
+            for v in sorted(clock.pushed):
+                reached = clock.reached.get(v, {})
+                if all(m.index in reached for m in self.members if m.alive):
+                    clock.last = (v, max(reached.values()) - clock.pushed[v])
+                    del clock.pushed[v]
+                    clock.reached.pop(v, None)
+        self._notify()
+
+    def flip_lag(self) -> tuple[int, float] | None:
+        """(version, seconds from its push to the last live member serving it), for the newest such."""
+        with self._lock:
+            return self._clock.last
+
+    def wait_version(self, version: int, timeout: float) -> None:
+        """Block until every live member serves `version` (serial modes stay on-policy)."""
+        deadline = time.monotonic() + timeout
+        while any(m.version < version for m in self.alive()):
+            if not self.alive():
+                raise self._all_dead()
+            if time.monotonic() > deadline:
+                late = [f"engine {m.index} at v{m.version}" for m in self.alive() if m.version < version]
+                raise EngineDeadError(f"engines did not take version {version} within {timeout:g} s: {', '.join(late)}")
+            time.sleep(0.005)
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            callback()
+
+    # ---- control calls: every live member ----------------------------------------------------------
+
+    def each(self, call: Callable[[Member], object]) -> list:
+        """`call(member)` on every live member, in parallel; a member that dies meanwhile leaves the
+        pool (the others go on); EngineDeadError only when none is left."""
+        members = self.alive()
+        if not members:
+            raise self._all_dead()
+        if len(members) == 1:
+            outcomes = [_outcome(call, members[0])]
+        else:
+            with ThreadPoolExecutor(len(members)) as ex:
+                outcomes = list(ex.map(lambda m: _outcome(call, m), members))
+        results = []
+        for member, (value, err) in zip(members, outcomes, strict=True):
+            if isinstance(err, EngineDeadError):
+                self._lose(member, str(err))
+            elif err is not None:
+                raise err
+            else:
+                results.append(value)
+        if not self.alive():
+            raise self._all_dead()
+        return results
+
+    def load_adapter(self, slot: int, tensors: dict, adapter_config: dict, version: int) -> float:
+        return max(self.each(lambda m: m.engine.load_adapter(slot, tensors, adapter_config, version)))
+
+    def activate(self, slot: int | None) -> None:
+        self.each(lambda m: m.engine.activate(slot))
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        self.each(lambda m: m.engine.pause_generation(mode))
+
+    def flush_cache(self) -> None:
+        self.each(lambda m: m.engine.flush_cache())
+
+    def continue_generation(self) -> None:
+        self.each(lambda m: m.engine.continue_generation())
+
+    def update_weights(self, tensors: dict, version: int) -> None:
+        self.each(lambda m: m.engine.update_weights(tensors, version))
+
+    def release_memory(self) -> None:
+        self.each(lambda m: m.engine.release_memory())
+
+    def resume_memory(self) -> None:
+        self.each(lambda m: m.engine.resume_memory())
+
+    def member_stats(self) -> list[EngineStats | None]:
+        """Per member (None once it left): its own counters."""
+        out: list[EngineStats | None] = [None] * len(self.members)
+        for index, stats in self.each(lambda m: (m.index, m.engine.stats())):
+            out[index] = stats
+        return out
+
+    def member_stats_bounded(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
+        """(index, its stats or why there are none) for every live member, each waited for at most
+        `seconds` (for describing a possibly hung pool)."""
+        return [(m.index, bounded(m.engine.stats, seconds)) for m in self.alive()]
+
+    def stats(self) -> EngineStats:
+        """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""
+        parts = self.each(lambda m: m.engine.stats())
+        first = parts[0]
+        total = EngineStats(active_slot=first.active_slot, slot_versions=first.slot_versions,
+                            slot_requests=first.slot_requests, base_version=first.base_version,
+                            paused=any(p.paused for p in parts))
+        for name in ("tokens_generated", "busy_s", "paused_s", "running", "waiting", "prefix_cache_entries",
+                     "prefix_cache_hits", "prefill_tokens", "aborted", "aborted_on_load", "retracted"):
+            setattr(total, name, sum(getattr(p, name) for p in parts))
+        return total
+
+    def describe(self) -> str:
+        with self._lock:
+            return "; ".join(
+                f"engine {m.index}: v{m.version}, {m.outstanding} in flight" if m.alive
+                else f"engine {m.index}: gone ({m.reason})" for m in self.members)
+
+    def shutdown(self) -> None:
+        """Stop every member (each aborts what is in flight); fail what is still outstanding."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._requests.values())
+        self._stop.set()
+        members = [m for m in self.members if m.alive]
+        if members:
+            with ThreadPoolExecutor(len(members)) as ex:
+                list(ex.map(lambda m: _quietly(m.engine.shutdown), members))
+        for req in pending:
+            self._resolve(req, exc=EngineDeadError("engine was shut down"))
+        for reaper in self._reapers:
+            reaper.join(10)
+        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
+            self._monitor.join(self.ping_timeout_s + PING_S)
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def bounded(call, seconds: float):
+    """`call()`'s result, or the exception it raised, or TimeoutError after `seconds` (the call is
+    left running in a daemon thread: for asking a possibly hung engine, never for control)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as err:  # noqa: BLE001 - handed back as a value
+            box.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return box[0] if box else TimeoutError(f"no answer within {seconds:g} s")
+
+
+def _outcome(call, member):
+    try:
+        return call(member), None
+    except BaseException as err:  # noqa: BLE001 - sorted out by the caller
+        return None, err
+
+
+def _quietly(call) -> None:
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - stopping something already gone
+        pass
