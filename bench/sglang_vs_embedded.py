@@ -1,4 +1,5 @@
-"""Decode throughput: SGLang (Orbit's `engine.backend: sglang`) vs the embedded engine, side by side.
+"""Decode throughput, start time and push time: the embedded engine, SGLang in-process
+(`engine.backend: sglang`) and an SGLang server over HTTP (`engine.backend: sglang-server`), side by side.
 
 Same tiny model (built offline with orbit.tiny), same workload as bench/engine_throughput.py
 (64 requests, prompts of 8-32 tokens, long-tailed output lengths lognormal(3.5, 0.9) clipped to
@@ -6,7 +7,8 @@ Same tiny model (built offline with orbit.tiny), same workload as bench/engine_t
 futures) the way the rollout producer drives them, same max_running, one torch thread for each
 engine's compute process. Two rows: base model (slot None), and every request on a LoRA slot
 (r=8 on q, k, v, o, random weights), which is what rollouts run on. Runs alternate between the
-engines and the best of `--repeat` is reported.
+engines and the best of `--repeat` is reported. Push: a LoRA load into an idle slot (what the
+double-buffer push does before its flip), median of 10.
 
     .venv/bin/python bench/sglang_vs_embedded.py [--arch llama] [--batch 32] [--repeat 3]
 
@@ -70,34 +72,43 @@ def main() -> None:
 
     from orbit.engine.embedded import start_embedded_engine
     from orbit.engine.sglang import start_sglang_engine
+    from orbit.engine.sglang.process import SGLangOptions
+    from orbit.engine.sglang.server import start_server_engine
     from orbit.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     prompts, lengths = workload(args.requests, args.seed)
-    rows = {}
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    rows, starts, pushes, engines = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(tmp, arch=args.arch, seed=0)
         tensors, config = random_lora(path)
-        t0 = time.perf_counter()
-        embedded = start_embedded_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed)
-        start_embedded = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        sglang = start_sglang_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed,
-                                     max_lora_rank=8, lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
-        start_sglang = time.perf_counter() - t0
+        starters = {
+            "embedded": lambda: start_embedded_engine(path, max_running=args.batch, threads=args.threads,
+                                                      seed=args.seed),
+            "sglang": lambda: start_sglang_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed,
+                                                  max_lora_rank=8, lora_target_modules=targets),
+            "sglang-server": lambda: start_server_engine(path, SGLangOptions(
+                max_running=args.batch, threads=args.threads, seed=args.seed, max_lora_rank=8,
+                lora_target_modules=targets), threads=args.threads),
+        }
         try:
-            for eng in (embedded, sglang):
-                eng.load_adapter(0, tensors, config, 1)
+            for name, start in starters.items():
+                t0 = time.perf_counter()
+                engines[name] = start()
+                starts[name] = time.perf_counter() - t0
+            for name, eng in engines.items():
+                pushes[name] = push_time(eng, tensors, config)
                 run(eng, prompts[:8], [16] * 8, 0)  # warm-up
             for label, slot in (("base model", None), ("LoRA slot (r=8, q/k/v/o)", 0)):
-                results: dict[str, list[tuple[int, float]]] = {"embedded": [], "sglang": []}
-                for _ in range(args.repeat):  # alternate, so machine noise hits both alike
-                    results["embedded"].append(run(embedded, prompts, lengths, slot))
-                    results["sglang"].append(run(sglang, prompts, lengths, slot))
+                results: dict[str, list[tuple[int, float]]] = {name: [] for name in engines}
+                for _ in range(args.repeat):  # alternate, so machine noise hits all alike
+                    for name, eng in engines.items():
+                        results[name].append(run(eng, prompts, lengths, slot))
                 rows[label] = {k: min(v, key=lambda r: r[1]) for k, v in results.items()}
         finally:
-            sglang.shutdown()
-            embedded.shutdown()
+            for eng in engines.values():
+                eng.shutdown()
 
     import sglang as sgl
 
@@ -106,12 +117,25 @@ def main() -> None:
     print(f"workload: {args.requests} requests, {args.arch} tiny model, output lengths {min(lengths)}..{max(lengths)} "
           f"(mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} tokens, max_running {args.batch}, "
           f"best of {args.repeat}")
-    print(f"engine start: embedded {start_embedded:.1f} s, sglang {start_sglang:.1f} s")
-    print(f"{'':28s} {'embedded':>22s} {'sglang':>22s} {'sglang / embedded':>18s}")
+    names = list(engines)
+    print(f"{'':28s}" + "".join(f"{n:>26s}" for n in names))
     for label, r in rows.items():
-        (et, es), (st, ss) = r["embedded"], r["sglang"]
-        print(f"{label:28s} {et / es:>12,.0f} tok/s ({es:5.2f} s) {st / ss:>12,.0f} tok/s ({ss:5.2f} s) "
-              f"{(st / ss) / (et / es):>17.2f}x")
+        print(f"{label:28s}" + "".join(f"{r[n][0] / r[n][1]:>12,.0f} tok/s ({r[n][1]:5.2f} s)" for n in names))
+    print(f"{'engine start':28s}" + "".join(f"{starts[n]:>24.1f} s" for n in names))
+    print(f"{'LoRA load into an idle slot':28s}" + "".join(f"{pushes[n] * 1000:>23.1f} ms" for n in names))
+
+
+def push_time(engine, tensors: dict, config: dict, n: int = 10) -> float:
+    """Median time of a LoRA load into an idle slot (slot 1; slot 0 keeps the adapter the runs use)."""
+    from statistics import median
+
+    engine.load_adapter(0, tensors, config, 1)
+    times = []
+    for version in range(2, 2 + n):
+        t0 = time.perf_counter()
+        engine.load_adapter(1, tensors, config, version)
+        times.append(time.perf_counter() - t0)
+    return median(times)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
-EngineChoice = Enum("EngineChoice", {"embedded": "embedded", "sglang": "sglang"}, type=str)
+EngineChoice = Enum("EngineChoice", {b: b for b in ("embedded", "sglang", "sglang-server")}, type=str)
 SizeChoice = Enum("SizeChoice", {"tiny": "tiny", "small": "small"}, type=str)
 ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}, type=str)
 WarmTaskChoice = Enum("WarmTaskChoice", {"arith": "arith", "zorplex": "zorplex"}, type=str)

@@ -7,6 +7,7 @@ allowed. Flags from the command line are applied with `override` and validated t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -43,7 +44,7 @@ DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
 class EngineConfig(_Section):
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang", "sglang-server"] = "embedded"
     max_inflight: int = Field(32, ge=1, le=4096, description="requests the producer keeps in flight, per engine")
     max_running: int = Field(32, ge=1, le=4096, description="requests an engine decodes at once")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -57,9 +58,33 @@ class EngineConfig(_Section):
         "independent", description="independent: each engine loads and flips on its own and the trainer waits "
         "for none; barrier: pause all, load all, activate all, continue all while the trainer waits")
     slots: int = Field(2, ge=2, le=16, description="adapter slots per engine, a ring (2: the classic double buffer)")
+    # sglang-server: servers Orbit starts (one per engine), or the ones given here (left running)
+    servers: list[Annotated[str, Field(pattern=r"^https?://[^\s/]+/?$")]] | None = Field(
+        None, description="sglang-server: attach to these running servers (one engine each) instead of starting any")
+    adapter_dir: Path | None = Field(None, description="a directory the servers read too: adapters reach servers "
+                                     "on other hosts through it (peft format, written atomically)")
+    adapter_transport: Literal["auto", "tensors", "dir"] = Field(
+        "auto", description="auto: shared-memory tensors for servers on this host, adapter_dir for the others")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the name of an "
+                                    "environment variable holding the servers' --api-key (never the key itself)")
+    mem_fraction: float | None = Field(None, gt=0.0, le=1.0, description="SGLang's --mem-fraction-static")
+    tp: int = Field(1, ge=1, le=64, description="SGLang's --tp-size (GPUs per engine)")
 
     @model_validator(mode="after")
     def _replicas_and_devices(self) -> EngineConfig:
+        if self.servers is not None:
+            if self.backend != "sglang-server":
+                raise ValueError(f"engine.servers: for engine.backend 'sglang-server', not {self.backend!r}")
+            if not self.servers:
+                raise ValueError("engine.servers: empty; give the servers' URLs, or leave it unset to start servers")
+            if self.devices is not None:
+                raise ValueError("engine.devices: attached servers run where they run; set devices only for servers "
+                                 "Orbit starts (leave engine.servers unset)")
+            if self.replicas is not None and self.replicas != len(self.servers):
+                raise ValueError(f"engine.replicas: {self.replicas} for {len(self.servers)} engine.servers; one "
+                                 "engine per server (leave replicas unset)")
+        if self.adapter_transport == "dir" and self.adapter_dir is None:
+            raise ValueError("engine.adapter_transport: 'dir' needs engine.adapter_dir")
         if self.devices is not None and self.replicas is not None and len(self.devices) != self.replicas:
             raise ValueError(f"engine.devices: {len(self.devices)} device(s) for engine.replicas {self.replicas}; "
                              "give one device per engine (or leave replicas unset)")
@@ -70,7 +95,7 @@ class EngineConfig(_Section):
     @property
     def engines(self) -> int:
         """How many engines the pool has."""
-        return self.replicas or (len(self.devices) if self.devices else 1)
+        return len(self.servers) if self.servers else self.replicas or (len(self.devices) if self.devices else 1)
 
     def engine_devices(self) -> list[str]:
         """The device of each engine of the pool."""
@@ -349,10 +374,16 @@ def sglang_problem() -> str | None:
 
 
 def _check_supported(recipe: Recipe) -> None:
-    if recipe.engine.backend == "sglang":
+    """SGLang must be installed here to run in-process or to start servers (attaching needs only HTTP)."""
+    backend = recipe.engine.backend
+    if backend == "sglang" or (backend == "sglang-server" and recipe.engine.servers is None):
         problem = sglang_problem()
         if problem is not None:
-            raise RecipeError(f"engine.backend: 'sglang' cannot run: {problem}. Install it with: {SGLANG_INSTALL}")
+            raise RecipeError(f"engine.backend: {backend!r} cannot run: {problem}. Install it with: {SGLANG_INSTALL}")
+    key = recipe.engine.api_key_env
+    if key is not None and not os.environ.get(key):
+        raise RecipeError(f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
+                          "servers' --api-key)")
 
 
 def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:

@@ -157,6 +157,7 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         useful_tok_per_dev_s=trained_tokens / step_s / engines,
         flip_lag_s=lag[1] if lag is not None else None,
         engines_alive=len(p.engine.alive()),
+        adapter_transport=p.engine.transports(),
         extra=task_figures(samples),
     )
 

@@ -55,6 +55,7 @@ class StepMetrics:
     useful_tok_per_dev_s: float = 0.0  # trained tokens / step_s / engines
     flip_lag_s: float | None = None  # from the push of the newest version every engine serves to its last flip
     engines_alive: int = 1
+    adapter_transport: list[str | None] = field(default_factory=list)  # per engine: how adapters reach it
     extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
 
     def to_json(self) -> str:

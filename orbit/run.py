@@ -30,6 +30,7 @@ from orbit.rollout.groups import sampling_params
 from orbit.rollout.producer import Admission, Producer
 from orbit.tasks import TaskError, make_task
 from orbit.train.trainer import STATE_FILE, Trainer
+from orbit.truncation import truncates
 from orbit.updaters import PoolPush
 
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log")
@@ -143,7 +144,10 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
     try:
         run.engine = engine = start_pool(recipe.engine, recipe.model, recipe.seed, recipe.adapter,
                                          call_timeout_s=recipe.rollout.stall_timeout_s, timeline=run.timeline,
-                                         on_warning=_warner(console, run_dir))
+                                         on_warning=_warner(console, run_dir),
+                                         truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
+                                         and recipe.rollout.temperature > 0)
+        _check_transports(engine, mode.push, recipe.adapter.type)
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
         run.push = push = PoolPush(mode.push, recipe.adapter.type, engine, recipe.engine.flip, wait_all=serial,
                                    timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
@@ -220,6 +224,17 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
     state = run.parts.run_state() if run.parts is not None else {}
     run.trainer.save(run_dir / "adapter", state)
     return True
+
+
+def _check_transports(pool, push: str, adapter_type: str) -> None:
+    """Full weights reach an SGLang server only through shared memory: not through adapter_dir."""
+    far = [m.index for m in pool.members if getattr(getattr(m.engine, "transport", None), "adapter_transport",
+                                                     None) == "dir"]
+    full = push == "full" or (adapter_type == "oft" and not getattr(pool, "supports_oft_slots", True))
+    if far and full:
+        raise RecipeError(f"engine.adapter_dir: engine(s) {far} receive adapters through a directory (other hosts), "
+                          "but this mode pushes full weights, which reach a server only from the same host; use an "
+                          "adapter mode (sync-adapter, async-adapter, double-buffer) with LoRA")
 
 
 def _warner(console: Console, run_dir: Path):

@@ -38,7 +38,7 @@ def test_repo_recipes_are_valid(tiny_llama):
         ({"adapter": {"rank": 3}}, ["adapter.rank", "unknown key"]),
         ({"bogus": 1}, ["bogus", "unknown key"]),
         ({"engine": {"max_inflight": 0}}, ["engine.max_inflight", "greater than or equal to 1", "0"]),
-        ({"engine": {"backend": "vllm"}}, ["engine.backend", "'embedded' or 'sglang'"]),
+        ({"engine": {"backend": "vllm"}}, ["engine.backend", "'embedded'", "'sglang-server'", "'vllm'"]),
         ({"rollout": {"top_p": 1.5}}, ["rollout.top_p", "1.5"]),
         ({"rollout": {"group_size": "four"}}, ["rollout.group_size", "four"]),
         ({"mode": "turbo"}, ["mode", "double-buffer", "turbo"]),

@@ -143,7 +143,12 @@ def test_mixed_batch_rows_match_alone(tiny_any):
         t = together[rid]
         assert t.slot == a.slot == slot
         assert t.output_ids == a.output_ids  # per-request seed: same tokens whatever the company
-        assert max_diff(t.logprobs, a.logprobs) <= 1e-5
+        diffs = [abs(x - y) for x, y in zip(t.logprobs, a.logprobs, strict=True)]
+        if sp.top_p == 1.0:
+            assert max(diffs) <= 1e-5
+        else:  # top-p's kept set can differ by the one token at the 0.95 boundary when the logits move by
+            # ~1e-6 with the batch: that position's kept mass then differs by that token's small probability
+            assert sum(d > 1e-5 for d in diffs) <= 1 and max(diffs) < 0.05
         untruncated = core.score(p, t.output_ids, slot)
         if sp.top_p == 1.0:
             assert max_diff(untruncated, t.logprobs) <= TOL

@@ -238,20 +238,18 @@ def test_bad_adapter_push_is_rejected_and_the_slot_keeps_serving(engine, policy_
             engine.load_adapter(0, tensors, cfg, 99)
         assert engine.stats().slot_versions[0] == 5, what
     # a load SGLang itself refuses (after the unload): the previous adapter is put back
-    real = engine._load_named
+    real = engine.transport.load_adapter
     calls = []
 
-    async def refuse_once(name, tensors, cfg):
+    async def refuse_once(name, tensors, cfg, version):
         calls.append(name)
-        res = await real(name, tensors, cfg)
+        outcome = await real(name, tensors, cfg, version)
         if len(calls) == 1:  # pretend the new adapter was refused (undo it, report failure)
-            from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+            await engine.transport.unload_adapter(name)
+            outcome = (False, "refused for the test")
+        return outcome
 
-            await engine._tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
-            res.success, res.error_message = False, "refused for the test"
-        return res
-
-    monkeypatch.setattr(engine, "_load_named", refuse_once)
+    monkeypatch.setattr(engine.transport, "load_adapter", refuse_once)
     with pytest.raises(EngineError, match="keeps serving version 5"):
         _load(engine, 0, policy_a, version=6)
     monkeypatch.undo()
@@ -389,21 +387,21 @@ def test_a_reused_slot_never_serves_prefix_kv_of_its_previous_adapter(engine, po
 def test_a_reply_that_cannot_be_read_fails_the_request_not_hangs(engine, monkeypatch):
     """Parsing SGLang's reply happens after the request left SGLang: a reply without meta_info, or with a
     finish reason Orbit does not know, must fail the future (generate and score), never leave it unset."""
-    async def no_meta(**request):
+    async def no_meta(body):
         return {"output_ids": [5, 6]}
 
-    monkeypatch.setattr(engine, "_generate", no_meta)
+    monkeypatch.setattr(engine.transport, "generate", no_meta)
     fut = engine.generate(prompts(1, seed=40)[0], SHORT, slot=None)
     with pytest.raises(EngineError, match="could not be read"):
         fut.result(10)
     with pytest.raises(EngineError, match="could not be read"):
         engine.score(prompts(1, seed=40)[0], [5, 6], slot=None)
 
-    async def odd_finish(**request):
+    async def odd_finish(body):
         return {"output_ids": [5], "meta_info": {"finish_reason": {"type": "preempted"},
                                                  "output_token_logprobs": [[-1.0, 5, None]]}}
 
-    monkeypatch.setattr(engine, "_generate", odd_finish)
+    monkeypatch.setattr(engine.transport, "generate", odd_finish)
     with pytest.raises(EngineError, match="finish reason Orbit does not know.*preempted"):
         engine.generate(prompts(1, seed=41)[0], SHORT, slot=None).result(10)
     monkeypatch.undo()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,14 +12,17 @@ from orbit.engine.pool import EnginePool
 
 
 def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
-                 call_timeout_s: float | None = None, device: str | None = None, load_delay_s: float = 0.0) -> Engine:
+                 call_timeout_s: float | None = None, device: str | None = None, load_delay_s: float = 0.0,
+                 server: str | None = None, truncated: bool = False) -> Engine:
     """Start one engine of the backend a recipe's `engine` section names and return its client.
 
     `adapter` sizes what SGLang must fix at start (max LoRA rank, target modules; no LoRA for OFT);
     without it the SGLang backend accepts LoRA rank <= 8 on all seven projections.
     `call_timeout_s`: an engine that answers no control call for this long is hung (EngineDeadError).
     `device`: this engine's device (default `cfg.device`). `load_delay_s`: a test hook (embedded
-    engine only) that makes every adapter load this much slower.
+    engine only) that makes every adapter load this much slower. `server`: the URL of the running
+    SGLang server this engine attaches to (sglang-server; None: start one). `truncated`: rollouts
+    sample with top-k/top-p (a server must then return sampling masks as wide as the vocabulary).
     """
     device = device or cfg.device
     if cfg.backend == "embedded":
@@ -29,32 +33,46 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
             slots=cfg.slots, load_delay_s=load_delay_s,
             **({"call_timeout_s": call_timeout_s} if call_timeout_s else {}),
         )
+    if adapter is None:
+        lora: dict = {}
+    elif adapter.type == "lora":
+        lora = {"max_lora_rank": adapter.r, "lora_target_modules": tuple(adapter.target_modules)}
+    else:  # OFT on SGLang goes as merged weights (orbit/sync.py): no LoRA machinery needed
+        lora = {"lora": False}
     if cfg.backend == "sglang":
         from orbit.engine.sglang import start_sglang_engine
 
-        if adapter is None:
-            lora: dict = {}
-        elif adapter.type == "lora":
-            lora = {"max_lora_rank": adapter.r, "lora_target_modules": tuple(adapter.target_modules)}
-        else:  # OFT on SGLang goes as merged weights (orbit/sync.py): no LoRA machinery needed
-            lora = {"lora": False}
         return start_sglang_engine(
             model, max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads,
             seed=seed, slots=cfg.slots, **lora,
         )
-    raise ValueError(f"engine.backend: {cfg.backend!r} is not available (allowed: 'embedded', 'sglang')")
+    if cfg.backend == "sglang-server":
+        from orbit.engine.sglang.process import SGLangOptions
+        from orbit.engine.sglang.server import start_server_engine
+
+        opts = SGLangOptions(max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads,
+                             seed=seed, slots=cfg.slots, **lora)
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        return start_server_engine(model, opts, url=server, api_key=key, api_key_env=cfg.api_key_env,
+                                   adapter_dir=cfg.adapter_dir, adapter_transport=cfg.adapter_transport,
+                                   mem_fraction=cfg.mem_fraction, tp=cfg.tp, timeout_s=call_timeout_s or 600.0,
+                                   truncated=truncated, threads=cfg.threads)
+    raise ValueError(f"engine.backend: {cfg.backend!r} is not available (allowed: 'embedded', 'sglang', "
+                     "'sglang-server')")
 
 
 def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
                call_timeout_s: float | None = None, timeline=None, on_warning: Callable[[str], None] | None = None,
-               load_delays: list[float] | None = None) -> EnginePool:
-    """Start the recipe's `engine.replicas` engines (one per device) as one pool. If one fails to
-    start, the ones already started are stopped and the error goes on."""
+               load_delays: list[float] | None = None, truncated: bool = False) -> EnginePool:
+    """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`) as
+    one pool. If one fails to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
+    servers = cfg.servers or [None] * cfg.engines
     try:
-        for i, device in enumerate(cfg.engine_devices()):
+        for i, (device, server) in enumerate(zip(cfg.engine_devices(), servers, strict=True)):
             delay = load_delays[i] if load_delays else 0.0
-            engines.append(start_engine(cfg, model, seed + i, adapter, call_timeout_s, device, delay))
+            engines.append(start_engine(cfg, model, seed + i, adapter, call_timeout_s, device, delay, server,
+                                        truncated))
     except BaseException:
         for engine in engines:
             try:

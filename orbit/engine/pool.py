@@ -112,6 +112,10 @@ class EnginePool:
         with self._lock:
             return [m.version if m.alive else None for m in self.members]
 
+    def transports(self) -> list[str | None]:
+        """Per member: how adapters reach it (reported in the metrics)."""
+        return [getattr(m.engine, "adapter_transport", None) for m in self.members]
+
     def listen(self, callback: Callable[[], None]) -> None:
         """`callback()` after any member's version or liveness changes (the producer re-checks admission)."""
         self._listeners.append(callback)

@@ -79,6 +79,7 @@ class EmbeddedClient:
 
     # Capabilities the push strategies read (orbit/sync.py); the SGLang backend lacks all three.
     supports_oft_slots = True  # OFT adapters load into slots
+    adapter_transport = "shared-memory"  # tensors cross to the engine process through shared memory
     loads_while_paused = True  # a slot can be overwritten under paused requests (they continue on it)
     flush_while_running = True  # flush_cache works in any state
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from orbit.engine.base import EngineError
+from orbit.engine.checks import MODULES, ModelSpec, check_tensor, eos_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Architectures with `self_attn.q_norm` / `self_attn.k_norm` (RMSNorm over head_dim, per head).
@@ -40,50 +41,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
-MODULES: tuple[str, ...] = tuple(m for members in GROUPS.values() for m in members)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape facts of a checkpoint that the engine needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    tie_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    max_position_embeddings: int
-
-    def module_shape(self, module: str) -> tuple[int, int]:
-        """(out_features, in_features) of a projection, e.g. 'self_attn.k_proj'."""
-        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, \
-            self.intermediate_size
-        return {
-            "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
-        }[module]
-
-
-def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
-    """eos from config.json and generation_config.json (transformers' generate uses the latter)."""
-    ids: set[int] = set()
-    sources = [raw]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    return tuple(sorted(ids))
+assert tuple(m for members in GROUPS.values() for m in members) == MODULES  # the checks' order
 
 
 def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
@@ -112,7 +70,7 @@ def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
         head_dim=raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(mtype) or raw["hidden_size"] // heads,
         rms_eps=raw.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_ids=_eos_ids(path, raw),
+        eos_token_ids=eos_ids(path, raw),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
     )
     return spec, raw
@@ -396,19 +354,6 @@ class Decoder:
             return out.reshape(n, s.num_heads, 1, s.head_dim)
 
         return self._layers(tokens.view(n, 1), positions.view(n, 1), attend, project)
-
-
-def check_tensor(name: str, t: object, shape: tuple[int, ...]) -> None:
-    """Shared validation of pushed tensors: type, float dtype, shape, finiteness."""
-    if not isinstance(t, torch.Tensor):
-        raise EngineError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.dtype.is_floating_point:
-        raise EngineError(f"{name}: dtype {t.dtype} is not a floating-point dtype")
-    if tuple(t.shape) != tuple(shape):
-        raise EngineError(f"{name}: shape {tuple(t.shape)} does not match expected {tuple(shape)}")
-    if not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise EngineError(f"{name}: contains {bad} NaN/Inf value(s)")
 
 
 def validate_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Start and stop SGLang's engine for Orbit's SGLang backend (orbit/engine/sglang.py).
+"""Start and stop SGLang's in-process engine for Orbit's SGLang backend (engine.py, transport.py).
 
 Process-level concerns of `sglang.Engine` 0.5.23 that the backend must handle:
 - CPU: Orbit's compatibility shims are turned on before sglang is imported (orbit.engine.sglang_cpu);
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orbit.engine.base import EngineDeadError, EngineError
-from orbit.engine.embedded.model import ModelSpec
+from orbit.engine.checks import ModelSpec
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -97,6 +97,14 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
+
+
+def checkpoint_file_of(path: Path, tensor: str) -> Path:
+    """The safetensors file of a checkpoint that holds `tensor`."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return path / json.loads(index.read_text())["weight_map"][tensor]
+    return path / "model.safetensors"
 
 
 def launch(model_path: str | Path, opts: SGLangOptions):

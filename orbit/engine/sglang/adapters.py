@@ -1,0 +1,83 @@
+"""What an adapter push becomes before it reaches SGLang, and the directory it travels through to
+servers on other hosts.
+
+`prepare_adapter` validates a peft state dict against the model (orbit/engine/checks.py, shared
+with the embedded engine) and against what the engine was started with (rank, target modules),
+then converts it to what SGLang loads correctly (sglang_cpu/adapter_format.py: the missing members
+of fused q/k/v or gate/up groups zero-filled, rsLoRA folded into alpha). EngineError means nothing
+reached SGLang.
+
+`write_peft_dir` writes an adapter as peft's own format (adapter_model.safetensors and
+adapter_config.json, which `PeftModel.from_pretrained` loads too) atomically: into a temporary
+directory next to the target, then renamed, so a server never reads half a write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from orbit.engine.base import EngineError
+from orbit.engine.checks import ModelSpec, check_adapter
+from orbit.engine.sglang_cpu.adapter_format import to_sglang_lora
+
+
+def plain_config(config: object) -> dict:
+    """peft's to_dict() has enums and sets: plain JSON values for the checks and for SGLang."""
+    if not isinstance(config, dict):
+        raise EngineError(f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}")
+    out = {}
+    for key, value in config.items():
+        value = getattr(value, "value", value)
+        out[key] = sorted(value) if isinstance(value, set | frozenset) else value
+    return out
+
+
+def prepare_adapter(tensors: dict, adapter_config: dict, spec: ModelSpec, hf_config: dict, lora: bool,
+                    max_rank: int, targets: set[str], dtype: torch.dtype) -> tuple[dict, dict]:
+    """Validate and convert a LoRA push; returns fresh contiguous CPU tensors in the engine's dtype."""
+    if not lora:
+        raise EngineError("this SGLang engine was started without LoRA: it has no adapter slots")
+    config = plain_config(adapter_config)
+    kind, found = check_adapter(tensors, config, spec, engine="the SGLang backend")
+    if kind == "oft":
+        raise EngineError("SGLang serves LoRA adapters only: an OFT adapter cannot go into a slot on this "
+                          "backend (supports_oft_slots is False; Orbit pushes OFT as merged weights instead)")
+    r = int(config["r"])
+    if r > max_rank:
+        raise EngineError(f"adapter r={r} exceeds the engine's max_lora_rank={max_rank}")
+    modules = {module.rsplit(".", 1)[-1] for _, module in found}
+    if modules - targets:
+        raise EngineError(f"adapter targets {sorted(modules - targets)}, but the engine was started with "
+                          f"lora_target_modules {sorted(targets)}")
+    try:
+        tensors, config = to_sglang_lora({k: v.detach() for k, v in tensors.items()}, config, hf_config)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    # fresh CPU copies: serialization moves their storage into shared memory in place
+    return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in tensors.items()}, config
+
+
+def write_peft_dir(root: Path, name: str, tensors: dict, config: dict) -> Path:
+    """`root/name` holding the adapter in peft's format, written atomically (temporary directory,
+    then rename). An existing `root/name` is replaced."""
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / name
+    tmp = root / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,220 @@
+"""The HTTP transport: an SGLang 0.5.23 server's own routes (`python -m sglang.launch_server`).
+
+| protocol call            | route                                                                      |
+|--------------------------|----------------------------------------------------------------------------|
+| generate / score         | POST /generate (GenerateReqInput as JSON, `lora_path` = the slot's name)  |
+| pause / continue         | POST /pause_generation {mode} / POST /continue_generation                  |
+| flush_cache              | POST /flush_cache (400 while requests run)                                 |
+| load_adapter, same host  | POST /load_lora_adapter_from_tensors (shared-memory handles, base64)      |
+| load_adapter, other host | the adapter written to engine.adapter_dir in peft format, POST /load_lora_adapter |
+| unload                   | POST /unload_lora_adapter                                                  |
+| update_weights           | POST /begin_weight_update, /update_weights_from_tensor, /end_weight_update |
+| release / resume_memory  | POST /release_memory_occupation, /resume_memory_occupation                 |
+| liveness, start-up checks| GET /health, /model_info, /server_info; POST /get_weights_by_name          |
+
+Every call has a timeout. Only idempotent reads (GET) are retried; a POST that fails is reported,
+never sent twice (a second `generate` would sample twice, a second load could load twice). The API
+key goes in the Authorization header and nowhere else: it is never written to the run directory or
+the log, and messages that quote the server are scrubbed of it.
+
+The shared-memory transport hands the server file-descriptor handles of this process's tensors:
+it works only when the server runs on this host. For servers elsewhere, `engine.adapter_dir` is a
+directory both sides read; each load writes a fresh directory (atomically: written aside, then
+renamed) and the one a slot held before is deleted once the slot is rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import torch
+
+from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.sglang.adapters import write_peft_dir
+from orbit.engine.sglang.gate import Outcome
+
+GET_RETRIES = 3
+_SHARING_LOCK = threading.Lock()
+PROBE_TIMEOUT_S = 5.0  # a server that does not answer /health this fast is hung
+
+
+def serialize_for_server(obj) -> str:
+    """What SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)` makes: a pickle with
+    torch's shared-memory reductions (the receiver maps this process's tensors), base64 for JSON.
+
+    With torch's `file_system` sharing strategy: named shared memory that any process on this host
+    can map. The default (file descriptors) hands them over through this process's multiprocessing
+    resource sharer, which refuses a server Orbit did not spawn (its authkey differs)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as shared  # registers torch's reductions with ForkingPickler
+
+    # The strategy is process-wide and one updater thread per server serialises at once: without the
+    # lock, one thread's restore lets another dump with file descriptors (the server then fails to map).
+    with _SHARING_LOCK:
+        previous = shared.get_sharing_strategy()
+        shared.set_sharing_strategy("file_system")
+        try:
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump(obj)
+        finally:
+            shared.set_sharing_strategy(previous)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class HttpTransport:
+    kind = "http"
+
+    def __init__(self, url: str, api_key: str | None, adapter_dir: Path | None, timeout_s: float,
+                 memory_saver: bool = False, label: str = "", server=None, max_connections: int = 256) -> None:
+        self.url = url.rstrip("/")
+        self.label = label or f"SGLang server {self.url}"
+        self._key = api_key
+        self.adapter_dir = adapter_dir
+        self.adapter_transport = "dir" if adapter_dir is not None else "tensors"
+        self.memory_saver = memory_saver
+        self.timeout_s = timeout_s
+        self.server = server  # the ServerProcess Orbit started (None: attached, left running)
+        self.attached = server is None
+        self._max_connections = max_connections
+        self._client: httpx.AsyncClient | None = None
+        self._dirs: dict[str, Path] = {}  # adapter name -> the directory it was loaded from
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:  # created on the engine's loop, where it is used
+            headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+            self._client = httpx.AsyncClient(
+                base_url=self.url, headers=headers, timeout=httpx.Timeout(self.timeout_s, connect=PROBE_TIMEOUT_S),
+                limits=httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=64))
+        return self._client
+
+    def scrub(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+    async def _post(self, route: str, body: dict | None = None, timeout: float | None = None) -> httpx.Response:
+        """One POST, never retried. A broken connection is a dead server when the server says so
+        (EngineDeadError: the pool moves its requests to the others), else this call's failure."""
+        try:
+            return await self._http().post(route, json=body or {}, timeout=timeout or self.timeout_s)
+        except httpx.TransportError as e:
+            reason = await self.dead()
+            if reason is not None:
+                raise EngineDeadError(f"{self.label}: {reason}") from None
+            raise EngineError(f"{self.label}: {route} failed: {type(e).__name__}: {e}") from None
+
+    async def _get(self, route: str, timeout: float | None = None) -> httpx.Response:
+        """A GET, retried on connection errors and 5xx (reads are idempotent)."""
+        for attempt in range(GET_RETRIES):
+            try:
+                res = await self._http().get(route, timeout=timeout or self.timeout_s)
+                if res.status_code < 500 or attempt == GET_RETRIES - 1:
+                    return res
+            except httpx.TransportError:
+                if attempt == GET_RETRIES - 1:
+                    raise
+            await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _outcome(self, res: httpx.Response) -> Outcome:
+        if res.status_code == 200:
+            try:
+                body = res.json()
+            except ValueError:
+                return True, ""
+            if isinstance(body, dict) and body.get("success") is False:
+                return False, self.scrub(str(body.get("error_message") or body.get("message") or body))
+            return True, ""
+        return False, self.scrub(f"HTTP {res.status_code}: {res.text[:500]}")
+
+    # ---- the protocol's calls ------------------------------------------------------------------
+
+    async def generate(self, body: dict) -> dict:
+        res = await self._post("/generate", body)
+        if res.status_code != 200:
+            raise ValueError(self.scrub(f"HTTP {res.status_code}: {res.text[:500]}"))
+        return res.json()
+
+    async def pause(self, mode: str) -> None:
+        ok, message = self._outcome(await self._post("/pause_generation", {"mode": mode}))
+        if not ok:
+            raise RuntimeError(f"{self.label}: pause_generation refused: {message}")
+
+    async def resume(self) -> None:
+        ok, message = self._outcome(await self._post("/continue_generation"))
+        if not ok:
+            raise RuntimeError(f"{self.label}: continue_generation refused: {message}")
+
+    async def flush(self) -> Outcome:
+        return self._outcome(await self._post("/flush_cache"))
+
+    async def load_adapter(self, name: str, tensors: dict, config: dict, version: int) -> Outcome:
+        if self.adapter_dir is None:
+            body = {"lora_name": name, "config_dict": config,
+                    "serialized_named_tensors": [serialize_for_server(tensors)]}
+            return self._outcome(await self._post("/load_lora_adapter_from_tensors", body))
+        path = write_peft_dir(self.adapter_dir, f"{name}-v{version}", tensors, config)
+        ok, message = self._outcome(await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}))
+        if not ok:
+            shutil.rmtree(path, ignore_errors=True)
+            return ok, message
+        old, self._dirs[name] = self._dirs.get(name), path
+        if old is not None and old != path:  # the version this slot held before: no slot uses it any more
+            shutil.rmtree(old, ignore_errors=True)
+        return ok, message
+
+    async def unload_adapter(self, name: str) -> Outcome:
+        return self._outcome(await self._post("/unload_lora_adapter", {"lora_name": name}))
+
+    async def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> Outcome:
+        ok, message = self._outcome(await self._post("/begin_weight_update"))
+        if not ok:
+            return False, f"begin_weight_update: {message}"
+        try:
+            ok, message = self._outcome(await self._post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [serialize_for_server(named)], "load_format": None, "flush_cache": True,
+                "weight_version": str(version)}))
+        finally:
+            end_ok, end_message = self._outcome(await self._post("/end_weight_update"))
+        return ok and end_ok, message if not ok else end_message
+
+    async def release_memory(self) -> None:
+        ok, message = self._outcome(await self._post("/release_memory_occupation"))
+        if not ok:
+            raise RuntimeError(f"{self.label}: release_memory_occupation refused: {message}")
+
+    async def resume_memory(self) -> None:
+        ok, message = self._outcome(await self._post("/resume_memory_occupation"))
+        if not ok:
+            raise RuntimeError(f"{self.label}: resume_memory_occupation refused: {message}")
+
+    async def dead(self) -> str | None:
+        if self.server is not None and self.server.exited() is not None:
+            return f"its process {self.server.pid} exited (code {self.server.exited()}); {self.server.log_tail()}"
+        try:
+            res = await self._http().get("/health", timeout=PROBE_TIMEOUT_S)
+        except httpx.TimeoutException:
+            return f"did not answer /health within {PROBE_TIMEOUT_S:g} s (hung)"
+        except httpx.TransportError as e:
+            return f"cannot be reached ({type(e).__name__}: {e})"
+        return None if res.status_code == 200 else f"/health answered HTTP {res.status_code}"
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def close(self) -> None:
+        """Stop the server if Orbit started it (its own process group); an attached one stays."""
+        if self.server is not None:
+            self.server.stop()
+        for path in self._dirs.values():
+            shutil.rmtree(path, ignore_errors=True)
+        self._dirs.clear()

@@ -1,0 +1,135 @@
+"""One request to SGLang and its reply, the same over either transport (in-process or HTTP).
+
+A request is the fields of SGLang 0.5.23's `GenerateReqInput` (what `/generate` takes as JSON):
+`input_ids`, `sampling_params`, `return_logprob`, `lora_path` (the request's slot name) and, for
+top-k/top-p sampling, `return_sampling_mask`. Bad input is refused here with EngineError, before
+anything reaches SGLang (an out-of-vocabulary id kills its scheduler).
+
+Logprobs of the reply are the sampled tokens' under the distribution they were sampled from: without
+top-k/top-p, `output_token_logprobs` (log_softmax(logits / T); log_softmax(logits) when greedy);
+with them, `output_token_sampling_logprobs`, SGLang's truncated and renormalised distribution
+(Orbit's own rule too: orbit/truncation.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbit.engine.base import ACTIVE, EngineError, FinishReason, SamplingParams, Slot
+from orbit.engine.checks import check_ids
+from orbit.truncation import truncates
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    sampling_params: dict
+    slot: Slot  # as the caller gave it: an index, None (base model) or ACTIVE
+    truncated: bool  # top-k/top-p: the reply's logprobs come from the sampling mask
+
+    def body(self, lora_path: str | None) -> dict:
+        """The `GenerateReqInput` fields (JSON for `/generate`)."""
+        body = {"input_ids": self.prompt_ids, "sampling_params": self.sampling_params, "return_logprob": True,
+                "lora_path": lora_path}
+        if self.truncated:
+            body["return_sampling_mask"] = True
+        return body
+
+
+def build_request(prompt_ids: list[int], sampling: SamplingParams, slot: Slot, vocab: int, max_context: int,
+                  num_slots: int) -> Request:
+    """Check and translate one `generate` call; EngineError names the first problem."""
+    if not isinstance(sampling, SamplingParams):
+        raise EngineError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    sampling.check()
+    if sampling.ignore_eos and sampling.stop_token_ids:
+        raise EngineError("SGLang 0.5.23 ignores stop_token_ids when ignore_eos is set; use one or the other")
+    prompt = check_ids(list(prompt_ids), vocab, "prompt")
+    if not prompt:
+        raise EngineError("prompt_ids is empty")
+    if len(prompt) >= max_context:
+        raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {max_context} "
+                          f"(the prompt must leave room for at least one generated token)")
+    check_ids(list(sampling.stop_token_ids), vocab, "stop")
+    if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
+                                                and 0 <= slot < num_slots)):
+        raise EngineError(f"slot must be 'active', None or one of 0..{num_slots - 1}, got {slot!r}")
+    truncated = truncates(sampling.top_p, sampling.top_k) and sampling.temperature > 0
+    params = {
+        "max_new_tokens": min(sampling.max_new_tokens, max_context - len(prompt)),
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
+    }
+    if sampling.top_k > 0:
+        params["top_k"] = sampling.top_k
+    elif truncated:
+        params["top_k"] = vocab  # return_sampling_mask needs a finite top_k: the whole vocabulary cuts nothing
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed  # honoured by SGLang only with deterministic inference
+    return Request(prompt, params, slot, truncated)
+
+
+@dataclass
+class Reply:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: FinishReason
+    detail: str  # SGLang's message (an abort's cause)
+    meta_info: dict
+
+
+def read_reply(out: dict, truncated: bool) -> Reply:
+    """SGLang's answer to one request. EngineError when it cannot be read (no meta_info, a finish
+    reason Orbit does not know, logprobs that do not match the tokens)."""
+    meta = out["meta_info"]
+    output_ids = [int(t) for t in out["output_ids"]]
+    finish, detail = finish_reason(meta.get("finish_reason"))
+    logprobs = _logprobs(meta, truncated, finish)
+    if len(logprobs) != len(output_ids):
+        raise EngineError(f"SGLang returned {len(logprobs)} logprobs for {len(output_ids)} tokens")
+    return Reply(output_ids, logprobs, finish, detail, meta)
+
+
+def finish_reason(info: object) -> tuple[FinishReason, str]:
+    """(finish reason, SGLang's message). A reason Orbit does not know is an error, not an abort:
+    resubmitting a request SGLang ended for an unknown cause would hide it and could loop."""
+    kind = info.get("type") if isinstance(info, dict) else info
+    if kind not in ("stop", "length", "abort"):
+        raise EngineError(f"SGLang ended a request with a finish reason Orbit does not know: {info!r} "
+                          "(known: stop, length, abort)")
+    message = info.get("message") if isinstance(info, dict) else None
+    return kind, str(message or "")
+
+
+def _logprobs(meta: dict, truncated: bool, finish: str) -> list[float]:
+    if not truncated:
+        return [float(lp) for lp, _tok, _txt in meta["output_token_logprobs"]]
+    values = meta.get("output_token_sampling_logprobs")
+    if values is None:
+        if finish == "abort":  # aborted before its first token: no sampling mask was ever captured
+            return [float(lp) for lp, _tok, _txt in meta.get("output_token_logprobs") or []]
+        raise EngineError("SGLang returned no sampling-mask logprobs for a top-k/top-p request "
+                          "(return_sampling_mask is needed for truncated sampling)")
+    return [float(v) for v in values]
+
+
+def weight_version(meta: dict, default: int) -> int:
+    """The weight version SGLang stamped on the last tokens (update_weights passes Orbit's version)."""
+    spans = meta.get("weight_versions") or []
+    label = spans[-1].get("version") if spans and isinstance(spans[-1], dict) else meta.get("weight_version")
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return default  # "default": no push yet
+
+
+def score_body(prompt: list[int], continuation: list[int]) -> dict:
+    """A teacher-forced request: the continuation's logprobs come back as input logprobs."""
+    return {"input_ids": prompt + continuation, "logprob_start_len": len(prompt) - 1, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+
+
+def read_scores(out: dict) -> list[float]:
+    """The continuation's logprobs: the first entry is the last prompt token's (None), skipped."""
+    return [float(lp) for lp, _tok, _txt in out["meta_info"]["input_token_logprobs"][1:]]
