@@ -7,6 +7,7 @@ batch lasts as long as its longest request. Only useful tokens count for both: e
 own max_new_tokens.
 
     .venv/bin/python bench/engine_throughput.py [--arch llama] [--threads 1] [--batch 32] [--repeat 3]
+                                                [--device cuda --dtype bfloat16]   # on a GPU
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def run_transformers(model, prompts: list[list[int]], lengths: list[int], batch:
     for i in range(0, len(prompts), batch):
         ps, ns = prompts[i:i + batch], lengths[i:i + batch]
         width = max(len(p) for p in ps)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])  # left padding for generate
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        # left padding for generate
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=model.device)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), do_sample=True,
                              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
         assert out.shape[1] == width + max(ns), "a batch stopped early: eos must be off"
@@ -62,6 +64,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="engine max_running and transformers batch size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for each side")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both sides")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per side; the best is reported")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -72,9 +76,10 @@ def main() -> None:
     prompts, lengths = workload(args.requests, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(tmp, arch=args.arch, seed=0)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         model.generation_config.eos_token_id = None  # ignore_eos, as the engine requests do
-        client = start_embedded_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed)
+        client = start_embedded_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed,
+                                       dtype=args.dtype, device=args.device)
         try:
             run_engine(client, prompts[:8], [16] * 8)  # warm-up both
             run_transformers(model, prompts[:8], [16] * 8, 8)

@@ -121,22 +121,48 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
 def bench(
     recipe: Path = typer.Argument(Path("bench/five-panel.yaml"), help="workload recipe"),
     engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
+    engines: str | None = typer.Option(None, help="several backends, one after the other: e.g. embedded,sglang"),
     steps: int = typer.Option(8, help="measured steps per mode"),
     warmup: int = typer.Option(2, help="warm-up steps per mode, excluded from the figures"),
     out: Path = typer.Option(Path("runs/bench"), help="output directory"),
+    replicas: int = typer.Option(1, help="2 or more: the engine-pool bench (one mode, barrier vs independent flips)"),
+    mode: ModeChoice = typer.Option(ModeChoice("double-buffer"), help="the pool bench's mode"),
+    flip: list[str] = typer.Option(["barrier", "independent"], help="the pool bench's flips (repeat the option)"),
+    slow_running: int | None = typer.Option(None, help="pool bench: max_running of the last engine (slower)"),
+    slow_load: float = typer.Option(0.0, help="pool bench: seconds added to each adapter load of the last engine"),
 ) -> None:
-    """Run the five modes on one workload: summary.json, a table and panels.png."""
-    from orbit.bench import run_bench
+    """The five modes on one workload (summary.json, a table and panels.png per engine), or with
+    --replicas N the engine pool's flips side by side."""
+    from orbit.bench import run_bench, run_pool_bench
+    from orbit.updaters import FLIPS
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    overrides = {"engine.backend": engine.value if engine else None}
+    overrides = {"engine.backend": engine.value if engine else None, "mode": mode.value if replicas > 1 else None}
     try:
         r = load_recipe(recipe, overrides)
+        backends = _backends(engines) if engines else None
+        if bad := [f for f in flip if f not in FLIPS]:
+            raise RecipeError(f"--flip: {bad[0]!r} is not a flip (allowed: {', '.join(FLIPS)})")
     except RecipeError as err:
         _fail(f"bad bench arguments ({recipe}):\n{err}")
     with _run_errors("the bench"):
-        result = run_bench(r, out, steps=steps, warmup=warmup, console=console)
-    console.print(f"wrote {result.out / 'summary.json'} and {result.out / 'panels.png'}")
+        if replicas > 1:
+            result = run_pool_bench(r, out, steps, warmup, replicas, tuple(flip), slow_running, slow_load,
+                                    console=console)
+            console.print(f"wrote {result.out / 'summary.json'} and {result.out / 'panels.png'}")
+            return
+        result = run_bench(r, out, steps=steps, warmup=warmup, console=console, engines=backends)
+    pngs = ", ".join(str(result.out / b / "panels.png") for b in result.summary["engines"])
+    console.print(f"wrote {result.out / 'summary.json'} and {pngs}")
+
+
+def _backends(engines: str) -> list[str]:
+    names = [e.strip() for e in engines.split(",") if e.strip()]
+    allowed = [c.value for c in EngineChoice]
+    for name in names:
+        if name not in allowed:
+            raise RecipeError(f"--engines: {name!r} is not an engine backend (allowed: {', '.join(allowed)})")
+    return names
 
 
 @recipe_app.command("check")

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_serializer, model_validator
 
+from orbit.devices import check_devices, choose_backend
 from orbit.modes import MODE_NAMES, MODES
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -44,7 +45,9 @@ DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
 class EngineConfig(_Section):
-    backend: Literal["embedded", "sglang", "sglang-server"] = "embedded"
+    backend: Literal["auto", "embedded", "sglang", "sglang-server"] = Field(
+        "auto", description="auto: sglang where it is installed and the engines are on GPUs (sglang-server when "
+        "servers are given), else embedded")
     max_inflight: int = Field(32, ge=1, le=4096, description="requests the producer keeps in flight, per engine")
     max_running: int = Field(32, ge=1, le=4096, description="requests an engine decodes at once")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -67,13 +70,16 @@ class EngineConfig(_Section):
         "auto", description="auto: shared-memory tensors for servers on this host, adapter_dir for the others")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the name of an "
                                     "environment variable holding the servers' --api-key (never the key itself)")
-    mem_fraction: float | None = Field(None, gt=0.0, le=1.0, description="SGLang's --mem-fraction-static")
+    mem_fraction: float | None = Field(None, gt=0.0, le=1.0, description="SGLang's --mem-fraction-static; default "
+                                       "on a GPU shared with the trainer: computed from the model's size")
+    max_context: int | None = Field(None, ge=16, le=1 << 20, description="tokens per request (prompt + output); "
+                                    "default min(the model's, 4096), or what a shared GPU's KV budget allows")
     tp: int = Field(1, ge=1, le=64, description="SGLang's --tp-size (GPUs per engine)")
 
     @model_validator(mode="after")
     def _replicas_and_devices(self) -> EngineConfig:
         if self.servers is not None:
-            if self.backend != "sglang-server":
+            if self.backend not in ("sglang-server", "auto"):
                 raise ValueError(f"engine.servers: for engine.backend 'sglang-server', not {self.backend!r}")
             if not self.servers:
                 raise ValueError("engine.servers: empty; give the servers' URLs, or leave it unset to start servers")
@@ -139,6 +145,8 @@ class TrainerConfig(_Section):
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=1, description="checkpoint the adapter every N steps")
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's base weights (bfloat16 "
+                                                  "on a GPU halves them; adapter weights stay float32)")
     threads: int = Field(1, ge=1, le=256)
     micro_batch: int = Field(0, ge=0, description="samples per forward/backward; 0 = the whole batch")
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -226,6 +234,22 @@ class Recipe(_Section):
     )
     seed: int = 0
     out: Path = Path("runs/latest")
+    logging: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="trackers each step also goes to (metrics.jsonl always has it): "
+        "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; WANDB_MODE=offline works); [] = none")
+    _backend_choice: str | None = PrivateAttr(None)  # what `engine.backend: auto` chose, and why (one line)
+
+    @property
+    def backend_choice(self) -> str | None:
+        return self._backend_choice
+
+    @model_validator(mode="after")
+    def _unique_logging(self) -> Recipe:
+        # A tracker listed twice would open two writers into one directory and log every step twice.
+        twice = sorted({t for t in self.logging if self.logging.count(t) > 1})
+        if twice:
+            raise ValueError(f"logging: {twice[0]!r} is listed more than once; name each tracker once")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -373,6 +397,19 @@ def sglang_problem() -> str | None:
     return None
 
 
+def _resolve_backend(recipe: Recipe) -> str | None:
+    """`engine.backend: auto` becomes a concrete backend here (what recipe.yaml of a run records);
+    returns the one line `orbit train` and `orbit bench` print about it."""
+    cfg = recipe.engine
+    if cfg.backend != "auto":
+        return None
+    if cfg.servers:
+        cfg.backend, why = "sglang-server", "engine.servers are given"
+    else:
+        cfg.backend, why = choose_backend(cfg.engine_devices())
+    return f"engine: {cfg.backend} (engine.backend auto: {why})"
+
+
 def _check_supported(recipe: Recipe) -> None:
     """SGLang must be installed here to run in-process or to start servers (attaching needs only HTTP)."""
     backend = recipe.engine.backend
@@ -384,6 +421,12 @@ def _check_supported(recipe: Recipe) -> None:
     if key is not None and not os.environ.get(key):
         raise RecipeError(f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
                           "servers' --api-key)")
+    from orbit.tracking import tracker_problem  # here: orbit.tracking imports this module
+
+    for tracker in recipe.logging:
+        problem = tracker_problem(tracker)
+        if problem is not None:
+            raise RecipeError(f"logging: {tracker!r} cannot run: {problem}")
 
 
 def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
@@ -394,8 +437,10 @@ def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:
         raise RecipeError(_explain(err)) from None
+    recipe._backend_choice = _resolve_backend(recipe)
     _check_supported(recipe)
     if check_paths:
+        check_devices(recipe)
         _check_paths(recipe)
         _check_oft_block_size(recipe)
         _check_task(recipe.task)

@@ -33,6 +33,7 @@ from orbit.rollout.buffer import GroupBuffer
 from orbit.rollout.producer import Producer
 from orbit.rollout.sample import Sample
 from orbit.sync import PushResult
+from orbit.tracking import Trackers
 from orbit.train.trainer import StepResult, Trainer
 from orbit.updaters import PoolPush
 
@@ -57,6 +58,7 @@ class LoopParts:
     live: bool = True
     stall_s: float | None = None  # rollout.stall_timeout_s
     run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
+    trackers: Trackers | None = None  # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
 
 
 def run_steps(p: LoopParts) -> None:
@@ -110,7 +112,12 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
 
         m = _metrics(p, version, t_step, wait.seconds, train.seconds, batch, samples, result, pushed,
                      before, _stats_or(p.engine, before), counts)
-        p.metrics.write(m.to_json())
+        line = m.to_json()
+        p.metrics.write(line)
+    # Outside the held block: Ctrl-C need not wait for a tracker. The line is written either way,
+    # and trackers never raise, so a failed push still reaches `raise failure`.
+    if p.trackers is not None:
+        p.trackers.log_step(line, samples)
     if failure is not None:
         raise failure
     return m, pushed.flipped
@@ -142,6 +149,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         loss=result.loss,
         stale_dropped=batch.stale_dropped,
         train_s=train_s,
+        trainer_idle_s=wait_s + pushed.seconds,
+        engine_busy_s=after.busy_s - before.busy_s,
         tokens_generated=tokens,
         logprob_diff_tokens=result.logprob_diff_tokens,
         policy_drift=_finite(result.policy_drift),

@@ -19,7 +19,7 @@ METRIC_FIELDS = (
     "mode", "step", "version", "update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s",
     "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
     "stale_dropped", "ratio_mean", "ratio_max", "clip_frac", "waste_frac", "useful_tok_per_dev_s",
-    "flip_lag_s", "engines_alive",
+    "flip_lag_s", "engines_alive", "train_s", "trainer_idle_s", "engine_busy_s",
 )
 
 
@@ -40,6 +40,8 @@ class StepMetrics:
     loss: float
     stale_dropped: int
     train_s: float = 0.0
+    trainer_idle_s: float = 0.0  # train_wait_s + the part of the push that held the trainer
+    engine_busy_s: float = 0.0  # the engines' own busy time in the step (generating), summed over engines
     tokens_generated: int = 0
     logprob_diff_tokens: int = 0
     policy_drift: float | None = None  # same mean abs diff, over samples of older weights

@@ -3,7 +3,8 @@
 Engine lanes: one bar per request, colored by the policy version it started with, packed into
 lanes as an interval schedule. Trainer lane: wait / train / push, with the engine's pause on
 top. At serial barriers the idle tail of each lane (waiting for the slowest sample) is hatched.
-Flips and weight updates are marked with vertical lines.
+Flips and weight updates are marked with vertical lines; a mode's floor (the fastest its steps could
+be on this machine, orbit/bench.py) as dotted green lines where its steps would end at that pace.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from orbit.modes import MODES  # noqa: E402
 
 TRAINER_COLORS = {"wait": "#d9d9d9", "train": "#4c72b0", "push": "#dd8452", "save": "#8c8c8c"}
 PAUSE_COLOR = "#c44e52"
+FLOOR_COLOR = "#2ca02c"
 VERSION_CMAP = plt.get_cmap("tab10")
 
 
@@ -61,7 +63,7 @@ def engine_bands(requests: list[dict]) -> tuple[list[int], list[tuple[int, float
     return lanes, bands
 
 
-def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float) -> None:
+def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float, title: str | None = None) -> None:
     requests = sorted(
         (e for e in events if e["kind"] == "request" and e["t1"] > t0 and e["t0"] < t1), key=lambda e: e["t0"]
     )
@@ -98,7 +100,15 @@ def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float) -> None:
         ax.set_yticks([n_lanes / 2, trainer_y + 0.6], ["engine", "trainer"])
     ax.set_ylim(-0.5, trainer_y + 1.7)
     m = MODES[mode]
-    ax.set_title(f"{mode}  ({m.loop} loop, {m.push} push)", loc="left", fontsize=10)
+    ax.set_title(title or f"{mode}  ({m.loop} loop, {m.push} push)", loc="left", fontsize=10)
+
+
+def _draw_floor(ax, floor_s: float, span: float, steps: float) -> None:
+    """Where each step would end if every step ran at the floor; the label compares the paces."""
+    for k in range(1, int(span / floor_s) + 1):
+        ax.axvline(k * floor_s, color=FLOOR_COLOR, linestyle=":", linewidth=1.0)
+    ax.text(0.995, 0.02, f"floor {floor_s:.2f} s/step: {span / floor_s:.1f} steps in this time, {steps:.0f} run",
+            transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color=FLOOR_COLOR)
 
 
 def _hatch_stragglers(ax, requests, lanes, events, t0) -> None:
@@ -114,23 +124,35 @@ def _hatch_stragglers(ax, requests, lanes, events, t0) -> None:
                                edgecolors="#999999", hatch="////", linewidth=0)
 
 
-def draw_panels(bench_dir: Path, windows: dict[str, tuple[float, float]], path: Path) -> Path:
-    """One panel per mode, all on the same time axis (seconds from each mode's first measured step)."""
-    modes = list(windows)
+def draw_panels(bench_dir: Path, windows: dict[str, tuple[float, float]], path: Path,
+                floors: dict[str, float] | None = None, title: str | None = None, titles: dict[str, str] | None = None,
+                modes: dict[str, str] | None = None) -> Path:
+    """One panel per run (bench_dir/<key>), all on the same time axis (seconds from each run's first
+    measured step). `floors`: per key, a floor to draw; `modes`: per key, its mode (default the key)."""
+    keys = list(windows)
     span = max(t1 - t0 for t0, t1 in windows.values())
-    fig, axes = plt.subplots(len(modes), 1, figsize=(14, 2.6 * len(modes)), sharex=True)
-    for ax, mode in zip(axes, modes, strict=True):
-        t0, t1 = windows[mode]
-        _draw_mode(ax, mode, _events(bench_dir / mode), t0, t1)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(14, 2.6 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        t0, t1 = windows[key]
+        events = _events(bench_dir / key)
+        _draw_mode(ax, (modes or {}).get(key, key), events, t0, t1, (titles or {}).get(key))
+        if floors and floors.get(key):
+            steps = sum(1 for e in events if e["actor"] == "trainer" and e["kind"] == "train" and t0 <= e["t0"] < t1)
+            _draw_floor(ax, floors[key], t1 - t0, steps)
         ax.set_xlim(0, span)
-    axes[-1].set_xlabel("seconds since the first measured step (one shared axis)")
+    axes[-1, 0].set_xlabel("seconds since the first measured step (one shared axis)")
     legend = [Patch(facecolor=c, label=k) for k, c in TRAINER_COLORS.items()]
     legend += [Patch(facecolor=PAUSE_COLOR, label="engine paused / flip"),
                Patch(facecolor="none", edgecolor="#999999", hatch="////", label="straggler wait at barrier"),
                Patch(facecolor="white", edgecolor="black", label="aborted request")]
+    if floors:
+        legend.append(Patch(facecolor=FLOOR_COLOR, label="step ends at the floor's pace"))
     legend += [Patch(facecolor=VERSION_CMAP(v), label=f"version {v} (mod 10)") for v in range(3)]
-    fig.legend(handles=legend, loc="upper center", ncol=6, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=12, fontweight="bold")
+    fig.legend(handles=legend, loc="upper center", ncol=6, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.975 if title else 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 0.93 if title else 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

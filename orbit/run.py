@@ -1,7 +1,7 @@
 """`orbit train`: build the pieces a recipe names, run the loop, and always leave a usable run.
 
-A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl` and `adapter/` (peft's
-format plus optimizer state). However a run ends, what it leaves agrees with itself:
+A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl`, `samples.jsonl` and `adapter/`
+(peft's format plus optimizer state). However a run ends, what it leaves agrees with itself:
 - a run that fails (or is interrupted) before its first step leaves nothing in the way: the
   files it created are removed, so the same command can simply run again;
 - once it has stepped, Ctrl-C, an engine's death or a rollout failure stops the engine, saves the
@@ -13,6 +13,7 @@ format plus optimizer state). However a run ends, what it leaves agrees with its
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from pathlib import Path
 from rich.console import Console
 
 from orbit.config import Recipe, RecipeError, dump_recipe
-from orbit.engine import start_pool
+from orbit.devices import colocate
+from orbit.engine import SlowEngine, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.loop import LoopParts, run_steps
 from orbit.metrics import JsonlWriter, Timeline
@@ -29,11 +31,13 @@ from orbit.rollout.buffer import GroupBuffer, RolloutError
 from orbit.rollout.groups import sampling_params
 from orbit.rollout.producer import Admission, Producer
 from orbit.tasks import TaskError, make_task
+from orbit.tracking import Trackers, open_trackers
 from orbit.train.trainer import STATE_FILE, Trainer
 from orbit.truncation import truncates
 from orbit.updaters import PoolPush
 
-RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log")
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log", "samples.jsonl")
+RUN_DIRS = ("tensorboard", "wandb")  # the trackers' own files (recipe `logging`)
 
 
 class Interrupted(Exception):
@@ -68,6 +72,7 @@ class _Run:
     producer: Producer | None = None
     parts: LoopParts | None = None
     start_version: int = 0
+    trackers: Trackers | None = None
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
@@ -102,7 +107,9 @@ def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Console | None = None) -> RunResult:
+def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Console | None = None,
+          slow: SlowEngine | None = None) -> RunResult:
+    """Run a recipe to its last step. `slow`: a bench option that slows the pool's last engine."""
     console = console or Console()
     run_dir = Path(recipe.out)
     t0 = time.time()
@@ -114,7 +121,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
     created = prepare_run_dir(run_dir, resume)
     try:
-        run = _start(recipe, run_dir, resume, task, stop_ids, console, live)
+        run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer)
     except BaseException as err:
         _undo_start(run_dir, created, resume)
         if isinstance(err, KeyboardInterrupt):
@@ -125,28 +132,40 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     finally:
         run.metrics.close()
         run.timeline.close()
+        if run.trackers is not None:
+            run.trackers.close()
     return RunResult(run_dir, run.trainer.version - run.start_version, time.time() - t0)
 
 
 def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int, ...], console: Console,
-           live: bool) -> _Run:
+           live: bool, slow: SlowEngine | None = None, tokenizer=None) -> _Run:
     """Trainer, engine, the starting adapter on the engine, the producer: everything but the loop."""
     mode = MODES[recipe.mode]
     serial = mode.loop == "serial"
+    if recipe.backend_choice:
+        console.print(recipe.backend_choice, highlight=False)
+    engine_cfg, shared = colocate(recipe)  # before the trainer takes its part of a shared GPU
+    if shared:
+        console.print(shared, highlight=False)
     trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
                       top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
     run_state = trainer.load(run_dir / "adapter") if resume else {}
     if resume:
         _drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
+        # samples.jsonl likewise, so that no step's samples appear twice after the resumed run's own.
+        _drop_lines_after(run_dir / "samples.jsonl", trainer.version, by_step=True)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     run = _Run(trainer, JsonlWriter(run_dir / "metrics.jsonl"), Timeline(run_dir / "timeline.jsonl"),
                start_version=trainer.version)
     try:
-        run.engine = engine = start_pool(recipe.engine, recipe.model, recipe.seed, recipe.adapter,
+        # Trackers before the engine: one that cannot start fails the run before any generation.
+        run.trackers = open_trackers(recipe, run_dir, tokenizer, _warner(console, run_dir),
+                                     resume_step=trainer.version if resume else None)
+        run.engine = engine = start_pool(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
                                          call_timeout_s=recipe.rollout.stall_timeout_s, timeline=run.timeline,
                                          on_warning=_warner(console, run_dir),
                                          truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-                                         and recipe.rollout.temperature > 0)
+                                         and recipe.rollout.temperature > 0, slow=slow)
         _check_transports(engine, mode.push, recipe.adapter.type)
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
         run.push = push = PoolPush(mode.push, recipe.adapter.type, engine, recipe.engine.flip, wait_all=serial,
@@ -176,12 +195,15 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         _shutdown(run)
         run.metrics.close()
         run.timeline.close()
+        if run.trackers is not None:
+            run.trackers.close()
         raise
     run.parts = LoopParts(
         mode=mode, engine=engine, trainer=trainer, producer=producer, buffer=buffer, push=push,
         metrics=run.metrics, timeline=run.timeline, run_dir=run_dir, steps=recipe.trainer.steps,
         prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, console=console, live=live,
         stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": producer.next_group},
+        trackers=run.trackers,
     )
     return run
 
@@ -219,6 +241,8 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
     if run.trainer.version == run.start_version:
         run.metrics.close()
         run.timeline.close()
+        if run.trackers is not None:
+            run.trackers.close()  # before their directories go
         _undo_start(run_dir, created, resume)
         return False
     state = run.parts.run_state() if run.parts is not None else {}
@@ -278,6 +302,8 @@ def _undo_start(run_dir: Path, created: bool, resume: bool) -> None:
         return
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:  # a fresh run's directory held no run (prepare_run_dir), so these are its own
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     if created:
         try:
             run_dir.rmdir()
@@ -285,15 +311,19 @@ def _undo_start(run_dir: Path, created: bool, resume: bool) -> None:
             pass  # something else lives there now: leave it
 
 
-def _drop_lines_after(path: Path, version: int) -> None:
+def _drop_lines_after(path: Path, version: int, by_step: bool = False) -> None:
     """Resuming from the checkpoint of `version`: metrics lines of later steps describe updates the
-    checkpoint does not hold (the run died between checkpoints). They move to metrics.discarded.jsonl."""
+    checkpoint does not hold (the run died between checkpoints). They move to metrics.discarded.jsonl.
+    `by_step`: lines that say their step, not the version it made (samples.jsonl, whose `version` is
+    the sample's own): step s made version s + 1. They move to samples.discarded.jsonl."""
     if not path.exists():
         return
     keep, drop = [], []
     for line in path.read_text().splitlines():
-        (keep if json.loads(line).get("version", 0) <= version else drop).append(line)
+        row = json.loads(line)
+        kept = row["step"] < version if by_step else row.get("version", 0) <= version
+        (keep if kept else drop).append(line)
     if drop:
-        with (path.parent / "metrics.discarded.jsonl").open("a") as f:
+        with path.with_name(f"{path.stem}.discarded.jsonl").open("a") as f:
             f.write("\n".join(drop) + "\n")
         path.write_text("".join(x + "\n" for x in keep))

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from statistics import median
 
 import pytest
 import yaml
+from run_helpers import run_metrics, run_timeline
 
-from orbit.bench import HEADLINE, TIMED, p90, run_bench, summarize
+from orbit.bench import HEADLINE, TIMED, floor_s, p90, run_bench, run_pool_bench, summarize
+from orbit.capacity import Capacity
 from orbit.config import RecipeError, parse_recipe
-from orbit.modes import MODE_NAMES
+from orbit.modes import MODE_NAMES, MODES
 from orbit.panels import pack_lanes
 
 
@@ -32,32 +35,91 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
     result = run_bench(_recipe(tiny_llama, tmp_path / "x"), tmp_path / "bench", steps=2, warmup=1, console=console)
     summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary == json.loads(json.dumps(result.summary))
-    assert list(summary["modes"]) == list(MODE_NAMES)
-    for mode, s in summary["modes"].items():
+    assert list(summary["engines"]) == ["embedded"]
+    section = summary["engines"]["embedded"]
+    capacity = Capacity(**section["capacity"])
+    assert capacity.tok_per_s > 0 and capacity.barrier_s > 0 and capacity.batch_tokens > 0
+    assert list(section["modes"]) == list(MODE_NAMES)
+    for mode, s in section["modes"].items():
         assert s["steps"] == 2, mode
         for key in TIMED:
-            assert s[key]["median"] >= 0 and s[key]["p90"] >= s[key]["median"] * 0.999
+            assert s[key]["median"] >= 0 and s[key]["p90"] >= s[key]["median"] * 0.999, (mode, key)
         for key in ("staleness_mean", "staleness_max", "stale_dropped", "reward_mean", "waste_frac"):
             assert key in s
-    assert summary["modes"]["sync"]["staleness_max"] == 0
-    assert summary["ratios"]["double-buffer"]["step_s"]["vs_sync"] > 0
-    assert {t["target"] for t in summary["targets"]} and all("met" in t for t in summary["targets"])
-    png = (tmp_path / "bench" / "panels.png").read_bytes()
+        assert 0 < s["engine_busy_frac"] <= 1.05 and 0 < s["trainer_busy_frac"] < 1, mode
+        # the floor arithmetic, recomputed from the run's own metrics lines and the measured capacity
+        rows = run_metrics(tmp_path / "bench" / "embedded" / mode)[1:]
+        for r in rows:
+            assert r["trainer_idle_s"] == pytest.approx(r["train_wait_s"] + r["update_weights_s"])
+        trainer = [r["train_s"] + r["update_weights_s"] for r in rows]
+        if MODES[mode].loop == "serial":
+            floors = [capacity.barrier_s + t for t in trainer]
+        else:
+            batch = sum(r["trained_tokens"] for r in rows) / len(rows)  # the mode's mean batch
+            floors = [max(t, batch / capacity.tok_per_s) for t in trainer]
+        assert s["floor_s"]["median"] == pytest.approx(median(floors))
+        assert s["floor_ratio"] == pytest.approx(s["step_s"]["median"] / median(floors))
+    assert section["modes"]["sync"]["staleness_max"] == 0
+    assert section["ratios"]["double-buffer"]["step_s"]["vs_sync"] > 0
+    assert {t["target"] for t in section["targets"]} and all("met" in t for t in section["targets"])
+    assert any("floor" in t["target"] for t in section["targets"])
+    png = (tmp_path / "bench" / "embedded" / "panels.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     text = console.export_text()
     assert all(mode in text for mode in MODE_NAMES) and "vs sync" in text and "%" in text
     for _, label, _ in HEADLINE:
         assert label in text
-    assert "useful tok/s" in text and "waste" in text
+    for label in ("useful tok/s", "waste", "floor", "engine / trainer busy", "flip lag", "train wait"):
+        assert label in text
+
+
+def test_floor_arithmetic():
+    capacity = Capacity(tok_per_s=1000.0, barrier_s=0.8, batch_tokens=900.0, engines=1)
+    row = {"train_s": 0.5, "update_weights_s": 0.1, "trained_tokens": 900}
+    assert floor_s(row, True, capacity) == pytest.approx(0.8 + 0.5 + 0.1)  # barrier + train + push
+    assert floor_s(row, False, capacity) == pytest.approx(0.9)  # generation-bound: 900 tokens at 1000 tok/s
+    assert floor_s({**row, "trained_tokens": 300}, False, capacity) == pytest.approx(0.6)  # trainer-bound
+    assert floor_s({**row, "trained_tokens": 300}, False, capacity, batch_tokens=1200) == pytest.approx(1.2)
+
+
+def test_pool_bench_barrier_against_independent(tmp_path, tiny_llama):
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    recipe = _recipe(tiny_llama, tmp_path / "x")
+    result = run_pool_bench(recipe, tmp_path / "pool", steps=2, warmup=1, replicas=2, slow_running=4,
+                            slow_load_s=0.2, console=console)
+    summary = json.loads((tmp_path / "pool" / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(result.summary))
+    assert set(summary["flips"]) == {"independent", "barrier"}
+    assert summary["slow_engine"] == {"index": 1, "running": 4, "load_s": 0.2}
+    for flip in ("barrier", "independent"):
+        rows = run_metrics(tmp_path / "pool" / flip)
+        assert all(r["engines_alive"] == 2 for r in rows)
+        assert {e["engine"] for e in run_timeline(tmp_path / "pool" / flip) if e["kind"] == "request"} == {0, 1}
+    # the barrier holds the trainer for the slow engine's load; independent flips do not
+    assert summary["flips"]["barrier"]["update_weights_s"]["median"] >= 0.2
+    assert summary["flips"]["independent"]["update_weights_s"]["median"] < 0.2
+    assert set(summary["independent_vs_barrier"]) == {"step_s", "rollout_tok_per_dev_s", "trainer_idle_s",
+                                                      "flip_lag_s"}
+    png = (tmp_path / "pool" / "panels.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "independent / barrier" in console.export_text()
 
 
 def test_summary_statistics():
     rows = [{"update_weights_s": v, "train_wait_s": v, "rollout_tok_per_dev_s": v, "useful_tok_per_dev_s": v,
              "step_s": v, "engine_paused_s": v, "staleness_mean": 1.0, "staleness_max": 2, "stale_dropped": 1,
-             "reward_mean": 0.5, "logprob_diff": None, "tokens_generated": 100 * v, "waste_frac": 0.1 * (v < 3)}
+             "reward_mean": 0.5, "logprob_diff": None, "tokens_generated": 100 * v, "waste_frac": 0.1 * (v < 3),
+             "train_s": v / 2, "trainer_idle_s": v, "flip_lag_s": None, "floor_s": v / 2, "engine_busy_s": v / 4}
             for v in (1.0, 2.0, 3.0, 4.0, 10.0)]
-    s = summarize(rows)
+    s = summarize(rows, engines=1)
     assert s["step_s"] == {"median": 3.0, "p90": 10.0}
+    # a rate's mean is Σ tokens / Σ time (each step's rate weighted by its length), not the mean of rates
+    assert s["rollout_tok_per_dev_s"]["mean"] == pytest.approx(sum(v * v for v in (1, 2, 3, 4, 10)) / 20)
+    assert s["flip_lag_s"] is None  # never measured: null, not zero
+    assert s["floor_ratio"] == pytest.approx(2.0)
+    assert s["trainer_busy_frac"] == pytest.approx(0.5) and s["engine_busy_frac"] == pytest.approx(0.25)
     assert s["stale_dropped"] == 5 and s["staleness_max"] == 2
     assert s["waste_frac"] == pytest.approx((10 + 20) / 2000)  # token-weighted over the steps
     assert p90([5.0]) == 5.0
@@ -84,6 +146,13 @@ def test_bad_bench_arguments(tmp_path, tiny_llama):
     res = subprocess.run([sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--engine", "tgi"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "tgi" in res.stderr
+    recipe.write_text(yaml.safe_dump({"model": str(tiny_llama)}))  # a good recipe: the flags are what is bad
+    res = subprocess.run([sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--engines", "embedded,tgi"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--engines" in res.stderr and "tgi" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--replicas", "2", "--flip", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--flip" in res.stderr
     assert not (tmp_path / "b").exists()
 
 

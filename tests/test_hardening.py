@@ -212,7 +212,7 @@ def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeyp
         "did not answer for 5 s (hung)" in message) or (
         "no rollout arrived" in message and "engine 0: no answer within 2 s" in message), message
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60  # seconds, not for ever (a loaded 2-core CI machine is slow to start)
     assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
 
 

@@ -499,3 +499,24 @@ def test_merged_weights_of_the_adapted_modules_only(tiny_llama):
     assert all(torch.equal(only[k], full[k]) for k in only)
     base = load_file(str(tiny_llama / "model.safetensors"))
     assert all(not torch.equal(only[k], base[k]) for k in only)
+
+
+@needs_sglang
+def test_qwen3_as_it_is_base_and_lora_slot_match_transformers_and_peft(tiny_qwen3):
+    """SGLang runs Qwen3 (per-head q/k RMSNorm) as it is: base and a LoRA slot against transformers/peft."""
+    from orbit.engine.sglang import start_sglang_engine
+
+    policy = _trainer(tiny_qwen3, seed=3)
+    eng = start_sglang_engine(tiny_qwen3, max_running=8, max_lora_rank=8, lora_target_modules=ALL_TARGETS)
+    try:
+        _load(eng, 0, policy, version=1)
+        ref = hf_model(tiny_qwen3)
+        worst_base = worst_slot = 0.0
+        for p in prompts(3, seed=8):
+            cont = prompts(1, seed=len(p) + 2, low=16, high=17)[0]
+            worst_base = max(worst_base, _max_diff(eng.score(p, cont, slot=None), hf_logprobs(ref, p, cont)))
+            worst_slot = max(worst_slot, _max_diff(eng.score(p, cont, slot=0), hf_logprobs(policy.model, p, cont)))
+    finally:
+        eng.shutdown()
+    print(f"\nqwen3 on SGLang: base {worst_base:.2e}, LoRA slot {worst_slot:.2e}")
+    assert worst_base < BASE_TOL and worst_slot < BASE_TOL

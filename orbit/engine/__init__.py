@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 from orbit.config import AdapterConfig, EngineConfig
 from orbit.engine.base import Engine
 from orbit.engine.pool import EnginePool
+
+
+@dataclass
+class SlowEngine:
+    """A bench option (`orbit bench --replicas 2 --slow-running N --slow-load S`): the pool's last engine
+    made slower, so that what a straggler costs each kind of flip shows."""
+
+    running: int | None = None  # its max_running (None: the recipe's)
+    load_s: float = 0.0  # added to each of its adapter loads (embedded engine), as a slow link to a far server
 
 
 def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
@@ -29,7 +40,8 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
         from orbit.engine.embedded import start_embedded_engine
 
         return start_embedded_engine(
-            model, max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads, seed=seed,
+            model, max_running=cfg.max_running, max_context=cfg.max_context, dtype=cfg.dtype, device=device,
+            threads=cfg.threads, seed=seed,
             slots=cfg.slots, load_delay_s=load_delay_s,
             **({"call_timeout_s": call_timeout_s} if call_timeout_s else {}),
         )
@@ -44,14 +56,15 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
 
         return start_sglang_engine(
             model, max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads,
-            seed=seed, slots=cfg.slots, **lora,
+            seed=seed, slots=cfg.slots, context_length=cfg.max_context, mem_fraction=cfg.mem_fraction, tp=cfg.tp,
+            **lora,
         )
     if cfg.backend == "sglang-server":
         from orbit.engine.sglang.process import SGLangOptions
         from orbit.engine.sglang.server import start_server_engine
 
         opts = SGLangOptions(max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads,
-                             seed=seed, slots=cfg.slots, **lora)
+                             seed=seed, slots=cfg.slots, context_length=cfg.max_context, **lora)
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         return start_server_engine(model, opts, url=server, api_key=key, api_key_env=cfg.api_key_env,
                                    adapter_dir=cfg.adapter_dir, adapter_transport=cfg.adapter_transport,
@@ -63,16 +76,36 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
 
 def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
                call_timeout_s: float | None = None, timeline=None, on_warning: Callable[[str], None] | None = None,
-               load_delays: list[float] | None = None, truncated: bool = False) -> EnginePool:
+               load_delays: list[float] | None = None, truncated: bool = False,
+               slow: SlowEngine | None = None) -> EnginePool:
     """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`) as
     one pool. If one fails to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
     servers = cfg.servers or [None] * cfg.engines
+    delays = list(load_delays or [0.0] * cfg.engines)
+    configs = [cfg] * cfg.engines
+    if slow is not None:
+        if slow.load_s and cfg.backend != "embedded":
+            raise ValueError(f"a slowed adapter load is an embedded-engine option (engine.backend: {cfg.backend})")
+        delays[-1] += slow.load_s
+        configs[-1] = cfg.model_copy(update={"max_running": slow.running or cfg.max_running})
+    def start(i: int, device: str, server: str | None) -> Engine:
+        return start_engine(configs[i], model, seed + i, adapter, call_timeout_s, device, delays[i], server, truncated)
+
+    places = list(enumerate(zip(cfg.engine_devices(), servers, strict=True)))
     try:
-        for i, (device, server) in enumerate(zip(cfg.engine_devices(), servers, strict=True)):
-            delay = load_delays[i] if load_delays else 0.0
-            engines.append(start_engine(cfg, model, seed + i, adapter, call_timeout_s, device, delay, server,
-                                        truncated))
+        if cfg.backend == "sglang-server" and len(places) > 1:
+            # Servers start (or are checked) side by side: N servers take one server's start-up time.
+            with ThreadPoolExecutor(len(places)) as pool:
+                futures = [pool.submit(start, i, d, s) for i, (d, s) in places]
+                wait(futures)
+            engines.extend(f.result() for f in futures if f.exception() is None)
+            for f in futures:
+                if f.exception() is not None:
+                    raise f.exception()
+        else:
+            for i, (device, server) in places:
+                engines.append(start(i, device, server))
     except BaseException:
         for engine in engines:
             try:
@@ -80,4 +113,4 @@ def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig
             except Exception:  # noqa: BLE001 - the start-up error is the one to report
                 pass
         raise
-    return EnginePool(engines, [cfg.max_running] * len(engines), timeline=timeline, on_warning=on_warning)
+    return EnginePool(engines, [c.max_running for c in configs], timeline=timeline, on_warning=on_warning)

@@ -123,8 +123,11 @@ class Trainer:
         # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated logprobs.
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p, self.top_k = (top_p, top_k) if temperature > 0 else (1.0, 0)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.dtype))
         self.model: peft.PeftModel = peft.get_peft_model(base, adapters.peft_config(adapter, base))
+        for p in self.model.parameters():  # adapter weights train in float32 whatever the base's dtype
+            if p.requires_grad:
+                p.data = p.data.float()
         self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from orbit.devices import sglang_device
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.checks import ModelSpec
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
@@ -67,6 +68,8 @@ class SGLangOptions:
     context_length: int | None = None  # None: min(max_position_embeddings, 4096)
     max_total_tokens: int | None = None  # KV pool; None: max_running * context (<= 65536) on CPU, SGLang's on GPU
     memory_saver: bool | None = None  # None: on with CUDA when torch_memory_saver is installed
+    mem_fraction: float | None = None  # GPU: --mem-fraction-static (None: SGLang's default)
+    tp: int = 1  # GPU: --tp-size, GPUs base_gpu_id .. base_gpu_id + tp - 1
 
 
 def model_spec(path: Path) -> tuple[ModelSpec, dict]:
@@ -129,8 +132,9 @@ def launch(model_path: str | Path, opts: SGLangOptions):
     import psutil
 
     context = opts.context_length or min(spec.max_position_embeddings, 4096)
+    device, gpu = sglang_device(opts.device)  # SGLang takes 'cuda' and a GPU id, not 'cuda:1'
     kwargs: dict = dict(
-        model_path=str(path), device=opts.device, dtype=opts.dtype, random_seed=opts.seed,
+        model_path=str(path), device=device, dtype=opts.dtype, random_seed=opts.seed,
         max_running_requests=opts.max_running, context_length=context, skip_tokenizer_init=True,
         log_level="error",
         # a top-k/top-p request returns its sampling support (truncated logprobs); SGLang aborts a
@@ -150,8 +154,12 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         )
         if opts.lora:
             kwargs["lora_backend"] = "torch_native"  # the default (csgmv) is a Triton GPU kernel
-    elif opts.max_total_tokens:
-        kwargs["max_total_tokens"] = opts.max_total_tokens
+    else:
+        kwargs.update(base_gpu_id=gpu, tp_size=opts.tp)
+        if opts.mem_fraction is not None:
+            kwargs["mem_fraction_static"] = opts.mem_fraction
+        if opts.max_total_tokens:
+            kwargs["max_total_tokens"] = opts.max_total_tokens
     memory_saver = opts.memory_saver
     if memory_saver is None:
         memory_saver = not on_cpu and importlib.util.find_spec("torch_memory_saver") is not None

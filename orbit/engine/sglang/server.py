@@ -34,6 +34,7 @@ import httpx
 import torch
 
 from orbit.config import SGLANG_VERSION, RecipeError
+from orbit.devices import sglang_device
 from orbit.engine.checks import ModelSpec
 from orbit.engine.sglang.engine import SGLangEngine
 from orbit.engine.sglang.http import PROBE_TIMEOUT_S, HttpTransport
@@ -102,7 +103,7 @@ def launch_args(model: Path, opts: SGLangOptions, spec: ModelSpec, port: int, me
         if opts.lora:
             args += ["--lora-backend", "torch_native"]  # the default (csgmv) is a Triton GPU kernel
     else:
-        gpu = int(opts.device.split(":")[1]) if ":" in opts.device else 0
+        _, gpu = sglang_device(opts.device)
         args += ["--device", "cuda", "--base-gpu-id", str(gpu), "--tp-size", str(tp)]
         if mem_fraction is not None:
             args += ["--mem-fraction-static", str(mem_fraction)]

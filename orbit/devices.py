@@ -1,0 +1,207 @@
+"""Where things run: the engine backend `auto` picks, device names as each backend takes them, the
+device checks made at recipe load, and the memory plan of a trainer and an engine sharing one GPU.
+
+The arithmetic functions take their numbers as arguments (GPU count, bytes free) so that they are
+tested on a machine without a GPU; `check_devices` and `plan_colocated` ask torch for the numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# SGLang's static share of a GPU of its own (its default is about this on a large card).
+HEADROOM = 0.05  # of the card, for the CUDA context, allocator fragmentation and NCCL buffers
+MAX_ENGINE_SHARE = 0.85
+
+
+def gpu_index(device: str) -> int | None:
+    """'cuda:2' -> 2, 'cuda' -> 0, 'cpu' -> None."""
+    if not device.startswith("cuda"):
+        return None
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def sglang_device(device: str) -> tuple[str, int]:
+    """SGLang takes a device type and a GPU id (`--device cuda --base-gpu-id 1`), not 'cuda:1'."""
+    index = gpu_index(device)
+    return ("cpu", 0) if index is None else ("cuda", index)
+
+
+def choose_backend(devices: list[str], sglang_installed: bool | None = None) -> tuple[str, str]:
+    """`engine.backend: auto`: (backend, why, in words). SGLang where it can serve: installed and
+    every engine on a GPU; the embedded engine otherwise."""
+    if sglang_installed is None:
+        sglang_installed = importlib.util.find_spec("sglang") is not None
+    on_gpu = all(gpu_index(d) is not None for d in devices)
+    where = ", ".join(dict.fromkeys(devices))
+    if on_gpu and sglang_installed:
+        return "sglang", f"sglang is installed and the engine runs on {where}"
+    if on_gpu:
+        return "embedded", (f"sglang is not installed (pip install 'orbit-rl[sglang]' for SGLang on {where})")
+    return "embedded", f"the engine runs on {where}; SGLang is chosen for GPUs"
+
+
+def device_problems(trainer: str, engines: list[str], tp: int, backend: str, gpu_count: int) -> list[str]:
+    """Every impossible placement, each naming the field: a GPU that does not exist, tensor
+    parallelism outside SGLang, a tensor-parallel group that takes the trainer's GPU."""
+    problems = []
+    for field, device in [("trainer.device", trainer)] + [("engine.devices" if len(engines) > 1 else "engine.device",
+                                                             d) for d in engines]:
+        index = gpu_index(device)
+        if index is not None and index >= gpu_count:
+            have = f"GPUs cuda:0..cuda:{gpu_count - 1}" if gpu_count else "no CUDA GPU (torch.cuda.is_available() " \
+                "is False)"
+            problems.append(f"{field}: {device} does not exist; this machine has {have}")
+    if tp > 1 and backend == "embedded":
+        problems.append(f"engine.tp: {tp} needs an SGLang backend (the embedded engine runs on one device)")
+    if tp > 1:
+        t = gpu_index(trainer)
+        for i, device in enumerate(engines):
+            first = gpu_index(device)
+            if first is None:
+                problems.append(f"engine.tp: {tp} needs GPUs; engine {i} is on {device}")
+                continue
+            if first + tp > gpu_count:
+                problems.append(f"engine.tp: engine {i} needs cuda:{first}..cuda:{first + tp - 1}; this machine has "
+                                f"{gpu_count} GPU(s)")
+            if t is not None and first <= t < first + tp:
+                problems.append(f"trainer.device: {trainer} is one of engine {i}'s tensor-parallel GPUs "
+                                f"(cuda:{first}..cuda:{first + tp - 1}, taken whole by the group); put the "
+                                "trainer on another GPU or use engine.tp: 1")
+    return problems
+
+
+def check_devices(recipe) -> None:
+    """At recipe load: the devices a recipe names exist and can be combined (RecipeError otherwise).
+    Attached servers (engine.servers) run where they run and are not checked here."""
+    from orbit.config import RecipeError
+
+    cfg = recipe.engine
+    engines = [] if cfg.servers else cfg.engine_devices()
+    if all(gpu_index(d) is None for d in [recipe.trainer.device, *engines]) and cfg.tp == 1:
+        return  # CPU only: nothing to ask torch
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = device_problems(recipe.trainer.device, engines, cfg.tp, cfg.backend, count)
+    if problems:
+        raise RecipeError("\n".join(problems))
+
+
+# ---- a trainer and an engine on one GPU ----------------------------------------------------------
+
+
+@dataclass
+class ModelSize:
+    params: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: Path) -> ModelSize:
+        from safetensors import safe_open
+
+        raw = json.loads((model / "config.json").read_text())
+        params = 0
+        for path in model.glob("*.safetensors"):
+            with safe_open(str(path), framework="pt") as f:
+                params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+        heads = raw["num_attention_heads"]
+        return cls(params, raw["num_hidden_layers"], raw.get("num_key_value_heads") or heads,
+                   raw.get("head_dim") or raw["hidden_size"] // heads, raw["hidden_size"], raw["vocab_size"])
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+@dataclass
+class ColocatedPlan:
+    """Bytes of one GPU shared by the trainer and the engine, and the engine's resulting settings."""
+
+    total: int
+    free: int
+    engine_weights: int
+    trainer_weights: int
+    trainer_step: int  # activations and logits of one micro-batch, forward and backward
+    kv: int  # the engine's KV cache
+    mem_fraction: float  # SGLang's --mem-fraction-static: engine weights + KV, of the whole card
+    max_context: int  # embedded engine: tokens per running request its KV pool holds
+
+    def describe(self) -> str:
+        def g(x: int) -> str:
+            return f"{x / GiB:.2f} GiB"
+
+        return (f"model {g(self.engine_weights)} in the engine + {g(self.trainer_weights)} in the trainer, "
+                f"trainer step {g(self.trainer_step)}, engine KV {g(self.kv)}; the GPU has {g(self.total)}, "
+                f"{g(self.free)} free")
+
+
+def trainer_step_bytes(size: ModelSize, micro_batch: int, seq: int) -> int:
+    """A generous estimate of one micro-batch's peak: fp32 logits with their log-softmax and gradient
+    (3 × batch × seq × vocab × 4 B), plus ~16 hidden-sized fp32 activations per layer and token."""
+    logits = 3 * micro_batch * seq * size.vocab * 4
+    activations = 16 * micro_batch * seq * size.hidden * size.layers * 4
+    return logits + activations
+
+
+def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, trainer_dtype: str, micro_batch: int,
+                   seq: int, max_running: int, mem_fraction: float | None = None) -> ColocatedPlan:
+    """Split one GPU: the trainer keeps room for its weights and step; the engine gets the rest (at most
+    MAX_ENGINE_SHARE of the card) for its weights and KV cache. Raises ValueError, with the numbers, when
+    the engine's KV cannot hold even `max_running` requests of `seq` tokens."""
+    engine_w = size.params * DTYPE_BYTES[engine_dtype]
+    trainer_w = size.params * DTYPE_BYTES[trainer_dtype]
+    step = trainer_step_bytes(size, micro_batch, seq)
+    trainer_room = trainer_w + step + int(HEADROOM * total)
+    if mem_fraction is None:
+        mem_fraction = min(MAX_ENGINE_SHARE, (free - trainer_room) / total)
+    kv = int(mem_fraction * total) - engine_w
+    per_request = size.kv_bytes_per_token(engine_dtype) * seq
+    plan = ColocatedPlan(total, free, engine_w, trainer_w, step, max(kv, 0), round(max(mem_fraction, 0.0), 3),
+                         max(kv, 0) // max(size.kv_bytes_per_token(engine_dtype) * max_running, 1))
+    if kv < per_request * max_running:
+        raise ValueError(f"trainer and engine cannot share this GPU: {plan.describe()}; the engine's KV needs "
+                         f"{per_request * max_running / GiB:.2f} GiB for {max_running} requests of {seq} tokens "
+                         f"(engine.max_running, rollout.max_new_tokens; or trainer.micro_batch, or a GPU each)")
+    if int(mem_fraction * total) + trainer_room > free:
+        raise ValueError(f"engine.mem_fraction {mem_fraction:g} leaves the trainer too little: {plan.describe()}")
+    return plan
+
+
+PROMPT_ALLOWANCE = 512  # tokens assumed for a prompt when sizing a step or a request's KV
+
+
+def colocate(recipe) -> tuple[object, str | None]:
+    """The engine settings for a trainer that shares its GPU with an engine: SGLang's mem_fraction and
+    the embedded engine's context (its KV budget), from the model's size and the GPU's free memory.
+    Returns (the engine config to start, a line saying what was planned); RecipeError if it cannot fit."""
+    from orbit.config import RecipeError
+
+    cfg, r = recipe.engine, recipe.rollout
+    t = gpu_index(recipe.trainer.device)
+    if t is None or cfg.servers or t not in {gpu_index(d) for d in cfg.engine_devices()}:
+        return cfg, None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(t)
+    micro = recipe.trainer.micro_batch or r.group_size * r.prompts_per_step
+    try:
+        plan = plan_colocated(ModelSize.of(recipe.model), total, free, cfg.dtype, recipe.trainer.dtype, micro,
+                              r.max_new_tokens + PROMPT_ALLOWANCE, cfg.max_running, cfg.mem_fraction)
+    except ValueError as err:
+        raise RecipeError(f"trainer.device: {recipe.trainer.device} is also an engine's device: {err}") from None
+    update = {"mem_fraction": plan.mem_fraction}
+    if cfg.backend == "embedded":
+        update["max_context"] = min(cfg.max_context or 4096, plan.max_context)
+    note = f"trainer and engine share cuda:{t}: {plan.describe()}; engine " + ", ".join(
+        f"{k} {v}" for k, v in update.items())
+    return cfg.model_copy(update=update), note

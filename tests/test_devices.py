@@ -1,0 +1,117 @@
+"""Device mapping, the `auto` backend and the memory plan of a shared GPU: arithmetic checked on CPU
+with the numbers a GPU box would report."""
+
+from __future__ import annotations
+
+import pytest
+
+from orbit.config import RecipeError, parse_recipe
+from orbit.devices import GiB, ModelSize, choose_backend, device_problems, plan_colocated, sglang_device
+from orbit.engine.sglang.process import SGLangOptions
+from orbit.engine.sglang.server import launch_args
+
+# Qwen2.5-0.5B-Instruct's shape: 494M parameters, 24 layers, 2 KV heads of 64, vocab 151,936.
+QWEN_05B = ModelSize(params=494_000_000, layers=24, kv_heads=2, head_dim=64, hidden=896, vocab=151_936)
+
+
+def test_sglang_takes_a_device_type_and_a_gpu_id():
+    assert sglang_device("cuda:1") == ("cuda", 1)
+    assert sglang_device("cuda") == ("cuda", 0)
+    assert sglang_device("cpu") == ("cpu", 0)
+
+
+def test_server_launch_args_map_the_device(tiny_llama):
+    from orbit.engine.sglang.process import model_spec
+
+    spec, _ = model_spec(tiny_llama)
+    args = launch_args(tiny_llama, SGLangOptions(device="cuda:2"), spec, 30000, 0.4, 2, None)
+    joined = " ".join(args)
+    assert "--device cuda --base-gpu-id 2 --tp-size 2" in joined and "--mem-fraction-static 0.4" in joined
+    assert "cuda:2" not in joined
+
+
+def test_auto_backend_choice():
+    assert choose_backend(["cuda:0"], sglang_installed=True)[0] == "sglang"
+    backend, why = choose_backend(["cuda:0"], sglang_installed=False)
+    assert backend == "embedded" and "orbit-rl[sglang]" in why
+    assert choose_backend(["cpu"], sglang_installed=True)[0] == "embedded"
+    assert choose_backend(["cuda:0", "cpu"], sglang_installed=True)[0] == "embedded"
+
+
+def test_auto_backend_resolves_at_load_and_says_why(tiny_llama):
+    r = parse_recipe({"model": str(tiny_llama)})
+    assert r.engine.backend == "embedded"
+    assert r.backend_choice.startswith("engine: embedded (engine.backend auto: the engine runs on cpu")
+    attached = parse_recipe({"model": str(tiny_llama), "engine": {"servers": ["http://127.0.0.1:1"]}},
+                            check_paths=False)
+    assert attached.engine.backend == "sglang-server"
+    assert parse_recipe({"model": str(tiny_llama), "engine": {"backend": "embedded"}}).backend_choice is None
+
+
+def test_impossible_device_combinations_name_the_field():
+    assert device_problems("cuda:0", ["cuda:1"], 1, "sglang", gpu_count=2) == []
+    assert device_problems("cuda:0", ["cuda:0"], 1, "sglang", gpu_count=1) == []  # colocated: allowed
+    [p] = device_problems("cpu", ["cuda:3"], 1, "sglang", gpu_count=2)
+    assert p.startswith("engine.device: cuda:3 does not exist") and "cuda:0..cuda:1" in p
+    [p] = device_problems("cuda:0", ["cpu"], 1, "embedded", gpu_count=0)
+    assert p.startswith("trainer.device: cuda:0 does not exist") and "no CUDA GPU" in p
+    [p] = device_problems("cuda:1", ["cuda:0"], 2, "sglang", gpu_count=2)
+    assert p.startswith("trainer.device: cuda:1 is one of engine 0's tensor-parallel GPUs")
+    problems = device_problems("cuda:0", ["cuda:1"], 2, "embedded", gpu_count=2)
+    assert any(p.startswith("engine.tp: 2 needs an SGLang backend") for p in problems)
+    assert any("engine.devices" in p for p in device_problems("cpu", ["cuda:0", "cuda:5"], 1, "sglang", 2))
+
+
+def test_recipe_on_a_missing_gpu_fails_at_load(tiny_llama):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the check passes here")
+    with pytest.raises(RecipeError, match=r"trainer.device: cuda:0 does not exist; this machine has no CUDA GPU"):
+        parse_recipe({"model": str(tiny_llama), "trainer": {"device": "cuda:0"}})
+
+
+def test_colocated_plan_on_an_80_gib_card():
+    plan = plan_colocated(QWEN_05B, total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16",
+                          micro_batch=8, seq=1536, max_running=64)
+    step = 3 * 8 * 1536 * 151_936 * 4 + 16 * 8 * 1536 * 896 * 24 * 4
+    assert plan.trainer_step == step
+    trainer_room = 494_000_000 * 2 + step + int(0.05 * 80 * GiB)
+    fraction = min(0.85, (79 * GiB - trainer_room) / (80 * GiB))  # the rest of the free memory, capped
+    assert plan.mem_fraction == round(fraction, 3)
+    assert plan.kv == int(fraction * 80 * GiB) - 494_000_000 * 2  # SGLang's share minus the engine's weights
+    per_token = 2 * 24 * 2 * 64 * 2
+    assert plan.max_context == plan.kv // (per_token * 64)
+    assert plan.mem_fraction * 80 * GiB + trainer_room <= 79 * GiB + 0.001 * 80 * GiB
+
+
+def test_colocated_plan_that_cannot_fit_says_the_numbers():
+    with pytest.raises(ValueError) as err:
+        plan_colocated(QWEN_05B, total=8 * GiB, free=6 * GiB, engine_dtype="float32", trainer_dtype="float32",
+                       micro_batch=32, seq=4096, max_running=256)
+    text = str(err.value)
+    assert "cannot share this GPU" in text and "GiB free" in text and "engine KV" in text and "model" in text
+    with pytest.raises(ValueError, match="engine.mem_fraction 0.9 leaves the trainer too little"):
+        plan_colocated(QWEN_05B, total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16",
+                       micro_batch=8, seq=1536, max_running=64, mem_fraction=0.9)
+
+
+def test_model_size_of_a_checkpoint(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    size = ModelSize.of(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert size.params == sum(p.numel() for p in model.state_dict().values())
+    assert size.layers == model.config.num_hidden_layers and size.vocab == model.config.vocab_size
+
+
+@pytest.mark.parametrize(("name", "colocated"), [("qwen-1gpu", True), ("qwen-2gpu", False)])
+def test_gpu_recipes_place_trainer_and_engine(name, colocated):
+    from pathlib import Path
+
+    from orbit.config import load_recipe
+
+    r = load_recipe(Path(__file__).parent.parent / "recipes" / f"{name}.yaml", check_paths=False)
+    assert r.engine.backend == "sglang" and r.engine.dtype == r.trainer.dtype == "bfloat16"
+    assert (r.trainer.device == r.engine.device) is colocated
+    assert device_problems(r.trainer.device, r.engine.engine_devices(), r.engine.tp, r.engine.backend, 2) == []
