@@ -46,10 +46,11 @@ def pack_lanes(requests: list[dict]) -> list[int]:
     return lanes
 
 
-def engine_bands(requests: list[dict]) -> tuple[list[int], list[tuple[int, float, float]]]:
+def engine_bands(requests: list[dict],
+                 engines: set[int] | None = None) -> tuple[list[int], list[tuple[int, float, float]]]:
     """Lanes for requests with each engine in a band of its own: (lane per request, and per engine
-    (index, first lane, last lane + 1))."""
-    engines = sorted({r.get("engine", 0) for r in requests})
+    (index, first lane, last lane + 1)). `engines`: every engine to show, idle ones included."""
+    engines = sorted({r.get("engine", 0) for r in requests} | (engines or set()))
     lanes = [0] * len(requests)
     bands, base = [], 0
     for engine in engines:
@@ -57,7 +58,7 @@ def engine_bands(requests: list[dict]) -> tuple[list[int], list[tuple[int, float
         packed = pack_lanes([requests[i] for i in idx])
         for i, lane in zip(idx, packed, strict=True):
             lanes[i] = base + lane
-        height = max(packed, default=-1) + 1
+        height = max(packed, default=0) + 1  # an idle engine keeps a visible (empty) lane
         bands.append((engine, base, base + height))
         base += height + (1 if len(engines) > 1 else 0)  # a gap between bands
     return lanes, bands
@@ -67,8 +68,9 @@ def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float, title: s
     requests = sorted(
         (e for e in events if e["kind"] == "request" and e["t1"] > t0 and e["t0"] < t1), key=lambda e: e["t0"]
     )
-    lanes, bands = engine_bands(requests)
-    n_lanes = max(lanes, default=-1) + 1
+    updated = {e.get("engine", 0) for e in events if e["actor"] == "engine" and e["kind"] == "update"}
+    lanes, bands = engine_bands(requests, updated)
+    n_lanes = max((hi for _, _, hi in bands), default=max(lanes, default=-1) + 1)  # idle engines too
     trainer_y = n_lanes + 1
     for r, lane in zip(requests, lanes, strict=True):
         aborted = r.get("finish") == "abort"
