@@ -441,7 +441,14 @@ class SGLangEngine:
         if not self._thread.is_alive():
             self._loop.close()
 
-    kill = shutdown  # a dead or hung engine: shutting down kills only SGLang's own processes anyway
+    def kill(self) -> None:
+        """A dead or hung engine: stop the server Orbit started first (nothing there to save; the orderly
+        part of shutdown can take seconds against a dead server), then shut down. In-process, shutting
+        down kills only SGLang's own processes anyway."""
+        stop = getattr(self.transport, "stop_server", None)
+        if stop is not None:
+            stop()
+        self.shutdown()
 
     def __enter__(self) -> SGLangEngine:
         return self

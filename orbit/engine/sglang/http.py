@@ -211,10 +211,14 @@ class HttpTransport:
             await self._client.aclose()
             self._client = None
 
-    def close(self) -> None:
-        """Stop the server if Orbit started it (its own process group); an attached one stays."""
+    def stop_server(self) -> None:
+        """SIGKILL the server's process group if Orbit started it; an attached one stays."""
         if self.server is not None:
             self.server.stop()
+
+    def close(self) -> None:
+        """Stop the server if Orbit started it (its own process group); an attached one stays."""
+        self.stop_server()
         for path in self._dirs.values():
             shutil.rmtree(path, ignore_errors=True)
         self._dirs.clear()
