@@ -142,15 +142,17 @@ class HttpTransport:
             raise ValueError(self.scrub(f"HTTP {res.status_code}: {res.text[:500]}"))
         return res.json()
 
-    async def pause(self, mode: str) -> None:
-        ok, message = self._outcome(await self._post("/pause_generation", {"mode": mode}))
+    async def _must(self, route: str, body: dict | None = None) -> None:
+        """A control call the engine cannot go on without: a refusal raises, naming the route."""
+        ok, message = self._outcome(await self._post(route, body))
         if not ok:
-            raise RuntimeError(f"{self.label}: pause_generation refused: {message}")
+            raise RuntimeError(f"{self.label}: {route.lstrip('/')} refused: {message}")
+
+    async def pause(self, mode: str) -> None:
+        await self._must("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        ok, message = self._outcome(await self._post("/continue_generation"))
-        if not ok:
-            raise RuntimeError(f"{self.label}: continue_generation refused: {message}")
+        await self._must("/continue_generation")
 
     async def flush(self) -> Outcome:
         return self._outcome(await self._post("/flush_cache"))
@@ -186,14 +188,10 @@ class HttpTransport:
         return ok and end_ok, message if not ok else end_message
 
     async def release_memory(self) -> None:
-        ok, message = self._outcome(await self._post("/release_memory_occupation"))
-        if not ok:
-            raise RuntimeError(f"{self.label}: release_memory_occupation refused: {message}")
+        await self._must("/release_memory_occupation")
 
     async def resume_memory(self) -> None:
-        ok, message = self._outcome(await self._post("/resume_memory_occupation"))
-        if not ok:
-            raise RuntimeError(f"{self.label}: resume_memory_occupation refused: {message}")
+        await self._must("/resume_memory_occupation")
 
     async def dead(self) -> str | None:
         if self.server is not None and self.server.exited() is not None:
