@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import signal
-import sys
-import traceback
-from contextlib import contextmanager
-from enum import Enum
-from pathlib import Path
+from orbit import interrupts
 
-import typer
-from rich.console import Console
+interrupts.exit_while_importing()
 
-from orbit.config import RecipeError, load_recipe
-from orbit.modes import MODE_NAMES
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from orbit.config import RecipeError, load_recipe  # noqa: E402
+from orbit.modes import MODE_NAMES  # noqa: E402
+
+interrupts.done_importing()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LoRA/OFT adapters.")
 recipe_app = typer.Typer(no_args_is_help=True, help="Recipe tools.")
@@ -50,10 +55,17 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _interrupted(message: str) -> None:
+    err_console.print(f"[bold yellow]{message}[/]", highlight=False)
+    interrupts.forget_unhandled()
+    raise typer.Exit(130) from None
+
+
 @contextmanager
-def _run_errors(what: str):
+def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"):
     """The ways a command can end badly, each as one clear message and an exit code: a bad recipe
-    or argument (2), a task that failed or a run that could not go on (1), Ctrl-C (130).
+    or argument (2), a task that failed or a run that could not go on (1), Ctrl-C (130). A run
+    turns its own Ctrl-C into Interrupted (what was saved); any other Ctrl-C here means `on_ctrl_c`.
 
     Nothing is imported before the block runs: Ctrl-C while torch is still importing must be
     caught here too."""
@@ -61,11 +73,15 @@ def _run_errors(what: str):
     try:
         yield
     except KeyboardInterrupt:
-        err_console.print(f"[bold yellow]interrupted: {what} did not start, nothing was trained[/]", highlight=False)
-        raise typer.Exit(130) from None
+        _interrupted(f"interrupted: {what} {on_ctrl_c}")
     except Exception as err:
+        # Ctrl-C first: after one, the imports below may themselves fail on a half-imported module
+        if isinstance(err, interrupts.Interrupted):
+            _interrupted(str(err))
+        if interrupts.caused_by_ctrl_c(err):
+            _interrupted(f"interrupted: {what} {on_ctrl_c}")
         from orbit.engine.base import EngineError
-        from orbit.run import Interrupted, RunStopped
+        from orbit.run import RunStopped
         from orbit.tasks import TaskError
 
         if isinstance(err, RecipeError):
@@ -74,9 +90,6 @@ def _run_errors(what: str):
             _fail(f"the task failed: {err}", code=1)
         if isinstance(err, RunStopped | EngineError):
             _fail(f"{what} stopped: {err}", code=1)
-        if isinstance(err, Interrupted):
-            err_console.print(f"[bold yellow]{err}[/]", highlight=False)
-            raise typer.Exit(130) from None
         raise
 
 
@@ -92,7 +105,7 @@ def train(
 ) -> None:
     """Train an adapter with RL: `orbit train recipes/tiny.yaml --mode double-buffer`."""
     # Ctrl-C must stop a run cleanly even when started with SIGINT ignored (e.g. a background job).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.catch_ctrl_c()
     with _run_errors("the run"):
         _train(recipe, mode, steps, out, engine, resume, quiet)
 
@@ -133,10 +146,10 @@ def bench(
 ) -> None:
     """The five modes on one workload (summary.json, a table and panels.png per engine), or with
     --replicas N the engine pool's flips side by side."""
-    from orbit.bench import run_bench, run_pool_bench
-    from orbit.updaters import FLIPS
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.catch_ctrl_c()
+    with _run_errors("the bench"):
+        from orbit.bench import run_bench, run_pool_bench
+        from orbit.updaters import FLIPS
     overrides = {"engine.backend": engine.value if engine else None, "mode": mode.value if replicas > 1 else None}
     try:
         r = load_recipe(recipe, overrides)
@@ -145,7 +158,7 @@ def bench(
             raise RecipeError(f"--flip: {bad[0]!r} is not a flip (allowed: {', '.join(FLIPS)})")
     except RecipeError as err:
         _fail(f"bad bench arguments ({recipe}):\n{err}")
-    with _run_errors("the bench"):
+    with _run_errors("the bench", on_ctrl_c="stopped before writing its summary"):
         if replicas > 1:
             result = run_pool_bench(r, out, steps, warmup, replicas, tuple(flip), slow_running, slow_load,
                                     console=console)
@@ -226,10 +239,10 @@ def eval_cmd(
     threads: int = typer.Option(1, help="engine threads"),
 ) -> None:
     """Held-out accuracy, format rate, turns, tool calls and failure modes; writes eval.json."""
-    from orbit.eval import resolve_target, run_eval
+    interrupts.catch_ctrl_c()
+    with _run_errors("the evaluation", on_ctrl_c="stopped before writing eval.json"):
+        from orbit.eval import resolve_target, run_eval
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with _run_errors("the evaluation"):
         t = resolve_target(target, task, model, max_new_tokens)
         run_eval(t, n=n, seed=seed, threads=threads, console=console)
     console.print(f"wrote {t.out / 'eval.json'}")

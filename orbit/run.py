@@ -20,10 +20,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from orbit import interrupts
 from orbit.config import Recipe, RecipeError, dump_recipe
 from orbit.devices import colocate
 from orbit.engine import SlowEngine, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
+from orbit.interrupts import Interrupted
 from orbit.loop import LoopParts, run_steps
 from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
@@ -38,14 +40,6 @@ from orbit.updaters import PoolPush
 
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log", "samples.jsonl")
 RUN_DIRS = ("tensorboard", "wandb")  # the trackers' own files (recipe `logging`)
-
-
-class Interrupted(Exception):
-    """Ctrl-C: the run was saved (or, before its first step, nothing was left behind)."""
-
-    def __init__(self, message: str, step: int = 0) -> None:
-        super().__init__(message)
-        self.step = step
 
 
 class RunStopped(RuntimeError):
@@ -119,6 +113,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     task = make_task(recipe.task, tokenizer)
     stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
+    interrupts.raise_if_dropped()
     created = prepare_run_dir(run_dir, resume)
     try:
         run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer)
@@ -191,6 +186,7 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         if not serial:
             producer.grant((recipe.trainer.steps - trainer.version) * batch_groups)
         producer.start()
+        interrupts.raise_if_dropped()
     except BaseException:
         _shutdown(run)
         run.metrics.close()

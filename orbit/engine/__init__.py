@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,21 +93,22 @@ def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig
         return start_engine(configs[i], model, seed + i, adapter, call_timeout_s, device, delays[i], server, truncated)
 
     places = list(enumerate(zip(cfg.engine_devices(), servers, strict=True)))
+    futures: list[Future] = []
     try:
         if cfg.backend == "sglang-server" and len(places) > 1:
             # Servers start (or are checked) side by side: N servers take one server's start-up time.
             with ThreadPoolExecutor(len(places)) as pool:
                 futures = [pool.submit(start, i, d, s) for i, (d, s) in places]
-                wait(futures)
             engines.extend(f.result() for f in futures if f.exception() is None)
-            for f in futures:
-                if f.exception() is not None:
-                    raise f.exception()
+            if errors := [f.exception() for f in futures if f.exception() is not None]:
+                raise errors[0]
         else:
             for i, (device, server) in places:
                 engines.append(start(i, device, server))
     except BaseException:
-        for engine in engines:
+        # Ctrl-C while servers start: leaving the executor's block waited for each start; stop all
+        started = engines or [f.result() for f in futures if f.done() and f.exception() is None]
+        for engine in started:
             try:
                 engine.shutdown()
             except Exception:  # noqa: BLE001 - the start-up error is the one to report

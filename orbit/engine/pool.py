@@ -342,9 +342,10 @@ class EnginePool:
         return out
 
     def member_stats_bounded(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
-        """(index, its stats or why there are none) for every live member, each waited for at most
-        `seconds` (for describing a possibly hung pool)."""
-        return [(m.index, bounded(m.engine.stats, seconds)) for m in self.alive()]
+        """(index, its stats or why there are none) for every member, each live one waited for at
+        most `seconds` (for describing a possibly hung pool); one that left says why."""
+        return [(m.index, bounded(m.engine.stats, seconds) if m.alive
+                 else EngineDeadError(f"left the pool: {m.reason}")) for m in self.members]
 
     def stats(self) -> EngineStats:
         """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""

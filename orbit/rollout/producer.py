@@ -29,7 +29,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from orbit.engine.base import ACTIVE, Completion, Engine, SamplingParams
+from orbit.engine.base import ACTIVE, Completion, Engine, EngineDeadError, EngineStats, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.metrics import Timeline
 from orbit.rollout.buffer import GroupBuffer, RolloutError
@@ -169,11 +169,7 @@ class Producer:
         with self._lock:
             in_flight = len(self._pending)
         members = self.engine.member_stats_bounded(_DESCRIBE_WAIT_S)
-        engines = "; ".join(
-            f"engine {i}: {s.running} running, {s.waiting} waiting, {'paused' if s.paused else 'not paused'}, "
-            f"active slot {s.active_slot}" if not isinstance(s, BaseException) else
-            f"engine {i}: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
-            for i, s in members)
+        engines = "; ".join(_describe_member(i, s) for i, s in members)
         return (f"{in_flight} group(s) in flight ({self._inflight} request(s)); {granted} grant(s) left; "
                 f"{started} group(s) started ({self.admission.policy} admission, max_staleness "
                 f"{self.admission.max_staleness}, engine versions {self.engine.versions()}); {engines}")
@@ -293,3 +289,12 @@ class Producer:
                 "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,
                 slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
             )
+
+
+def _describe_member(i: int, s: EngineStats | BaseException) -> str:
+    if isinstance(s, EngineDeadError):  # it left the pool, or says itself that it is hung
+        return f"engine {i}: {s}"
+    if isinstance(s, BaseException):
+        return f"engine {i}: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
+    return (f"engine {i}: {s.running} running, {s.waiting} waiting, {'paused' if s.paused else 'not paused'}, "
+            f"active slot {s.active_slot}")

@@ -1,0 +1,72 @@
+"""Ctrl-C the ways Python loses it: wrapped in another error, dropped in a __del__, or marked unhandled."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orbit import interrupts
+
+
+def test_a_ctrl_c_wrapped_in_a_library_error_is_still_a_ctrl_c():
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as err:
+            raise RuntimeError("SchemaError: Error building serializer") from err
+    except RuntimeError as wrapped:
+        assert interrupts.caused_by_ctrl_c(wrapped)
+    assert not interrupts.caused_by_ctrl_c(ValueError("bad"))
+
+
+def test_a_ctrl_c_python_dropped_in_a_del_is_raised_again():
+    previous_hook = sys.unraisablehook
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        interrupts.catch_ctrl_c()
+        interrupts.raise_if_dropped()  # nothing yet
+
+        class Dropper:
+            def __del__(self):
+                interrupts._remember(signal.SIGINT, None)  # what the handler does when Ctrl-C lands here
+
+        Dropper()  # Python drops the KeyboardInterrupt ("Exception ignored in ...")
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.raise_if_dropped()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+        interrupts._seen = False
+
+
+def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
+    """CPython 3.11 would kill the process with SIGINT at exit (returncode -2) without the reset."""
+    (tmp_path / "ctrlc_in_exec.py").write_text(textwrap.dedent("""
+        import signal, sys
+        from orbit import interrupts
+
+        def boom(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGALRM, boom)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            exec("while True: pass")
+        except KeyboardInterrupt:
+            if sys.argv[1:] == ["handled"]:
+                interrupts.forget_unhandled()
+            sys.exit(130)
+    """))
+
+    def run(*args):
+        env = {**os.environ, "PYTHONPATH": str(Path(interrupts.__file__).parents[1])}
+        return subprocess.run([sys.executable, "-m", "ctrlc_in_exec", *args], cwd=tmp_path, env=env,
+                              capture_output=True, timeout=60).returncode
+
+    assert run("handled") == 130
+    if sys.version_info[:2] == (3, 11):
+        assert run() == -2  # the CPython behaviour the reset is for
