@@ -57,7 +57,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _interrupted(message: str) -> None:
     err_console.print(f"[bold yellow]{message}[/]", highlight=False)
-    interrupts.forget_unhandled()
+    interrupts.handled()
     raise typer.Exit(130) from None
 
 

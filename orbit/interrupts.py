@@ -10,7 +10,7 @@ a command's first seconds):
   `raise_if_dropped` raises it again at the next check;
 - CPython 3.11 marks it as unhandled when it lands inside `exec` of a string (dataclasses build
   their methods so), and under `python -m` the process then kills itself with SIGINT at exit
-  although the interrupt was handled: `forget_unhandled` clears that mark.
+  although the interrupt was handled: `handled` clears that mark.
 Stdlib only, so the command line can install the import-time handler before anything heavy loads.
 """
 
@@ -72,9 +72,16 @@ def _quiet_about_ctrl_c(unraisable) -> None:
 
 
 def raise_if_dropped() -> None:
-    """Raise the Ctrl-C that Python printed and dropped, if there was one."""
+    """Raise the Ctrl-C that Python printed and dropped, if there was one (one not `handled` yet)."""
     if _seen:
         raise KeyboardInterrupt
+
+
+def handled() -> None:
+    """The Ctrl-C seen so far has been dealt with (whoever catches KeyboardInterrupt says so)."""
+    global _seen
+    _seen = False
+    _forget_cpython_mark()
 
 
 def caused_by_ctrl_c(err: BaseException) -> bool:
@@ -91,8 +98,8 @@ def caused_by_ctrl_c(err: BaseException) -> bool:
     return False
 
 
-def forget_unhandled() -> None:
-    """We handled the Ctrl-C: clear CPython 3.11's mark where this Python has it."""
+def _forget_cpython_mark() -> None:
+    """Clear CPython 3.11's unhandled-Ctrl-C mark where this Python has it."""
     try:
         ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
     except (ValueError, AttributeError):

@@ -120,6 +120,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     except BaseException as err:
         _undo_start(run_dir, created, resume)
         if isinstance(err, KeyboardInterrupt):
+            interrupts.handled()
             raise Interrupted(f"interrupted during start-up: nothing was trained{_left(run_dir, resume)}") from None
         raise
     try:
@@ -211,6 +212,7 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
         run_steps(run.parts)
         run.push.finish(recipe.rollout.stall_timeout_s)  # the last version reaches the engines; refusals surface
     except KeyboardInterrupt:
+        interrupts.handled()
         if not _stop(run, run_dir, created, resume):
             raise Interrupted(f"interrupted before the first step: nothing was trained{_left(run_dir, resume)}") \
                 from None

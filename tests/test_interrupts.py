@@ -37,10 +37,12 @@ def test_a_ctrl_c_python_dropped_in_a_del_is_raised_again():
         Dropper()  # Python drops the KeyboardInterrupt ("Exception ignored in ...")
         with pytest.raises(KeyboardInterrupt):
             interrupts.raise_if_dropped()
+        interrupts.handled()
+        interrupts.raise_if_dropped()  # once handled, never raised again (a later run in this process)
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = previous_hook
-        interrupts._seen = False
+        interrupts.handled()
 
 
 def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
@@ -58,7 +60,7 @@ def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
             exec("while True: pass")
         except KeyboardInterrupt:
             if sys.argv[1:] == ["handled"]:
-                interrupts.forget_unhandled()
+                interrupts.handled()
             sys.exit(130)
     """))
 
