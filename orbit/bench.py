@@ -108,7 +108,7 @@ def summarize(rows: list[dict], engines: int = 1) -> dict:
     return out
 
 
-def _median(per_mode: dict, mode: str, key: str) -> float | None:
+def _figure(per_mode: dict, mode: str, key: str) -> float | None:
     """The figure a comparison uses: the median, or for a rate its mean."""
     cell = per_mode[mode].get(key)
     return cell["mean" if key in RATES else "median"] if cell else None
@@ -121,10 +121,10 @@ def ratios(per_mode: dict) -> dict:
         prev = MODE_NAMES[i - 1] if i else None
         out[mode] = {}
         for key, _, _ in HEADLINE:
-            cur = _median(per_mode, mode, key)
+            cur = _figure(per_mode, mode, key)
             out[mode][key] = {
-                "vs_prev": _ratio(cur, _median(per_mode, prev, key)) if prev else None,
-                "vs_sync": _ratio(cur, _median(per_mode, "sync", key)),
+                "vs_prev": _ratio(cur, _figure(per_mode, prev, key)) if prev else None,
+                "vs_sync": _ratio(cur, _figure(per_mode, "sync", key)),
             }
     return out
 
@@ -132,8 +132,8 @@ def ratios(per_mode: dict) -> dict:
 def targets(per_mode: dict) -> list[dict]:
     rows = []
     for name, num, den, key, (op, bound) in TARGETS:
-        below = per_mode[num]["floor_s"]["median"] if den == "floor" else _median(per_mode, den, key)
-        r = _ratio(_median(per_mode, num, key), below)
+        below = per_mode[num]["floor_s"]["median"] if den == "floor" else _figure(per_mode, den, key)
+        r = _ratio(_figure(per_mode, num, key), below)
         ok = r is not None and {"<=": r <= bound, ">=": r >= bound, "<": r < bound}[op]
         rows.append({"target": name, "ratio": r, "met": ok})
     return rows
@@ -165,7 +165,7 @@ def table(section: dict, engine: str) -> Table:
     for key, label, _ in HEADLINE:
         cells = []
         for mode in MODE_NAMES:
-            value = _median(modes, mode, key)
+            value = _figure(modes, mode, key)
             shown = f"{value:.1f} tok/s" if key == "rollout_tok_per_dev_s" else f"{value:.3f} s"
             if mode == "sync":
                 cells.append(shown)
@@ -286,8 +286,8 @@ def run_pool_bench(
                "slow_engine": {"index": replicas - 1, **dataclasses.asdict(slow)}, "steps": steps, "warmup": warmup,
                "flips": per_flip}
     if {"barrier", "independent"} <= set(per_flip):
-        summary["independent_vs_barrier"] = {k: _ratio(_median(per_flip, "independent", k),
-                                                        _median(per_flip, "barrier", k)) for k in POOL_RATIOS}
+        summary["independent_vs_barrier"] = {k: _ratio(_figure(per_flip, "independent", k),
+                                                        _figure(per_flip, "barrier", k)) for k in POOL_RATIOS}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     draw_panels(out, windows, out / "panels.png", titles={f: f"{recipe.mode}, {replicas} engines, {f} flip"
                                                           for f in per_flip}, modes={f: recipe.mode for f in per_flip},

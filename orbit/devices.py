@@ -15,8 +15,8 @@ from pathlib import Path
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# SGLang's static share of a GPU of its own (its default is about this on a large card).
 HEADROOM = 0.05  # of the card, for the CUDA context, allocator fragmentation and NCCL buffers
+# SGLang's static share of a GPU of its own (its default is about this on a large card).
 MAX_ENGINE_SHARE = 0.85
 
 
@@ -165,9 +165,10 @@ def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, tr
     if mem_fraction is None:
         mem_fraction = min(MAX_ENGINE_SHARE, (free - trainer_room) / total)
     kv = int(mem_fraction * total) - engine_w
-    per_request = size.kv_bytes_per_token(engine_dtype) * seq
+    per_token = size.kv_bytes_per_token(engine_dtype)
+    per_request = per_token * seq
     plan = ColocatedPlan(total, free, engine_w, trainer_w, step, max(kv, 0), round(max(mem_fraction, 0.0), 3),
-                         max(kv, 0) // max(size.kv_bytes_per_token(engine_dtype) * max_running, 1))
+                         max(kv, 0) // max(per_token * max_running, 1))
     if kv < per_request * max_running:
         raise ValueError(f"trainer and engine cannot share this GPU: {plan.describe()}; the engine's KV needs "
                          f"{per_request * max_running / GiB:.2f} GiB for {max_running} requests of {seq} tokens "

@@ -68,6 +68,13 @@ class _Run:
     start_version: int = 0
     trackers: Trackers | None = None
 
+    def close_files(self) -> None:
+        """metrics.jsonl, timeline.jsonl and the trackers, flushed and closed (each is idempotent)."""
+        self.metrics.close()
+        self.timeline.close()
+        if self.trackers is not None:
+            self.trackers.close()
+
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
     """Refuse to mix two runs in one directory; resuming needs a checkpoint. Returns whether the
@@ -126,10 +133,7 @@ def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Cons
     try:
         _loop(run, recipe, run_dir, created, resume)
     finally:
-        run.metrics.close()
-        run.timeline.close()
-        if run.trackers is not None:
-            run.trackers.close()
+        run.close_files()
     return RunResult(run_dir, run.trainer.version - run.start_version, time.time() - t0)
 
 
@@ -190,10 +194,7 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         interrupts.raise_if_dropped()
     except BaseException:
         _shutdown(run)
-        run.metrics.close()
-        run.timeline.close()
-        if run.trackers is not None:
-            run.trackers.close()
+        run.close_files()
         raise
     run.parts = LoopParts(
         mode=mode, engine=engine, trainer=trainer, producer=producer, buffer=buffer, push=push,
@@ -237,10 +238,7 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
     unless resumed) when this run never completed a step."""
     _shutdown(run)
     if run.trainer.version == run.start_version:
-        run.metrics.close()
-        run.timeline.close()
-        if run.trackers is not None:
-            run.trackers.close()  # before their directories go
+        run.close_files()  # before the trackers' directories go
         _undo_start(run_dir, created, resume)
         return False
     state = run.parts.run_state() if run.parts is not None else {}

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from pathlib import Path
 
 from orbit.config import Recipe, RecipeError
@@ -159,7 +160,8 @@ def open_backends(names: Iterable[str], run_dir: Path, config: dict, name: str |
                 backends.append(_WandB(run_dir, name or run_dir.name, config))
     except Exception as err:
         for backend in backends:
-            _quietly(backend.close)
+            with suppress(Exception):  # already failing: the start error is the one to report
+                backend.close()
         problem = tracker_problem(tracker) or f"{type(err).__name__}: {err}{START_HINTS.get(tracker, '')}"
         raise RecipeError(f"logging: {tracker!r} could not start: {problem}") from err
     return backends
@@ -235,7 +237,8 @@ def log_images(recipe: Recipe, run_dir: Path, images: dict[str, Path], name: str
                     _print_warning(f"{backend.name}: could not log {path}: {type(err).__name__}: {err}")
     finally:
         for backend in backends:
-            _quietly(backend.close)
+            with suppress(Exception):  # the figures are on disk anyway
+                backend.close()
 
 
 def _print_warning(message: str) -> None:
@@ -243,9 +246,3 @@ def _print_warning(message: str) -> None:
 
     Console(stderr=True).print(f"[bold yellow]WARNING[/] {message}", highlight=False)
 
-
-def _quietly(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - already failing: the first error is the one to report
-        pass

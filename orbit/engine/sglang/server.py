@@ -50,7 +50,6 @@ class ServerProcess:
 
     def __init__(self, popen: subprocess.Popen, log: Path, api_key: str | None) -> None:
         self.popen, self.log, self._key = popen, log, api_key
-        self.children: list = []  # psutil.Process of its scheduler and detokenizer, once it is up
 
     @property
     def pid(self) -> int:
@@ -74,29 +73,10 @@ class ServerProcess:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        # and its scheduler/detokenizer by id, wherever they are now (a server killed on its own leaves
-        # them to init); psutil checks each is still the process that was started, not a reused id
-        import psutil  # SGLang's own dependency: there wherever a server can be started
-
-        for child in self.children:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(self.children, timeout=10)
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
-
-    def remember_children(self) -> None:
-        """The server's processes once it is up (SGLang's scheduler and detokenizer)."""
-        import psutil
-
-        try:
-            self.children = psutil.Process(self.popen.pid).children(recursive=True)
-        except psutil.Error:
-            self.children = []
 
 
 def free_port() -> int:
@@ -156,7 +136,6 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
                               f"{server.exited()}) before answering; {server.log_tail()}")
         try:
             if httpx.get(f"{url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200:
-                server.remember_children()
                 return url, server
         except httpx.TransportError:
             pass
