@@ -334,3 +334,20 @@ def test_a_serial_run_resumed_equals_the_run_never_stopped(tmp_path, tiny_llama,
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
     assert any(float(t.abs().max()) > 0 for k, t in wa.items() if "lora_B" in k)  # it trained
     assert torch.equal(torch.tensor([r["version"] for r in a]), torch.tensor([1, 2, 3, 4]))
+
+
+def test_a_call_cut_off_by_the_engines_shutdown_says_the_engine_is_gone():
+    """A lost SGLang engine is shut down while its updater may still be inside a call: the call's
+    future is cancelled, and the updater must hear EngineDeadError (and drop the engine), not a bare
+    CancelledError that it would hand to the trainer as a refused push."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from orbit.engine.base import EngineDeadError
+    from orbit.engine.sglang.engine import SGLangEngine
+
+    cut = Future()
+    cut.cancel()
+    engine = SimpleNamespace(_dead=EngineDeadError("engine 1 was shut down"), label="engine 1")
+    with pytest.raises(EngineDeadError, match="engine 1 was shut down"):
+        SGLangEngine._wait(engine, cut)

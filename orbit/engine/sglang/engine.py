@@ -140,6 +140,10 @@ class SGLangEngine:
         while True:
             try:
                 return fut.result(_POLL_S)
+            except concurrent.futures.CancelledError:
+                # shutdown cancels the loop's calls (a lost engine is shut down while an updater still
+                # talks to it): the caller must hear that the engine is gone, not a bare CancelledError
+                raise EngineDeadError(str(self._dead or f"{self.label} was shut down")) from None
             except concurrent.futures.TimeoutError:
                 if self._dead is not None and not fut.done():
                     fut.cancel()
