@@ -228,7 +228,7 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
         if isinstance(cause, EngineError | RolloutError | FloatingPointError):
             what = {EngineDeadError: "the engine died", FloatingPointError: "training cannot go on"}.get(
                 type(cause), "rollouts cannot go on")
-            raise RunStopped(f"{what}: {cause}\n{saved}") from cause
+            raise RunStopped(f"{_sentence(f'{what}: {cause}')}\n{saved}") from cause
         raise
     _shutdown(run)
 
@@ -269,6 +269,11 @@ def _warner(console: Console, run_dir: Path):
 def _saved(run_dir: Path, version: int) -> str:
     return (f"the adapter of step {version} is saved in {run_dir / 'adapter'}, metrics.jsonl ends at that step; "
             f"continue with `orbit train RECIPE --resume {run_dir}`")
+
+
+def _sentence(text: str) -> str:
+    """`text` ending in a full stop, so that the next line reads as a sentence of its own."""
+    return text if text.rstrip().endswith((".", "!", "?")) else text.rstrip() + "."
 
 
 def _left(run_dir: Path, resume: bool) -> str:

@@ -344,8 +344,13 @@ class EnginePool:
     def member_stats_bounded(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
         """(index, its stats or why there are none) for every member, each live one waited for at
         most `seconds` (for describing a possibly hung pool); one that left says why."""
-        return [(m.index, bounded(m.engine.stats, seconds) if m.alive
-                 else EngineDeadError(f"left the pool: {m.reason}")) for m in self.members]
+        out = []
+        for m in self.members:
+            answer = bounded(m.engine.stats, seconds) if m.alive else None
+            if not m.alive:  # it left (or left while we asked: the ping killed it): the pool's reason is the cause
+                answer = EngineDeadError(f"left the pool: {m.reason}")
+            out.append((m.index, answer))
+        return out
 
     def stats(self) -> EngineStats:
         """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""

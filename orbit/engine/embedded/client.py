@@ -93,7 +93,7 @@ class EmbeddedClient:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
-        self._closing = False
+        self._closing: str | None = None  # why the process is being stopped (shut down, killed)
         self._reader = threading.Thread(target=self._read, name="orbit-engine-reader", daemon=True)
         self._reader.start()
 
@@ -138,8 +138,8 @@ class EmbeddedClient:
                     raise EOFError
         except (EOFError, OSError):
             self._process.join(2)
-            self._fail_all(EngineDeadError("engine was shut down") if self._closing else EngineDeadError(
-                f"engine process {self.pid} died (exit code {self._process.exitcode})"))
+            self._fail_all(EngineDeadError(self._closing or f"engine process {self.pid} died (exit code "
+                                                            f"{self._process.exitcode})"))
         except EngineDeadError as e:
             self._fail_all(e)
         except BaseException as e:  # noqa: BLE001 - whatever broke, no caller may hang on it
@@ -249,7 +249,7 @@ class EmbeddedClient:
     def shutdown(self) -> None:
         """Abort what is in flight, stop the process (killed if it does not stop: a hung or stopped
         process must not hold the caller). Idempotent."""
-        self._closing = True
+        self._closing = self._closing or "engine was shut down"
         try:
             self._call("shutdown", timeout=_SHUTDOWN_TIMEOUT_S)
         except EngineDeadError:
@@ -263,7 +263,7 @@ class EmbeddedClient:
 
     def kill(self) -> None:
         """Stop a dead or hung engine at once (SIGKILL), without asking it first."""
-        self._closing = True
+        self._closing = self._closing or "engine was killed"
         if self._process.is_alive():
             self._process.kill()
         self._process.join(_SHUTDOWN_TIMEOUT_S)
