@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orbit.config import load_recipe
+from orbit.preflight import preflight
 from orbit.run import train
 
 DEFAULT_CASES = ("double-buffer:1", "double-buffer:0", "async-adapter:2", "async-full:2")
@@ -34,7 +35,7 @@ def measure(recipe_path: Path, mode: str, k: int, admission: str, steps: int | N
     overrides = {"mode": mode, "max_staleness": k, "rollout.admission": admission, "out": str(run_dir),
                  "seed": seed, "trainer.steps": steps, "trainer.save_every": 10_000}
     recipe = load_recipe(recipe_path, overrides)
-    result = train(recipe, live=False)
+    result = train(preflight(recipe), live=False)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = len(rows) * recipe.rollout.prompts_per_step
     dropped = sum(r["stale_dropped"] for r in rows)

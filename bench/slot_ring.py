@@ -25,6 +25,7 @@ from rich.table import Table
 
 from orbit.bench import p90
 from orbit.config import load_recipe
+from orbit.preflight import preflight
 from orbit.run import train
 
 
@@ -34,7 +35,7 @@ def measure(recipe_path: Path, engine: str, slots: int, flip: str, steps: int, w
     recipe = load_recipe(recipe_path, {"mode": "double-buffer", "engine.backend": engine, "engine.slots": slots,
                                        "engine.flip": flip, "out": str(run_dir), "trainer.steps": warmup + steps,
                                        "trainer.save_every": 10_000})
-    train(recipe, live=False)
+    train(preflight(recipe), live=False)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
     events = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()]
     first = rows[0]["version"]

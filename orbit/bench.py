@@ -1,8 +1,8 @@
 """`orbit bench`: the five modes on one workload, seed and model, summarised side by side.
 
-For each engine backend it is given, the bench first measures what the machine allows (orbit/capacity.py:
-the engines' capacity, a lone batch's time), then runs the five modes and sets each step against its
-floor. Writes DIR/summary.json (`engines.<backend>.modes.<mode>.<metric>`: median and p90 per metric,
+For each engine backend it is given, the bench runs the five modes and sets each step against its
+floor, the fastest it could have been at the speed the run's own engines generated (`floor_s`).
+Writes DIR/summary.json (`engines.<backend>.modes.<mode>.<metric>`: median and p90 per metric,
 busy shares, ratios between panels, targets met or missed), DIR/<backend>/panels.png (five Gantt
 panels on one time axis, each with its floor) and prints a table per engine in the seed's style.
 `run_pool_bench`: one mode on N engines, barrier against independent flips, on one time axis.
@@ -20,12 +20,12 @@ from statistics import fmean, median
 from rich.console import Console
 from rich.table import Table
 
-from orbit.capacity import Capacity, measure_capacity
 from orbit.config import Recipe, RecipeError
 from orbit.engine import SlowEngine
 from orbit.modes import MODE_NAMES, MODES
+from orbit.preflight import Checked, preflight
+from orbit.push.fleet import FLIPS
 from orbit.tracking import log_images
-from orbit.updaters import FLIPS
 
 TIMED = ("step_s", "floor_s", "trainer_idle_s", "train_s", "update_weights_s", "train_wait_s",
          "rollout_tok_per_dev_s", "useful_tok_per_dev_s", "flip_lag_s", "engine_paused_s")
@@ -69,19 +69,25 @@ def p90(values: list[float]) -> float:
     return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
 
 
-def floor_s(row: dict, serial: bool, capacity: Capacity, batch_tokens: float | None = None) -> float:
-    """The fastest this step could have been on this machine.
+def engine_rate(rows: list[dict], engines: int) -> float:
+    """Tokens per second of one engine while busy, over a run's steps: what its engines delivered."""
+    busy = sum(r["engine_busy_s"] for r in rows) / engines
+    return sum(r["tokens_generated"] for r in rows) / busy / engines if busy else float("inf")
 
-    Serial: the batch's generation barrier on idle engines + train + push (nothing overlaps).
-    Overlapped: the slower of the trainer's part (train + the push that holds it) and generating a
-    batch's trained tokens at the engines' full capacity. `batch_tokens`: the mode's mean batch; a
-    pipelined step trains tokens generated during earlier steps, so its own count says nothing of
-    how long it had to take (default: this step's)."""
+
+def floor_s(row: dict, serial: bool, engines: int, rate: float, batch_tokens: float) -> float:
+    """The fastest this step could have been, at the speed the run's own engines generated (`rate`
+    tokens/s per engine while busy), so that a step is never below it.
+
+    Serial: the engines' busy time in the step + train + push (nothing overlaps; the engines were at
+    most this busy while the trainer waited). Overlapped: the slower of the trainer's part (train + the
+    push that holds it) and generating a batch's trained tokens on every engine at `rate`.
+    `batch_tokens`: the mode's mean batch: a pipelined step trains tokens generated during earlier
+    steps, so its own count says nothing of how long it had to take."""
     trainer = row["train_s"] + row["update_weights_s"]
     if serial:
-        return capacity.barrier_s + trainer
-    tokens = row["trained_tokens"] if batch_tokens is None else batch_tokens
-    return max(trainer, tokens / capacity.tok_per_s)
+        return row["engine_busy_s"] / engines + trainer
+    return max(trainer, batch_tokens / (rate * engines))
 
 
 def summarize(rows: list[dict], engines: int = 1) -> dict:
@@ -197,7 +203,7 @@ def _check_args(steps: int, warmup: int) -> None:
 
 
 def run_bench(
-    recipe: Recipe, out: Path, steps: int, warmup: int, console: Console | None = None, live: bool = False,
+    checked: Checked, out: Path, steps: int, warmup: int, console: Console | None = None, live: bool = False,
     engines: list[str] | None = None,
 ) -> BenchResult:
     """The five modes on each engine backend in `engines` (default: the recipe's), one after the other.
@@ -205,12 +211,14 @@ def run_bench(
     _check_args(steps, warmup)
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
+    recipe = checked.recipe
     summary: dict = {"recipe": recipe.model_dump(mode="json"), "steps": steps, "warmup": warmup, "engines": {}}
-    if recipe.backend_choice and not engines:
-        console.print(recipe.backend_choice, highlight=False)
+    for note in checked.notes if not engines else ():
+        console.print(note, highlight=False)
     for backend in engines or [recipe.engine.backend]:
         r = recipe.model_copy(deep=True)
-        r.engine.backend, r._backend_choice = backend, None  # said once, above
+        r.engine.backend = backend
+        r = preflight(r).recipe  # this backend's own checks (installed, model it runs)
         summary["engines"][backend] = section = _bench_engine(r, out / backend, steps, warmup, console, live)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))  # each engine's part as soon as it is in
         console.print(table(section, backend))
@@ -221,23 +229,22 @@ def run_bench(
 
 
 def _bench_engine(recipe: Recipe, out: Path, steps: int, warmup: int, console: Console, live: bool) -> dict:
-    """The capacity probe, then the five modes on one engine backend: its summary section."""
+    """The five modes on one engine backend: its summary section."""
     from orbit.panels import draw_panels
 
-    console.print(f"[bold]bench[/] {recipe.engine.backend}: measuring the engine's capacity (never paused, "
-                  f"{recipe.engine.max_inflight} requests in flight)")
-    capacity = measure_capacity(recipe)
     per_mode, windows = {}, {}
+    engines = recipe.engine.engines
     for mode in MODE_NAMES:
         rows, windows[mode] = _run_mode(recipe, mode, out / mode, steps, warmup, console, live)
-        batch = fmean(r["trained_tokens"] for r in rows)
+        batch, rate = fmean(r["trained_tokens"] for r in rows), engine_rate(rows, engines)
         for row in rows:
-            row["floor_s"] = floor_s(row, MODES[mode].loop == "serial", capacity, batch)
-        per_mode[mode] = summarize(rows, recipe.engine.engines)
+            row["floor_s"] = floor_s(row, MODES[mode].loop == "serial", engines, rate, batch)
+        per_mode[mode] = summarize(rows, engines)
+        per_mode[mode]["engine_tok_per_busy_s"] = rate
     draw_panels(out, windows, out / "panels.png", floors={m: per_mode[m]["floor_s"]["median"] for m in MODE_NAMES},
                 title=f"{recipe.engine.backend} engine")
-    return {"capacity": dataclasses.asdict(capacity), "modes": per_mode, "ratios": ratios(per_mode),
-            "targets": targets(per_mode), "panels": str(out / "panels.png")}
+    return {"modes": per_mode, "ratios": ratios(per_mode), "targets": targets(per_mode),
+            "panels": str(out / "panels.png")}
 
 
 def _run_mode(recipe: Recipe, mode: str, run_dir: Path, steps: int, warmup: int, console: Console, live: bool,
@@ -251,14 +258,14 @@ def _run_mode(recipe: Recipe, mode: str, run_dir: Path, steps: int, warmup: int,
     r.trainer.save_every = warmup + steps  # one checkpoint at the end, not inside the timed steps
     console.print(f"[bold]bench[/] {label or recipe.engine.backend + ' ' + mode}: {warmup} warm-up + {steps} "
                   "measured steps")
-    train(r, live=live, console=console, **train_options)
+    train(Checked(r), live=live, console=console, **train_options)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = rows[warmup:]
     return measured, _window(run_dir, measured)
 
 
 def run_pool_bench(
-    recipe: Recipe, out: Path, steps: int, warmup: int, replicas: int = 2, flips: tuple[str, ...] = FLIPS,
+    checked: Checked, out: Path, steps: int, warmup: int, replicas: int = 2, flips: tuple[str, ...] = FLIPS,
     slow_running: int | None = None, slow_load_s: float = 0.0, console: Console | None = None, live: bool = False,
 ) -> BenchResult:
     """The engine pool: the recipe's mode on `replicas` engines, once per flip in `flips`, the last
@@ -270,15 +277,15 @@ def run_pool_bench(
     if replicas < 2:
         raise RecipeError(f"--replicas: the pool bench needs at least 2 engines, got {replicas}")
     console = console or Console()
-    if recipe.backend_choice:
-        console.print(recipe.backend_choice, highlight=False)
+    recipe = checked.recipe
+    for note in checked.notes:
+        console.print(note, highlight=False)
     out.mkdir(parents=True, exist_ok=True)
     slow = SlowEngine(slow_running, slow_load_s)
     per_flip, windows = {}, {}
     for flip in flips:
         r = recipe.model_copy(deep=True)
         r.engine.replicas, r.engine.flip, r.engine.devices = replicas, flip, None
-        r._backend_choice = None  # said once, at the first run
         rows, windows[flip] = _run_mode(r, r.mode, out / flip, steps, warmup, console, live,
                                         label=f"{replicas} engines, {flip} flip", slow=slow)
         per_flip[flip] = summarize(rows, replicas)

@@ -17,6 +17,7 @@ from rich.console import Console  # noqa: E402
 
 from orbit.config import RecipeError, load_recipe  # noqa: E402
 from orbit.modes import MODE_NAMES  # noqa: E402
+from orbit.preflight import preflight  # noqa: E402
 
 interrupts.done_importing()
 
@@ -120,10 +121,10 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
         "engine.backend": engine.value if engine else None,
     }
     try:
-        r = load_recipe(recipe, overrides)
+        checked = preflight(load_recipe(recipe, overrides))
     except RecipeError as err:
         _fail(f"bad recipe {recipe}:\n{err}")
-    result = run_train(r, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
+    result = run_train(checked, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
     console.print(
         f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
         f"(metrics.jsonl, timeline.jsonl, adapter/)"
@@ -149,10 +150,10 @@ def bench(
     interrupts.catch_ctrl_c()
     with _run_errors("the bench"):
         from orbit.bench import run_bench, run_pool_bench
-        from orbit.updaters import FLIPS
+        from orbit.push.fleet import FLIPS
     overrides = {"engine.backend": engine.value if engine else None, "mode": mode.value if replicas > 1 else None}
     try:
-        r = load_recipe(recipe, overrides)
+        r = preflight(load_recipe(recipe, overrides))
         backends = _backends(engines) if engines else None
         if bad := [f for f in flip if f not in FLIPS]:
             raise RecipeError(f"--flip: {bad[0]!r} is not a flip (allowed: {', '.join(FLIPS)})")
@@ -182,7 +183,7 @@ def _backends(engines: str) -> list[str]:
 def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
     """Validate a recipe without running anything."""
     try:
-        r = load_recipe(file)
+        r = preflight(load_recipe(file)).recipe
         task = _check_task_builds(r)
     except RecipeError as err:
         _fail(f"bad recipe {file}:\n{err}")
@@ -195,8 +196,7 @@ def _check_task_builds(r) -> str:
 
     from orbit.tasks import make_task
 
-    task = make_task(r.task, AutoTokenizer.from_pretrained(r.model))
-    return getattr(task, "name", r.task.name)
+    return make_task(r.task, AutoTokenizer.from_pretrained(r.model)).name
 
 
 @model_app.command("tiny")

@@ -1,24 +1,21 @@
-"""The recipe: schema, YAML loading and validation with field-path errors.
+"""The recipe: its schema, YAML loading and field-path errors.
 
-A bad recipe fails here, before any compute, with the field path, the bad value and what is
-allowed. Flags from the command line are applied with `override` and validated the same way.
+A recipe that breaks the schema fails here, before any compute, with the field path, the bad value
+and what is allowed. Flags from the command line are applied as dotted overrides and validated the
+same way. What a recipe names outside itself (model directory, task, devices, installed packages)
+is checked by orbit/preflight.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from orbit.devices import check_devices, choose_backend
 from orbit.modes import MODE_NAMES, MODES
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -237,12 +234,6 @@ class Recipe(_Section):
     logging: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="trackers each step also goes to (metrics.jsonl always has it): "
         "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; WANDB_MODE=offline works); [] = none")
-    _backend_choice: str | None = PrivateAttr(None)  # what `engine.backend: auto` chose, and why (one line)
-
-    @property
-    def backend_choice(self) -> str | None:
-        return self._backend_choice
-
     @model_validator(mode="after")
     def _unique_logging(self) -> Recipe:
         # A tracker listed twice would open two writers into one directory and log every step twice.
@@ -293,161 +284,19 @@ def _explain(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _check_paths(recipe: Recipe) -> None:
-    """The model directory: a Hugging Face checkpoint with weights, a tokenizer and an architecture
-    the engine and the trainer can run. Each problem is one line naming the path."""
-    model = recipe.model
-    if not model.is_dir():
-        raise RecipeError(f"model: no such directory {str(model)!r} (build one with `orbit model tiny DIR`)")
-    if not (model / "config.json").exists():
-        raise RecipeError(f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)")
-    try:
-        model_type = json.loads((model / "config.json").read_text()).get("model_type")
-    except (ValueError, AttributeError):
-        raise RecipeError(f"model: {str(model / 'config.json')!r} is not a JSON object") from None
-    if not any((model / name).exists() for name in WEIGHT_FILES):
-        raise RecipeError(f"model: {str(model)!r} has no weights (expected {' or '.join(WEIGHT_FILES)})")
-    if not any((model / name).exists() for name in TOKENIZER_FILES):
-        raise RecipeError(f"model: {str(model)!r} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
-    if recipe.engine.backend == "embedded":
-        from orbit.engine.embedded.model import SUPPORTED_MODEL_TYPES
-
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise RecipeError(f"model: {str(model)!r} is a {model_type!r} model; the embedded engine runs "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (SGLang runs more: engine.backend: sglang)")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise RecipeError(f"model: {str(model)!r} is a {model_type!r} model, which the trainer (transformers' "
-                          f"AutoModelForCausalLM) cannot load")
-
-
-def _in_features(model_config: dict) -> dict[str, int]:
-    """Input width of each adapter target, from a Llama/Qwen2-style config.json."""
-    hidden = model_config["hidden_size"]
-    heads = model_config["num_attention_heads"]
-    head_dim = model_config.get("head_dim") or hidden // heads
-    return {
-        "q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "gate_proj": hidden, "up_proj": hidden,
-        "o_proj": heads * head_dim, "down_proj": model_config["intermediate_size"],
-    }
-
-
-def _check_oft_block_size(recipe: Recipe) -> None:
-    """OFT splits each target's input into blocks: the block size must divide every width."""
-    if recipe.adapter.type != "oft":
-        return
-    try:
-        widths = _in_features(json.loads((recipe.model / "config.json").read_text()))
-    except (KeyError, ValueError):
-        return  # not a config we can read: peft's own check runs when the trainer starts
-    sizes = [widths[t] for t in recipe.adapter.target_modules]
-    if all(n % recipe.adapter.oft_block_size == 0 for n in sizes):
-        return
-    allowed = [b for b in range(2, min(sizes) + 1) if all(n % b == 0 for n in sizes)]
-    raise RecipeError(
-        f"adapter.oft_block_size: {recipe.adapter.oft_block_size} does not divide the input width of every "
-        f"target ({dict(zip(recipe.adapter.target_modules, sizes, strict=True))}); allowed: {allowed}"
-    )
-
-
-def _check_task(task: TaskConfig) -> None:
-    """What can be checked without the model: a user task imports, a dataset's rows are valid."""
-    from orbit.tasks.jsonl import DatasetError, load_rows
-    from orbit.tasks.loader import TaskLoadError, resolve_factory
-
-    try:
-        if not task.is_builtin:
-            resolve_factory(task.name)
-        for key in ("path", "eval_path") if task.name == "jsonl" else ():
-            if getattr(task, key) is not None:
-                load_rows(getattr(task, key))
-    except TaskLoadError as err:
-        raise RecipeError(f"task.name: {err}") from None
-    except DatasetError as err:
-        raise RecipeError(f"task.{key}: {err}") from None
-
-
-SGLANG_VERSION = "0.5.23"  # the one SGLang release the backend is written and tested against
-SGLANG_INSTALL = ("make sglang (installs it into .venv; or by hand: bash scripts/install_sglang.sh VENV && "
-                  "VENV/bin/pip install -c constraints.txt -e .)")
-
-
-def sglang_problem() -> str | None:
-    """Why `engine.backend: sglang` cannot run in this Python environment, or None.
-
-    Checks that the package is importable and is the pinned version, without importing it (that
-    takes seconds and starts nothing useful here); the engine start imports it for real.
-    """
-    import importlib.metadata
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("sglang") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return "sglang is not installed in this Python environment"
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "sglang is importable but has no package metadata (not a pip install)"
-    if version != SGLANG_VERSION:
-        return f"sglang {version} is installed; Orbit's SGLang backend needs sglang {SGLANG_VERSION}"
-    return None
-
-
-def _resolve_backend(recipe: Recipe) -> str | None:
-    """`engine.backend: auto` becomes a concrete backend here (what recipe.yaml of a run records);
-    returns the one line `orbit train` and `orbit bench` print about it."""
-    cfg = recipe.engine
-    if cfg.backend != "auto":
-        return None
-    if cfg.servers:
-        cfg.backend, why = "sglang-server", "engine.servers are given"
-    else:
-        cfg.backend, why = choose_backend(cfg.engine_devices())
-    return f"engine: {cfg.backend} (engine.backend auto: {why})"
-
-
-def _check_supported(recipe: Recipe) -> None:
-    """SGLang must be installed here to run in-process or to start servers (attaching needs only HTTP)."""
-    backend = recipe.engine.backend
-    if backend == "sglang" or (backend == "sglang-server" and recipe.engine.servers is None):
-        problem = sglang_problem()
-        if problem is not None:
-            raise RecipeError(f"engine.backend: {backend!r} cannot run: {problem}. Install it with: {SGLANG_INSTALL}")
-    key = recipe.engine.api_key_env
-    if key is not None and not os.environ.get(key):
-        raise RecipeError(f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
-                          "servers' --api-key)")
-    from orbit.tracking import tracker_problem  # here: orbit.tracking imports this module
-
-    for tracker in recipe.logging:
-        problem = tracker_problem(tracker)
-        if problem is not None:
-            raise RecipeError(f"logging: {tracker!r} cannot run: {problem}")
-
-
-def parse_recipe(data: Any, check_paths: bool = True) -> Recipe:
-    """Validate a recipe dict. Raises RecipeError with every bad field listed."""
+def parse_recipe(data: Any) -> Recipe:
+    """Validate a recipe dict against the schema. Raises RecipeError with every bad field listed.
+    What the recipe names outside itself (the model, the task, devices, installs) is checked by
+    `orbit.preflight`."""
     if not isinstance(data, dict):
         raise RecipeError(f"recipe must be a mapping of sections, got {type(data).__name__}")
     try:
-        recipe = Recipe.model_validate(data)
+        return Recipe.model_validate(data)
     except ValidationError as err:
         raise RecipeError(_explain(err)) from None
-    recipe._backend_choice = _resolve_backend(recipe)
-    _check_supported(recipe)
-    if check_paths:
-        check_devices(recipe)
-        _check_paths(recipe)
-        _check_oft_block_size(recipe)
-        _check_task(recipe.task)
-    return recipe
 
 
-def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, check_paths: bool = True) -> Recipe:
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
     """Read a YAML recipe, apply dotted overrides (`{"trainer.steps": 5}`), validate."""
     path = Path(path)
     if not path.is_file():
@@ -460,7 +309,7 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, check
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, dotted, value)
-    return parse_recipe(data, check_paths=check_paths)
+    return parse_recipe(data)
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:

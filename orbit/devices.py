@@ -7,8 +7,6 @@ tested on a machine without a GPU; `check_devices` and `plan_colocated` ask torc
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +31,9 @@ def sglang_device(device: str) -> tuple[str, int]:
     return ("cpu", 0) if index is None else ("cuda", index)
 
 
-def choose_backend(devices: list[str], sglang_installed: bool | None = None) -> tuple[str, str]:
+def choose_backend(devices: list[str], sglang_installed: bool) -> tuple[str, str]:
     """`engine.backend: auto`: (backend, why, in words). SGLang where it can serve: installed and
     every engine on a GPU; the embedded engine otherwise."""
-    if sglang_installed is None:
-        sglang_installed = importlib.util.find_spec("sglang") is not None
     on_gpu = all(gpu_index(d) is not None for d in devices)
     where = ", ".join(dict.fromkeys(devices))
     if on_gpu and sglang_installed:
@@ -110,14 +106,14 @@ class ModelSize:
     def of(cls, model: Path) -> ModelSize:
         from safetensors import safe_open
 
-        raw = json.loads((model / "config.json").read_text())
+        from orbit.engine.spec import checkpoint_files, read_spec
+
+        spec, _ = read_spec(model)
         params = 0
-        for path in model.glob("*.safetensors"):
+        for path in checkpoint_files(model):
             with safe_open(str(path), framework="pt") as f:
                 params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-        heads = raw["num_attention_heads"]
-        return cls(params, raw["num_hidden_layers"], raw.get("num_key_value_heads") or heads,
-                   raw.get("head_dim") or raw["hidden_size"] // heads, raw["hidden_size"], raw["vocab_size"])
+        return cls(params, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.vocab_size)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype]

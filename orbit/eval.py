@@ -25,10 +25,11 @@ from rich.table import Table
 
 from orbit.config import RecipeError, TaskConfig, parse_recipe
 from orbit.engine.base import Engine, SamplingParams
+from orbit.preflight import check_task
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.groups import score as score_sample
 from orbit.tasks import FAILURE_MODES, make_task
-from orbit.tasks.base import Prompt, Task, TaskError
+from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 
 DEFAULT_N = 200
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -63,7 +64,7 @@ def run_episodes(engine: Engine, task: Task, prompts: list[Prompt], sampling: Sa
                  max_context: int | None = None) -> list[Episode]:
     """One episode per prompt, all in flight at once; multi-turn tasks get their tool results."""
     sampling = with_task_stops(sampling, task)
-    multi = callable(getattr(task, "next_turn", None))
+    multi = is_multi_turn(task)
     episodes = [Episode(list(p.prompt_ids)) for p in prompts]
     pending = {engine.generate(e.context(), sampling, slot=slot): i for i, e in enumerate(episodes)}
     while pending:
@@ -220,10 +221,8 @@ def _task_config(task: str | None, recipe_task: dict | None) -> TaskConfig:
     else:
         data = {"name": task}
     # Validated as a recipe's task section is (field-path errors, import and dataset checks).
-    recipe = parse_recipe({"model": ".", "task": data}, check_paths=False)
-    from orbit.config import _check_task
-
-    _check_task(recipe.task)
+    recipe = parse_recipe({"model": ".", "task": data})
+    check_task(recipe.task)
     return recipe.task
 
 

@@ -29,13 +29,12 @@ from orbit.engine.base import EngineStats
 from orbit.engine.pool import EnginePool
 from orbit.metrics import JsonlWriter, LiveView, StepMetrics, Timeline
 from orbit.modes import Mode
-from orbit.rollout.buffer import GroupBuffer
-from orbit.rollout.producer import Producer
+from orbit.push.fleet import FleetPush
+from orbit.push.phases import PushResult
+from orbit.rollout.pipeline import Batch, Pipeline
 from orbit.rollout.sample import Sample
-from orbit.sync import PushResult
 from orbit.tracking import Trackers
 from orbit.train.trainer import StepResult, Trainer
-from orbit.updaters import PoolPush
 
 LOGPROB_WARN = 1e-2  # engine and trainer disagree on the same tokens by more than rounding
 
@@ -43,11 +42,10 @@ LOGPROB_WARN = 1e-2  # engine and trainer disagree on the same tokens by more th
 @dataclass
 class LoopParts:
     mode: Mode
-    engine: EnginePool
+    pool: EnginePool
     trainer: Trainer
-    producer: Producer
-    buffer: GroupBuffer
-    push: PoolPush
+    pipeline: Pipeline
+    push: FleetPush
     metrics: JsonlWriter
     timeline: Timeline
     run_dir: Path
@@ -67,7 +65,7 @@ def run_steps(p: LoopParts) -> None:
     with LiveView(p.mode.name, p.steps, p.trainer.version, enabled=p.live) as view:
         while p.trainer.version < p.steps:
             m, flipped = one_step(p, serial)
-            view.update(m, flipped, p.engine.versions())
+            view.update(m, flipped, p.pool.versions())
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
                     f"[bold red]WARNING[/] step {m.step}: engine and trainer logprobs differ by "
@@ -78,20 +76,20 @@ def run_steps(p: LoopParts) -> None:
 def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     t_step = time.time()
     version = p.trainer.version
-    before = p.engine.stats()
-    counts = (p.producer.counts.resubmitted, p.producer.counts.aborted_tokens)
+    before = p.pool.stats()
+    counts = (p.pipeline.counts.resubmitted, p.pipeline.counts.aborted_tokens)
 
     # 1. Rollouts: a batch of complete groups, fresh enough for this version.
     if serial:
-        p.producer.grant(p.prompts_per_step)
+        p.pipeline.grant(p.prompts_per_step)
     with p.timeline.span("trainer", "wait", version) as wait:
-        batch = p.buffer.take(p.prompts_per_step, version, stall_s=p.stall_s)
+        batch = p.pipeline.take(p.prompts_per_step, version, stall_s=p.stall_s)
     samples = batch.samples
 
     with HeldInterrupt():
         # 2. Train on it (a serial engine is idle now: give its memory back meanwhile).
         if serial:
-            p.engine.release_memory()
+            p.pool.release_memory()
         with p.timeline.span("trainer", "train", version) as train:
             result = p.trainer.step(samples)
 
@@ -101,9 +99,9 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
         failure: Exception | None = None
         try:
             if serial:
-                p.engine.resume_memory()
+                p.pool.resume_memory()
             with p.timeline.span("trainer", "push", p.trainer.version, push=p.push.name):
-                pushed = p.push.push(p.engine, p.trainer, p.timeline)
+                pushed = p.push.push(p.trainer)
             if p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps:
                 with p.timeline.span("trainer", "save", p.trainer.version):
                     p.trainer.save(p.run_dir / "adapter", p.run_state())
@@ -111,7 +109,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
             failure, pushed = err, PushResult(time.time() - t_push, 0.0)
 
         m = _metrics(p, version, t_step, wait.seconds, train.seconds, batch, samples, result, pushed,
-                     before, _stats_or(p.engine, before), counts)
+                     before, _stats_or(p.pool, before), counts)
         line = m.to_json()
         p.metrics.write(line)
     # Outside the held block: Ctrl-C need not wait for a tracker. The line is written either way,
@@ -123,15 +121,16 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     return m, pushed.flipped
 
 
-def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch, samples: list[Sample],
+def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch: Batch,
+             samples: list[Sample],
              result: StepResult, pushed: PushResult, before: EngineStats, after: EngineStats,
              counts: tuple[int, int]) -> StepMetrics:
     step_s = time.time() - t_step
     tokens = after.tokens_generated - before.tokens_generated
-    engines = len(p.engine.members)  # engine devices: the per-device figures divide by all of them
-    lag = p.engine.flip_lag()
+    engines = len(p.pool.members)  # the per-engine figures divide by all of them
+    lag = p.push.flip_lag()
     trained_tokens = sum(sum(s.loss_mask) for s in samples)
-    wasted = batch.dropped_tokens + p.producer.counts.aborted_tokens - counts[1]
+    wasted = batch.dropped_tokens + p.pipeline.counts.aborted_tokens - counts[1]
     staleness = [s.staleness(version) for s in samples]
     return StepMetrics(
         mode=p.mode.name,
@@ -157,7 +156,7 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         grad_norm=result.grad_norm,
         full_push=pushed.full,
         merged_push=pushed.merged,
-        resubmitted=p.producer.counts.resubmitted - counts[0],
+        resubmitted=p.pipeline.counts.resubmitted - counts[0],
         ratio_mean=_finite(result.ratio_mean),
         ratio_max=_finite(result.ratio_max),
         clip_frac=_finite(result.clip_frac),
@@ -165,8 +164,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         waste_frac=wasted / tokens if tokens else 0.0,
         useful_tok_per_dev_s=trained_tokens / step_s / engines,
         flip_lag_s=lag[1] if lag is not None else None,
-        engines_alive=len(p.engine.alive()),
-        adapter_transport=p.engine.transports(),
+        engines_alive=len(p.pool.alive()),
+        adapter_transport=p.pool.transports(),
         extra=task_figures(samples),
     )
 
@@ -185,10 +184,10 @@ def task_figures(samples: list[Sample]) -> dict:
     return out
 
 
-def _stats_or(engine: EnginePool, fallback: EngineStats) -> EngineStats:
-    """The engine's counters, or the step's starting ones when it cannot answer (it died)."""
+def _stats_or(pool: EnginePool, fallback: EngineStats) -> EngineStats:
+    """The engines' counters, or the step's starting ones when they cannot answer (they died)."""
     try:
-        return engine.stats()
+        return pool.stats()
     except Exception:  # noqa: BLE001 - the push's own error is the one to report
         return fallback
 

@@ -25,18 +25,20 @@ from orbit.config import Recipe, RecipeError, dump_recipe
 from orbit.devices import colocate
 from orbit.engine import SlowEngine, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.pool import EnginePool
 from orbit.interrupts import Interrupted
 from orbit.loop import LoopParts, run_steps
 from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
-from orbit.rollout.buffer import GroupBuffer, RolloutError
+from orbit.preflight import Checked
+from orbit.push.fleet import FleetPush
 from orbit.rollout.groups import sampling_params
-from orbit.rollout.producer import Admission, Producer
+from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.rollout.producer import Producer
 from orbit.tasks import TaskError, make_task
 from orbit.tracking import Trackers, open_trackers
 from orbit.train.trainer import STATE_FILE, Trainer
 from orbit.truncation import truncates
-from orbit.updaters import PoolPush
 
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log", "samples.jsonl")
 RUN_DIRS = ("tensorboard", "wandb")  # the trackers' own files (recipe `logging`)
@@ -61,8 +63,8 @@ class _Run:
     trainer: Trainer
     metrics: JsonlWriter
     timeline: Timeline
-    engine: object = None  # the EnginePool
-    push: PoolPush | None = None
+    pool: EnginePool | None = None
+    push: FleetPush | None = None
     producer: Producer | None = None
     parts: LoopParts | None = None
     start_version: int = 0
@@ -108,10 +110,14 @@ def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def train(recipe: Recipe, resume: bool = False, live: bool = True, console: Console | None = None,
+def train(checked: Checked, resume: bool = False, live: bool = True, console: Console | None = None,
           slow: SlowEngine | None = None) -> RunResult:
-    """Run a recipe to its last step. `slow`: a bench option that slows the pool's last engine."""
+    """Run a recipe (that passed `orbit.preflight`) to its last step. `slow`: a bench option that slows
+    the pool's last engine."""
     console = console or Console()
+    recipe = checked.recipe
+    for note in checked.notes:
+        console.print(note, highlight=False)
     run_dir = Path(recipe.out)
     t0 = time.time()
     # The task first: a bad task (import path, dataset row, option) fails before any compute.
@@ -142,8 +148,6 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
     """Trainer, engine, the starting adapter on the engine, the producer: everything but the loop."""
     mode = MODES[recipe.mode]
     serial = mode.loop == "serial"
-    if recipe.backend_choice:
-        console.print(recipe.backend_choice, highlight=False)
     engine_cfg, shared = colocate(recipe)  # before the trainer takes its part of a shared GPU
     if shared:
         console.print(shared, highlight=False)
@@ -161,35 +165,31 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         # Trackers before the engine: one that cannot start fails the run before any generation.
         run.trackers = open_trackers(recipe, run_dir, tokenizer, _warner(console, run_dir),
                                      resume_step=trainer.version if resume else None)
-        run.engine = engine = start_pool(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
-                                         call_timeout_s=recipe.rollout.stall_timeout_s, timeline=run.timeline,
-                                         on_warning=_warner(console, run_dir),
-                                         truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-                                         and recipe.rollout.temperature > 0, slow=slow)
-        _check_transports(engine, mode.push, recipe.adapter.type)
+        run.pool = pool = start_pool(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
+                                     call_timeout_s=recipe.rollout.stall_timeout_s, timeline=run.timeline,
+                                     on_warning=_warner(console, run_dir),
+                                     truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
+                                     and recipe.rollout.temperature > 0, slow=slow)
+        _check_transports(pool, mode.push, recipe.adapter.type)
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
-        run.push = push = PoolPush(mode.push, recipe.adapter.type, engine, recipe.engine.flip, wait_all=serial,
-                                   timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
-        push.initial(engine, trainer)
+        run.push = push = FleetPush(mode.push, recipe.adapter.type, pool, recipe.engine.flip, wait_all=serial,
+                                    timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
+        push.initial(trainer)
         batch_groups = recipe.rollout.prompts_per_step
-        buffer = GroupBuffer(None if serial else recipe.max_staleness)
         per_engine = recipe.engine.max_inflight * recipe.engine.engines
-        producer = Producer(
-            engine, task, sampling_params(recipe.rollout, stop_ids), recipe.rollout.group_size, buffer,
+        pipeline = Pipeline(
+            pool, Admission(batch_groups, 0 if serial else recipe.max_staleness, recipe.rollout.admission),
+            recipe.rollout.group_size,
             # A serial batch is one barrier: submit all of it at once.
             max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size) if serial else per_engine,
-            admission=Admission(batch_groups, 0 if serial else recipe.max_staleness, recipe.rollout.admission),
-            seed=recipe.seed, timeline=run.timeline, max_attempts=recipe.rollout.max_attempts,
+            drop_after=None if serial else recipe.max_staleness, replenish=recipe.rollout.replenish,
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
-            start_version=trainer.version,
-        )
-        run.producer = producer
-        buffer.on_take = producer.wake
-        buffer.describe = producer.describe
-        buffer.due_in_flight = producer.due_in_flight
-        buffer.on_drop = lambda n: producer.replace_dropped(n, recipe.rollout.replenish)
+            start_version=trainer.version)
+        run.producer = producer = Producer(pipeline, pool, task, sampling_params(recipe.rollout, stop_ids),
+                                           recipe.seed, timeline=run.timeline,
+                                           max_attempts=recipe.rollout.max_attempts)
         if not serial:
-            producer.grant((recipe.trainer.steps - trainer.version) * batch_groups)
+            pipeline.grant((recipe.trainer.steps - trainer.version) * batch_groups)
         producer.start()
         interrupts.raise_if_dropped()
     except BaseException:
@@ -197,10 +197,10 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         run.close_files()
         raise
     run.parts = LoopParts(
-        mode=mode, engine=engine, trainer=trainer, producer=producer, buffer=buffer, push=push,
+        mode=mode, pool=pool, trainer=trainer, pipeline=pipeline, push=push,
         metrics=run.metrics, timeline=run.timeline, run_dir=run_dir, steps=recipe.trainer.steps,
         prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, console=console, live=live,
-        stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": producer.next_group},
+        stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": pipeline.next_group},
         trackers=run.trackers,
     )
     return run
@@ -246,11 +246,10 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
     return True
 
 
-def _check_transports(pool, push: str, adapter_type: str) -> None:
+def _check_transports(pool: EnginePool, push: str, adapter_type: str) -> None:
     """Full weights reach an SGLang server only through shared memory: not through adapter_dir."""
-    far = [m.index for m in pool.members if getattr(getattr(m.engine, "transport", None), "adapter_transport",
-                                                     None) == "dir"]
-    full = push == "full" or (adapter_type == "oft" and not getattr(pool, "supports_oft_slots", True))
+    far = [i for i, transport in enumerate(pool.transports()) if transport == "dir"]
+    full = push == "full" or (adapter_type == "oft" and not pool.capabilities.oft_slots)
     if far and full:
         raise RecipeError(f"engine.adapter_dir: engine(s) {far} receive adapters through a directory (other hosts), "
                           "but this mode pushes full weights, which reach a server only from the same host; use an "
@@ -287,12 +286,11 @@ def _shutdown(run: _Run) -> None:
         run.producer.stop()
         run.producer = None
     if run.push is not None:
-        for updater in run.push.updaters:
-            updater.stop()
-    engine, run.engine = run.engine, None
-    if engine is not None:
+        run.push.stop()
+    pool, run.pool = run.pool, None
+    if pool is not None:
         try:
-            engine.shutdown()
+            pool.shutdown()
         except Exception:  # noqa: BLE001 - see above
             pass
 

@@ -1,14 +1,19 @@
-"""Reference models for the embedded-engine tests: transformers, transformers + peft."""
+"""Reference models for the engine tests (transformers, transformers + peft), teacher-forced scores
+on the embedded engine, and a minimal engine double for unit tests of one piece."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, OFTConfig, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
+from orbit.engine.base import Capabilities, EngineInfo, EngineStats
 from orbit.engine.embedded import EngineCore, EngineOptions
+from orbit.engine.embedded.model import plain_linear
+from orbit.engine.embedded.slots import SlotBatch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -73,3 +78,87 @@ def prompts(n: int, seed: int = 0, low: int = 3, high: int = 14) -> list[list[in
 def max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@torch.no_grad()
+def score(core: EngineCore, prompt: list[int], continuation: list[int], slot: int | None = None) -> list[float]:
+    """Teacher-forced logprobs (temperature 1) of each continuation token after the prompt, through the
+    embedded engine's own decoder and the slot's adapter."""
+    return score_batch(core, [(prompt, continuation, slot)])[0]
+
+
+@torch.no_grad()
+def score_batch(core: EngineCore, items: list[tuple[list[int], list[int], int | None]]) -> list[list[float]]:
+    """`score` of several (prompt, continuation, slot) in one padded forward of the decoder; rows on
+    different slots each get their own slot's adapter."""
+    width = max(len(p) + len(c) for p, c, _ in items)
+    tokens = torch.zeros(len(items), width, dtype=torch.long)
+    for i, (p, c, _) in enumerate(items):
+        tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
+    slots = sorted({s for _, _, s in items if s is not None})
+    entries = []
+    for s in slots:
+        rows = [i for i, (_, _, x) in enumerate(items) if x == s]
+        idx = (torch.tensor(rows)[:, None] * width + torch.arange(width)).reshape(-1)
+        entries.append((core.slots[s], idx))
+    project = SlotBatch(entries).project if entries else plain_linear
+    with torch.inference_mode():
+        hidden = core.decoder.prefill(tokens.to(core.decoder.device), project)
+        out = []
+        for i, (p, c, _) in enumerate(items):
+            logp = torch.log_softmax(core.decoder.logits(hidden[i, len(p) - 1: len(p) + len(c) - 1]), dim=-1)
+            out.append(logp.gather(1, torch.tensor(c, device=logp.device)[:, None]).squeeze(1).tolist())
+    return out
+
+
+class FakeEngine:
+    """A test double of the engine protocol for a unit test of one piece (the pool, the pipeline, the
+    push): it answers what the piece asks and records the calls. Never proof that the system works."""
+
+    adapter_transport = "shared-memory"
+
+    def __init__(self, slots: int = 2, pid: int = 0, max_context: int = 4096) -> None:
+        self.info = EngineInfo(pid=pid, model_type="llama", vocab_size=100, max_context=max_context, eos_token_ids=(2,),
+                               num_layers=1, device="cpu", dtype="float32")
+        self.capabilities = Capabilities(slots=slots, oft_slots=True, loads_while_paused=True,
+                                         flush_while_running=True)
+        self.calls: list[tuple] = []
+        self.slot_requests = tuple([0] * slots)
+
+    def generate(self, prompt_ids, sampling, slot="active", meta=None) -> Future:
+        self.calls.append(("generate", slot))
+        return Future()
+
+    def load_adapter(self, slot, tensors, adapter_config, version) -> float:
+        self.calls.append(("load_adapter", slot, version))
+        return 0.0
+
+    def activate(self, slot) -> None:
+        self.calls.append(("activate", slot))
+
+    def pause_generation(self, mode="in_place") -> None:
+        self.calls.append(("pause_generation", mode))
+
+    def flush_cache(self) -> None:
+        self.calls.append(("flush_cache",))
+
+    def continue_generation(self) -> None:
+        self.calls.append(("continue_generation",))
+
+    def update_weights(self, tensors, version) -> None:
+        self.calls.append(("update_weights", version))
+
+    def release_memory(self) -> None:
+        self.calls.append(("release_memory",))
+
+    def resume_memory(self) -> None:
+        self.calls.append(("resume_memory",))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(slot_requests=self.slot_requests)
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+    def kill(self) -> None:
+        self.calls.append(("kill",))

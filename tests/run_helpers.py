@@ -1,9 +1,22 @@
-"""Shared by the end-to-end tests: recipe dicts with section patches, and a run's JSON lines."""
+"""Shared by the end-to-end tests: recipe dicts with section patches, runs, and a run's JSON lines."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+
+from orbit.config import parse_recipe
+from orbit.preflight import Checked, preflight
+
+# A small, fast run of the tiny model: what most end-to-end tests start from.
+SMALL_RUN = {
+    "adapter": {"type": "lora", "r": 4, "alpha": 8},
+    "engine": {"max_inflight": 16, "max_running": 16},
+    "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
+    "trainer": {"lr": 0.01, "steps": 3, "save_every": 1000},
+    "seed": 1,
+}
 
 
 def patched(data: dict, patch: dict) -> dict:
@@ -14,6 +27,19 @@ def patched(data: dict, patch: dict) -> dict:
         else:
             data[key] = value
     return data
+
+
+def recipe_dict(model: Path, out: Path, *defaults: dict, **patch) -> dict:
+    """SMALL_RUN on `model` writing to `out`, then each of `defaults` (a test file's own), then `patch`."""
+    data = {**copy.deepcopy(SMALL_RUN), "model": str(model), "out": str(out)}
+    for d in (*defaults, patch):
+        patched(data, copy.deepcopy(d))
+    return data
+
+
+def checked(data: dict) -> Checked:
+    """A recipe dict parsed and preflighted, as `orbit train` does before a run."""
+    return preflight(parse_recipe(data))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from orbit.config import sglang_problem
+from orbit.engine.sglang.install import sglang_problem
 
 
 def in_ci() -> bool:

@@ -6,26 +6,17 @@ from pathlib import Path
 from statistics import fmean
 
 import pytest
-from run_helpers import patched, run_metrics, run_timeline
+from run_helpers import checked, recipe_dict, run_metrics, run_timeline
 
-from orbit.config import parse_recipe
-from orbit.rollout.producer import Admission
+from orbit.rollout.pipeline import Admission
 from orbit.run import train
 
 OVERLAPPED = ("async-full", "async-adapter", "double-buffer")
 
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
-    data = {
-        "model": str(model),
-        "adapter": {"type": "lora", "r": 4, "alpha": 8},
-        "engine": {"max_inflight": 32, "max_running": 32},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 16},
-        "trainer": {"lr": 0.01, "steps": 6, "save_every": 1000},
-        "out": str(out),
-        "seed": 2,
-    }
-    return patched(data, patch)
+    return recipe_dict(model, out, {"engine": {"max_inflight": 32, "max_running": 32},
+                                    "rollout": {"max_new_tokens": 16}, "trainer": {"steps": 6}, "seed": 2}, **patch)
 
 
 def test_admission_rule():
@@ -50,7 +41,7 @@ def test_staleness_bound_holds_and_nothing_is_wasted(tmp_path, tiny_llama, mode)
     for k in (0, 1, 2):
         run_dir = tmp_path / f"k{k}"
         engine = {"max_inflight": 32, "max_running": 32, "slots": max(2, k + 2)}
-        train(parse_recipe(_recipe(tiny_llama, run_dir, mode=mode, max_staleness=k, engine=engine)), live=False)
+        train(checked(_recipe(tiny_llama, run_dir, mode=mode, max_staleness=k, engine=engine)), live=False)
         rows = run_metrics(run_dir)
         assert len(rows) == 6
         assert all(r["staleness_max"] <= k for r in rows), (k, [r["staleness_max"] for r in rows])
@@ -66,7 +57,7 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
     the trained samples is within 5% of the mean length of every sample generated in the run."""
     admission = "version"
     run_dir = tmp_path / admission
-    recipe = parse_recipe(_recipe(
+    recipe = checked(_recipe(
         tiny_llama, run_dir, mode="double-buffer", max_staleness=1,
         # eight of the tiny model's common single tokens end a sample: about 5% a token, so most samples
         # are short and a few run to the cap

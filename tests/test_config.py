@@ -13,6 +13,7 @@ import yaml
 
 from orbit.config import RecipeError, load_recipe, parse_recipe
 from orbit.modes import MODES
+from orbit.preflight import preflight
 
 
 def _write(tmp_path: Path, data: dict) -> Path:
@@ -22,7 +23,7 @@ def _write(tmp_path: Path, data: dict) -> Path:
 
 
 def test_defaults_are_valid(tiny_llama):
-    r = parse_recipe({"model": str(tiny_llama)})
+    r = preflight(parse_recipe({"model": str(tiny_llama)})).recipe
     assert r.mode == "double-buffer" and r.engine.backend == "embedded"
 
 
@@ -34,11 +35,11 @@ def test_repo_recipes_are_valid(tiny_llama):
         if "cuda" in path.read_text() and not torch.cuda.is_available():
             # a GPU recipe on this CPU machine: refused at load, naming the device field ...
             with pytest.raises(RecipeError, match=r"device: cuda(:\d)? does not exist"):
-                load_recipe(path, model)
+                preflight(load_recipe(path, model))
             # ... and valid in every other respect
-            load_recipe(path, {**model, "engine.device": "cpu", "trainer.device": "cpu"})
+            preflight(load_recipe(path, {**model, "engine.device": "cpu", "trainer.device": "cpu"}))
         else:
-            load_recipe(path, model)
+            preflight(load_recipe(path, model))
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_bad_field_names_field_value_and_allowed(tiny_llama, patch, expected):
 
 def test_missing_model_path():
     with pytest.raises(RecipeError, match="model: no such directory"):
-        parse_recipe({"model": "/nonexistent/model"})
+        preflight(parse_recipe({"model": "/nonexistent/model"}))
     with pytest.raises(RecipeError, match="model: required field is missing"):
         parse_recipe({})
 
@@ -98,7 +99,7 @@ def test_a_bad_model_directory_is_one_line(tmp_path, tiny_llama, problem, messag
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "model_type": problem}))
     with pytest.raises(RecipeError) as err:
-        parse_recipe({"model": str(model)})
+        preflight(parse_recipe({"model": str(model)}))
     assert str(err.value) == f"model: {str(model)!r} {message}" or message in str(err.value)
     assert str(model) in str(err.value) and "\n" not in str(err.value)
     recipe = tmp_path / "r.yaml"
@@ -165,9 +166,9 @@ def test_cli_model_tiny_loads_with_transformers(tmp_path):
 
 def test_oft_block_size_must_divide_targets(tiny_llama):
     with pytest.raises(RecipeError, match=r"adapter.oft_block_size: 7 .* allowed: \[2, 4, 8, 16, 32\]"):
-        parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 7,
-                                                            "target_modules": ["q_proj", "down_proj"]}})
-    parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}})
+        preflight(parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 7,
+                                                                      "target_modules": ["q_proj", "down_proj"]}}))
+    preflight(parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}}))
 
 
 def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
@@ -177,8 +178,8 @@ def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     assert stop_token_ids(tok, ["=", "]"]) == (tok.eos_token_id, tok.encode("=")[0], tok.encode("]")[0])
-    recipe = parse_recipe({"model": str(tiny_llama), "rollout": {"stop": ["no such stop word"]},
-                           "out": str(tmp_path / "run")})
+    recipe = preflight(parse_recipe({"model": str(tiny_llama), "rollout": {"stop": ["no such stop word"]},
+                                     "out": str(tmp_path / "run")}))
     with pytest.raises(RecipeError, match="rollout.stop: 'no such stop word' is .* tokens"):
         train(recipe, live=False)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -9,6 +9,7 @@ from orbit.config import RecipeError, parse_recipe
 from orbit.devices import GiB, ModelSize, choose_backend, device_problems, plan_colocated, sglang_device
 from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang.server import launch_args
+from orbit.preflight import preflight, resolve_backend
 
 # Qwen2.5-0.5B-Instruct's shape: 494M parameters, 24 layers, 2 KV heads of 64, vocab 151,936.
 QWEN_05B = ModelSize(params=494_000_000, layers=24, kv_heads=2, head_dim=64, hidden=896, vocab=151_936)
@@ -21,9 +22,9 @@ def test_sglang_takes_a_device_type_and_a_gpu_id():
 
 
 def test_server_launch_args_map_the_device(tiny_llama):
-    from orbit.engine.sglang.process import model_spec
+    from orbit.engine.spec import read_spec
 
-    spec, _ = model_spec(tiny_llama)
+    spec, _ = read_spec(tiny_llama)
     args = launch_args(tiny_llama, SGLangOptions(device="cuda:2"), spec, 30000, 0.4, 2, None)
     joined = " ".join(args)
     assert "--device cuda --base-gpu-id 2 --tp-size 2" in joined and "--mem-fraction-static 0.4" in joined
@@ -39,13 +40,14 @@ def test_auto_backend_choice():
 
 
 def test_auto_backend_resolves_at_load_and_says_why(tiny_llama):
-    r = parse_recipe({"model": str(tiny_llama)})
-    assert r.engine.backend == "embedded"
-    assert r.backend_choice.startswith("engine: embedded (engine.backend auto: the engine runs on cpu")
-    attached = parse_recipe({"model": str(tiny_llama), "engine": {"servers": ["http://127.0.0.1:1"]}},
-                            check_paths=False)
+    r = preflight(parse_recipe({"model": str(tiny_llama)}))
+    assert r.recipe.engine.backend == "embedded"
+    [note] = r.notes
+    assert note.startswith("engine: embedded (engine.backend auto: the engine runs on cpu")
+    attached = parse_recipe({"model": str(tiny_llama), "engine": {"servers": ["http://127.0.0.1:1"]}})
+    assert resolve_backend(attached.engine) == "engine: sglang-server (engine.backend auto: engine.servers are given)"
     assert attached.engine.backend == "sglang-server"
-    assert parse_recipe({"model": str(tiny_llama), "engine": {"backend": "embedded"}}).backend_choice is None
+    assert preflight(parse_recipe({"model": str(tiny_llama), "engine": {"backend": "embedded"}})).notes == ()
 
 
 def test_impossible_device_combinations_name_the_field():
@@ -68,7 +70,7 @@ def test_recipe_on_a_missing_gpu_fails_at_load(tiny_llama):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the check passes here")
     with pytest.raises(RecipeError, match=r"trainer.device: cuda:0 does not exist; this machine has no CUDA GPU"):
-        parse_recipe({"model": str(tiny_llama), "trainer": {"device": "cuda:0"}})
+        preflight(parse_recipe({"model": str(tiny_llama), "trainer": {"device": "cuda:0"}}))
 
 
 def test_colocated_plan_on_an_80_gib_card():
@@ -111,7 +113,7 @@ def test_gpu_recipes_place_trainer_and_engine(name, colocated):
 
     from orbit.config import load_recipe
 
-    r = load_recipe(Path(__file__).parent.parent / "recipes" / f"{name}.yaml", check_paths=False)
+    r = load_recipe(Path(__file__).parent.parent / "recipes" / f"{name}.yaml")
     assert r.engine.backend == "sglang" and r.engine.dtype == r.trainer.dtype == "bfloat16"
     assert (r.trainer.device == r.engine.device) is colocated
     assert device_problems(r.trainer.device, r.engine.engine_devices(), r.engine.tp, r.engine.backend, 2) == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import engine_core, max_diff, peft_adapter, prompts
+from engine_helpers import engine_core, max_diff, peft_adapter, prompts, score
 
 from orbit.engine.base import ACTIVE, EngineDeadError, EngineError, SamplingParams
 from orbit.engine.embedded import EngineCore, start_embedded_engine
@@ -200,7 +200,7 @@ def test_overwriting_a_paused_slot_keeps_bindings(tiny_llama):
             assert c.finish_reason == "length" and (c.slot, c.version_start, c.version_end) == (0, 1, 2)
             assert c.output_ids[:k] == r.output_ids[:k] and max_diff(c.logprobs[:k], r.logprobs[:k]) <= 1e-5
             if mode == "retract":  # recomputed: every later token is exactly the new adapter's
-                assert max_diff(c.logprobs[k:], core.score(p, c.output_ids, 0)[k:]) <= 1e-4
+                assert max_diff(c.logprobs[k:], score(core, p, c.output_ids, 0)[k:]) <= 1e-4
 
 
 def test_release_and_resume_memory(tiny_llama):
@@ -275,10 +275,12 @@ def test_double_buffer_flip_without_stalling(engine, tiny_llama):
         assert c.output_ids == ref.output_ids and max_diff(c.logprobs, ref.logprobs) <= 1e-5
         assert (c.slot, c.version_start, c.version_end) == (0, 1, 1)  # finished on slot 0 after the flip
         assert c.t_end > t_loaded  # the load returned while they were still running
+    in_process = engine_core(tiny_llama)  # the same adapter, scored by the engine's code in this process
+    in_process.load_adapter(1, second, config, version=2)
     for fut, p in zip(news, ps, strict=True):
         c = fut.result(timeout=60)
         assert (c.slot, c.version_start, c.version_end) == (1, 2, 2)
-        assert max_diff(c.logprobs, engine.score(p, c.output_ids, 1)) <= 1e-4
+        assert max_diff(c.logprobs, score(in_process, p, c.output_ids, 1)) <= 1e-4
     for fut in produced:
         c = fut.result(timeout=60)
         assert (c.slot, c.version_start) in ((0, 1), (1, 2)) and c.finish_reason != "abort"
@@ -288,8 +290,12 @@ def test_double_buffer_flip_without_stalling(engine, tiny_llama):
 def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama):
     _, good, config = peft_adapter(tiny_llama, "lora", seed=91)
     engine.load_adapter(1, good, config, version=10)
-    p, cont = prompts(1, seed=90)[0], prompts(1, seed=91)[0]
-    slot_before, base_before = engine.score(p, cont, 1), engine.score(p, cont, None)
+    p = prompts(1, seed=90)[0]
+
+    def probe(slot):  # greedy logprobs of a fixed prompt: what the slot (or the base) holds
+        return engine.generate(p, SamplingParams(max_new_tokens=6, temperature=0.0), slot=slot).result(30).logprobs
+
+    slot_before, base_before = probe(1), probe(None)
     a_name = next(n for n in good if "lora_A" in n)
     nan = good[a_name].clone()
     nan[0, 0] = float("nan")
@@ -312,7 +318,7 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
     for tensors, cfg, slot, message in bad_adapters:
         with pytest.raises(EngineError, match=message):
             engine.load_adapter(slot, tensors, cfg, 11)
-        assert engine.score(p, cont, 1) == slot_before  # the slot kept its previous contents
+        assert probe(1) == slot_before  # the slot kept its previous contents
     assert engine.stats().slot_versions[1] == 10
 
     weights = {"model.layers.0.mlp.up_proj.weight": torch.zeros(160, 64)}
@@ -321,7 +327,7 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
                              ({**weights, "model.norm.weight": torch.full((64,), float("nan"))}, "NaN")]:
         with pytest.raises(EngineError, match=message):
             engine.update_weights(tensors, 99)
-    assert engine.score(p, cont, None) == base_before and engine.stats().base_version == 0
+    assert probe(None) == base_before and engine.stats().base_version == 0
 
     for prompt, sp, message in [
         ([], GREEDY, "empty"),
@@ -342,7 +348,7 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
 
     # still serving, with the same weights
     assert engine.generate(p, GREEDY, slot=1).result(timeout=30).finish_reason == "length"
-    assert engine.score(p, cont, 1) == slot_before and engine.score(p, cont, None) == base_before
+    assert probe(1) == slot_before and probe(None) == base_before
 
 
 def test_pause_abort_through_the_process(engine):

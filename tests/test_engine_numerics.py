@@ -7,7 +7,17 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import engine_core, hf_greedy, hf_logprobs, hf_model, max_diff, peft_adapter, prompts
+from engine_helpers import (
+    engine_core,
+    hf_greedy,
+    hf_logprobs,
+    hf_model,
+    max_diff,
+    peft_adapter,
+    prompts,
+    score,
+    score_batch,
+)
 
 from orbit.engine.base import SamplingParams
 from orbit.engine.embedded import EngineCore
@@ -32,10 +42,10 @@ def _continuations(n: int, seed: int) -> list[list[int]]:
 def test_base_logprobs_match_transformers(tiny_any):
     core, ref = engine_core(tiny_any), hf_model(tiny_any)
     items = list(zip(prompts(4), _continuations(4, 0), strict=True))
-    batched = core.score_batch([(p, c, None) for p, c in items])  # padded batch of different lengths
+    batched = score_batch(core, [(p, c, None) for p, c in items])  # padded batch of different lengths
     for (p, c), got in zip(items, batched, strict=True):
         want = hf_logprobs(ref, p, c)
-        assert max_diff(core.score(p, c, None), want) <= TOL
+        assert max_diff(score(core, p, c, None), want) <= TOL
         assert max_diff(got, want) <= TOL
 
 
@@ -48,7 +58,7 @@ def test_adapter_in_slot_matches_peft(tiny_any, adapter):
     base = hf_model(tiny_any)
     for p, c in zip(prompts(3, seed=2), _continuations(3, 2), strict=True):
         want = hf_logprobs(model, p, c)
-        assert max_diff(core.score(p, c, 1), want) <= TOL
+        assert max_diff(score(core, p, c, 1), want) <= TOL
         # the adapter really moves the logprobs (else the comparison above proves nothing)
         assert max_diff(hf_logprobs(base, p, c), want) > 10 * TOL
 
@@ -149,7 +159,7 @@ def test_mixed_batch_rows_match_alone(tiny_any):
         else:  # top-p's kept set can differ by the one token at the 0.95 boundary when the logits move by
             # ~1e-6 with the batch: that position's kept mass then differs by that token's small probability
             assert sum(d > 1e-5 for d in diffs) <= 1 and max(diffs) < 0.05
-        untruncated = core.score(p, t.output_ids, slot)
+        untruncated = score(core, p, t.output_ids, slot)
         if sp.top_p == 1.0:
             assert max_diff(untruncated, t.logprobs) <= TOL
         else:  # renormalised over the kept head: never below the untruncated logprob
@@ -159,8 +169,8 @@ def test_mixed_batch_rows_match_alone(tiny_any):
     assert len({round(x, 3) for x in first}) == 3
     # and a mixed teacher-forced batch agrees with scoring each row alone
     items = [(p, together[r].output_ids, slot) for r, (p, slot, _) in zip(rids, jobs, strict=True)]
-    for got, (p, c, slot) in zip(core.score_batch(items), items, strict=True):
-        assert max_diff(got, core.score(p, c, slot)) <= 1e-5
+    for got, (p, c, slot) in zip(score_batch(core, items), items, strict=True):
+        assert max_diff(got, score(core, p, c, slot)) <= 1e-5
 
 
 def test_full_weight_push_equals_adapter_slot(tiny_any):
@@ -170,11 +180,11 @@ def test_full_weight_push_equals_adapter_slot(tiny_any):
     core.load_adapter(0, tensors, config, version=1)
     merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
     p, c = prompts(1, seed=8)[0], _continuations(1, 8)[0]
-    via_slot = core.score(p, c, 0)
-    before = core.score(p, c, None)
+    via_slot = score(core, p, c, 0)
+    before = score(core, p, c, None)
     core.update_weights(merged, version=5)
     assert core.stats().base_version == 5
-    assert max_diff(core.score(p, c, None), via_slot) <= TOL
+    assert max_diff(score(core, p, c, None), via_slot) <= TOL
     assert max_diff(before, via_slot) > 10 * TOL
 
 
@@ -193,10 +203,10 @@ def test_full_weight_push_writes_qk_norms(tiny_qwen3):
            if k.endswith(("q_norm.weight", "k_norm.weight"))}
     assert len(new) == 2 * core.spec.num_layers
     p, c = prompts(1, seed=12)[0], _continuations(1, 12)[0]
-    before = core.score(p, c, None)
+    before = score(core, p, c, None)
     core.update_weights(new, version=2)
     ref.load_state_dict(new, strict=False)
-    after = core.score(p, c, None)
+    after = score(core, p, c, None)
     assert max_diff(after, hf_logprobs(ref, p, c)) <= TOL
     assert max_diff(before, after) > 10 * TOL
 
@@ -216,15 +226,15 @@ def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
     (tmp_path / "config.json").write_text(json.dumps(config))
     core, ref = engine_core(tmp_path), hf_model(tmp_path)
     p, c = prompts(1, seed=9, low=40, high=41)[0], _continuations(1, 9)[0]
-    assert max_diff(core.score(p, c, None), hf_logprobs(ref, p, c)) <= TOL
-    assert max_diff(core.score(p, c, None), engine_core(tiny_llama).score(p, c, None)) > 10 * TOL  # it mattered
+    assert max_diff(score(core, p, c, None), hf_logprobs(ref, p, c)) <= TOL
+    assert max_diff(score(core, p, c, None), score(engine_core(tiny_llama), p, c, None)) > 10 * TOL  # it mattered
 
 
 def test_sharded_checkpoint(tiny_qwen2, tmp_path):
     hf_model(tiny_qwen2).save_pretrained(tmp_path, max_shard_size="150KB")
     assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
     p, c = prompts(1, seed=10)[0], _continuations(1, 10)[0]
-    assert engine_core(tmp_path).score(p, c, None) == engine_core(tiny_qwen2).score(p, c, None)
+    assert score(engine_core(tmp_path), p, c, None) == score(engine_core(tiny_qwen2), p, c, None)
 
 
 def test_adapter_dtypes_are_converted_and_low_precision_runs(tiny_llama):
@@ -233,11 +243,11 @@ def test_adapter_dtypes_are_converted_and_low_precision_runs(tiny_llama):
     want = hf_logprobs(model, p, c)
     core = engine_core(tiny_llama)
     core.load_adapter(0, {k: v.double() for k, v in tensors.items()}, config, version=1)
-    assert max_diff(core.score(p, c, 0), want) <= TOL
+    assert max_diff(score(core, p, c, 0), want) <= TOL
     for dtype in ("bfloat16", "float16"):  # engine dtype: weights, KV and adapters converted
         low = engine_core(tiny_llama, dtype=dtype)
         low.load_adapter(0, {k: v.to(torch.bfloat16) for k, v in tensors.items()}, config, version=1)
-        assert max_diff(low.score(p, c, 0), want) <= 0.1
+        assert max_diff(score(low, p, c, 0), want) <= 0.1
         out = _run_one(low, p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), 0)
         assert len(out.output_ids) == 8
 

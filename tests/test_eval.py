@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from orbit.cli import app
 from orbit.config import RecipeError, load_recipe
 from orbit.eval import resolve_target, run_eval
+from orbit.preflight import preflight
 from orbit.run import train
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-arith.yaml"
@@ -33,7 +34,7 @@ def arith_run(tmp_path_factory, warm_arith) -> Path:
     run_dir = tmp_path_factory.mktemp("arith") / "run"
     recipe = load_recipe(RECIPE, {"model": str(warm_arith), "out": str(run_dir), "mode": "double-buffer"})
     assert recipe.mode == "double-buffer" and recipe.task.name == "arith"
-    result = train(recipe, live=False)
+    result = train(preflight(recipe), live=False)
     assert result.steps_done == recipe.trainer.steps
     return run_dir
 

@@ -19,6 +19,7 @@ from run_helpers import patched, run_metrics
 from orbit.config import AdapterConfig, TrainerConfig, parse_recipe
 from orbit.engine.base import SamplingParams
 from orbit.modes import MODE_NAMES
+from orbit.preflight import preflight
 from orbit.rollout.sample import Sample
 
 pytestmark = [
@@ -89,8 +90,9 @@ def _agreement(engine, trainer) -> tuple[float, float, float]:
     samples = [Sample(c.prompt_ids, c.output_ids, c.logprobs, 0.0, 1, 1) for c in done]
     diffs = [abs(a - b) for c, ref in zip(done, trainer.logprobs(samples), strict=True)
              for a, b in zip(c.logprobs, ref, strict=True)]
-    effect = [abs(a - b) for c in done for a, b in zip(c.logprobs, engine.score(c.prompt_ids, c.output_ids, None),
-                                                        strict=True)]
+    with trainer.model.disable_adapter():  # the same tokens under the base model: what the adapter changes
+        base = trainer.logprobs(samples)
+    effect = [abs(a - b) for c, ref in zip(done, base, strict=True) for a, b in zip(c.logprobs, ref, strict=True)]
     assert diffs, "no tokens generated"
     return sum(diffs) / len(diffs), max(diffs), sum(effect) / len(effect)
 
@@ -146,7 +148,7 @@ def test_embedded_engine_matches_the_trainer_in_bf16(model, trainer_dtype, capsy
 def test_each_mode_on_the_gpu(model, tmp_path, mode):
     from orbit.run import train
 
-    result = train(parse_recipe(_recipe(model, tmp_path / mode, mode)), live=False)
+    result = train(preflight(parse_recipe(_recipe(model, tmp_path / mode, mode))), live=False)
     assert result.steps_done == STEPS
     _check_run(tmp_path / mode)
 
@@ -205,6 +207,6 @@ def test_each_mode_on_sglang_on_the_gpu(model, tmp_path, mode):
 
     recipe = _recipe(model, tmp_path / mode, mode,
                      engine={"backend": "sglang", "mem_fraction": SGLANG_MEM_FRACTION})
-    result = train(parse_recipe(recipe), live=False)
+    result = train(preflight(parse_recipe(recipe)), live=False)
     assert result.steps_done == STEPS
     _check_run(tmp_path / mode)

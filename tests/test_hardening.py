@@ -16,30 +16,20 @@ import psutil
 import pytest
 import torch
 import yaml
-from run_helpers import patched, run_metrics
+from run_helpers import checked, recipe_dict, run_metrics
 from safetensors.torch import load_file
 
 import orbit.run
-from orbit.config import parse_recipe
 from orbit.engine.base import EngineDeadError
-from orbit.rollout.buffer import GroupBuffer, RolloutError
-from orbit.rollout.producer import Admission, Producer
+from orbit.engine.pool import EnginePool
+from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.rollout.producer import Producer
 from orbit.run import Interrupted, RunStopped, train
 from orbit.train.trainer import STATE_FILE
 
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
-    data = {
-        "model": str(model),
-        "adapter": {"type": "lora", "r": 4, "alpha": 8},
-        "engine": {"max_inflight": 16, "max_running": 16},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
-        "trainer": {"lr": 0.01, "steps": 4, "save_every": 1000},
-        "mode": "double-buffer",
-        "out": str(out),
-        "seed": 1,
-    }
-    return patched(data, patch)
+    return recipe_dict(model, out, {"trainer": {"steps": 4}, "mode": "double-buffer"}, **patch)
 
 
 def _saved_version(run_dir: Path) -> int | None:
@@ -61,6 +51,10 @@ def _capture_engine(monkeypatch) -> list:
     return started
 
 
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def _when(predicate, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -78,7 +72,7 @@ def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
     rng = random.Random(0)
     for trial in range(6):
         run_dir = tmp_path / f"t{trial}"
-        recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 200}))
+        recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 200}))
         started = time.monotonic()
 
         def interrupt(delay=rng.uniform(0.3, 1.5), run_dir=run_dir):
@@ -97,7 +91,7 @@ def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
         assert f"step {saved}" in str(err.value) and "--resume" in str(err.value)
         assert time.monotonic() - started < 60
     # and the last one resumes from its checkpoint, numbering on
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": saved + 2}))
+    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": saved + 2}))
     train(recipe, resume=True, live=False)
     assert [r["step"] for r in run_metrics(run_dir)] == list(range(saved + 2))
 
@@ -108,7 +102,7 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama,
 
     monkeypatch.setattr(orbit.run, "start_pool", interrupted_start)
     with pytest.raises(Interrupted, match="during start-up: nothing was trained"):
-        train(parse_recipe(_recipe(tiny_llama, tmp_path / "run")), live=False)
+        train(checked(_recipe(tiny_llama, tmp_path / "run")), live=False)
     assert not (tmp_path / "run").exists()
 
 
@@ -180,7 +174,7 @@ def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llam
     monkeypatch.setattr(orbit.run, "make_task", lambda *a: _GoesSilent(real(*a), n=6))
     engines = _capture_engine(monkeypatch)
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 1.5}))
+    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 1.5}))
     with pytest.raises(RunStopped) as err:
         train(recipe, live=False)
     message = " ".join(str(err.value).split())
@@ -188,7 +182,7 @@ def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llam
     assert "group(s) in flight" in message and "grant(s) left" in message and "engine versions [" in message
     assert "engine 0: 0 running, 0 waiting, not paused" in message
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
-    assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
+    assert _gone(engines[0].info.pid)
 
 
 @pytest.mark.timeout(120)
@@ -197,11 +191,11 @@ def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeyp
     pushing), the run stops within about stall_timeout_s, names the engine, saves, and kills it."""
     engines = _capture_engine(monkeypatch)
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 2}))
+    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 2}))
 
     def stop_engine():
         _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2)
-        os.kill(engines[0].pid, signal.SIGSTOP)
+        os.kill(engines[0].info.pid, signal.SIGSTOP)
 
     threading.Thread(target=stop_engine, daemon=True).start()
     t0 = time.monotonic()
@@ -209,12 +203,12 @@ def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeyp
         train(recipe, live=False)
     message = " ".join(str(err.value).split())
     # whichever noticed first: a control call's bound, the pool's ping, or the rollout stall
-    assert (f"engine process {engines[0].pid} did not answer" in message and "it is hung" in message) or (
+    assert (f"engine process {engines[0].info.pid} did not answer" in message and "it is hung" in message) or (
         "did not answer for 5 s (hung)" in message) or (
         "no rollout arrived" in message and "engine 0: no answer within 2 s" in message), message
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
     assert time.monotonic() - t0 < 60  # seconds, not for ever (a loaded 2-core CI machine is slow to start)
-    assert not psutil.pid_exists(engines[0].pid) or psutil.Process(engines[0].pid).status() == psutil.STATUS_ZOMBIE
+    assert _gone(engines[0].info.pid)
 
 
 def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
@@ -228,9 +222,10 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
 
     task = PatternTask(AutoTokenizer.from_pretrained(tiny_llama))
     with start_embedded_engine(tiny_llama, max_running=8) as engine:
-        buffer = GroupBuffer(None)
-        producer = Producer(engine, task, SamplingParams(max_new_tokens=200, ignore_eos=True), 2, buffer, 8,
-                            Admission(1, 0), seed=0, max_attempts=3)
+        pool = EnginePool([engine], [8], monitor=False)
+        pipeline = Pipeline(pool, Admission(1, 0), group_size=2, max_inflight=8, drop_after=None)
+        producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=200, ignore_eos=True), seed=0,
+                            max_attempts=3)
         stop = threading.Event()
 
         def abort_everything():
@@ -241,11 +236,11 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
 
         aborter = threading.Thread(target=abort_everything, daemon=True)
         aborter.start()
-        producer.grant(1)
+        pipeline.grant(1)
         producer.start()
         try:
             with pytest.raises(RolloutError) as err:
-                buffer.take(1, 0, stall_s=30)
+                pipeline.take(1, 0, stall_s=30)
         finally:
             stop.set()
             aborter.join()
@@ -256,13 +251,15 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
 
 
 def test_stall_error_from_a_producer_that_never_gets_an_answer():
-    """Unit test of the buffer's bound: nothing in flight ever answers."""
+    """Unit test of the pipeline's bound: nothing in flight ever answers."""
     from concurrent.futures import Future
+
+    from engine_helpers import FakeEngine
 
     from orbit.engine.base import EngineStats, SamplingParams
     from orbit.tasks.pattern import PatternTask
 
-    class Silent:  # a test double for one piece: an engine whose requests never finish
+    class Silent(FakeEngine):  # a test double for one piece: an engine whose requests never finish
         def generate(self, *a, **k):
             return Future()
 
@@ -275,14 +272,14 @@ def test_stall_error_from_a_producer_that_never_gets_an_answer():
         def encode(self, text, add_special_tokens=False):
             return [1, 2, 3]
 
-    buffer = GroupBuffer(1)
-    producer = Producer(Silent(), PatternTask(Tok()), SamplingParams(), 2, buffer, 8, Admission(1, 1), seed=0)
-    buffer.describe = producer.describe
-    producer.grant(3)
+    pool = EnginePool([Silent()], [8], monitor=False)
+    pipeline = Pipeline(pool, Admission(1, 1), group_size=2, max_inflight=8, drop_after=1)
+    producer = Producer(pipeline, pool, PatternTask(Tok()), SamplingParams(), seed=0)
+    pipeline.grant(3)
     producer.start()
     t0 = time.monotonic()
     with pytest.raises(RolloutError) as err:
-        buffer.take(1, 0, stall_s=1.0)
+        pipeline.take(1, 0, stall_s=1.0)
     producer.stop()
     assert time.monotonic() - t0 < 5
     msg = str(err.value)
@@ -295,7 +292,7 @@ def test_stall_error_from_a_producer_that_never_gets_an_answer():
 
 def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypatch):
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 2}))
+    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 2}))
 
     def broken(*args, **kwargs):
         raise EngineDeadError("engine process failed to start (exit code 1)")
@@ -320,10 +317,10 @@ def test_a_serial_run_resumed_equals_the_run_never_stopped(tmp_path, tiny_llama,
     are those of the uninterrupted run (no prompt replayed or skipped, the same random state)."""
     patch = dict(mode=mode, adapter={"dropout": 0.1}, rollout={"max_new_tokens": 10})
     whole = tmp_path / "whole"
-    train(parse_recipe(_recipe(tiny_llama, whole, trainer={"steps": 4}, **patch)), live=False)
+    train(checked(_recipe(tiny_llama, whole, trainer={"steps": 4}, **patch)), live=False)
     part = tmp_path / "part"
-    train(parse_recipe(_recipe(tiny_llama, part, trainer={"steps": 2}, **patch)), live=False)
-    train(parse_recipe(_recipe(tiny_llama, part, trainer={"steps": 4}, **patch)), resume=True, live=False)
+    train(checked(_recipe(tiny_llama, part, trainer={"steps": 2}, **patch)), live=False)
+    train(checked(_recipe(tiny_llama, part, trainer={"steps": 4}, **patch)), resume=True, live=False)
     a, b = run_metrics(whole), run_metrics(part)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for x, y in zip(a, b, strict=True):
@@ -340,14 +337,24 @@ def test_a_call_cut_off_by_the_engines_shutdown_says_the_engine_is_gone():
     """A lost SGLang engine is shut down while its updater may still be inside a call: the call's
     future is cancelled, and the updater must hear EngineDeadError (and drop the engine), not a bare
     CancelledError that it would hand to the trainer as a refused push."""
+    import asyncio
     from concurrent.futures import Future
-    from types import SimpleNamespace
 
     from orbit.engine.base import EngineDeadError
-    from orbit.engine.sglang.engine import SGLangEngine
+    from orbit.engine.sglang.loop import EngineLoop
+
+    async def alive():
+        return None
 
     cut = Future()
     cut.cancel()
-    engine = SimpleNamespace(_dead=EngineDeadError("engine 1 was shut down"), label="engine 1")
-    with pytest.raises(EngineDeadError, match="engine 1 was shut down"):
-        SGLangEngine._wait(engine, cut)
+    loop = EngineLoop(asyncio.new_event_loop(), alive, "engine 1")
+    try:
+        loop.dead = EngineDeadError("engine 1 was shut down")
+        with pytest.raises(EngineDeadError, match="engine 1 was shut down"):
+            loop.wait(cut)
+    finally:
+        async def nothing():
+            pass
+
+        loop.close(nothing)

@@ -23,7 +23,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from sglang_gate import in_ci
 
-from orbit.config import SGLANG_VERSION
+from orbit.engine.sglang.install import SGLANG_VERSION
 
 try:
     import tomllib

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from orbit.config import LossConfig
-from orbit.train.loss import group_advantages, policy_loss
+from orbit.rollout.groups import group_advantages
+from orbit.train.loss import policy_loss
 
 LOGP = [[-1.0, -2.0], [-1.0, -2.0]]
 BEHAVIOUR = [[-1.5, -1.0], [-1.5, -1.0]]  # ratios e^0.5 = 1.6487 and e^-1 = 0.3679

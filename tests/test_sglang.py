@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe
 from orbit.engine.base import EngineDeadError, EngineError, SamplingParams
+from orbit.preflight import preflight
 
 needs_sglang = pytest.mark.sglang  # skips without sglang, fails in CI (tests/sglang_gate.py)
 
@@ -40,7 +41,7 @@ def test_recipe_with_sglang_missing_fails_before_compute(tiny_llama, monkeypatch
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RecipeError) as err:
-        parse_recipe({"model": str(tiny_llama), "engine": {"backend": "sglang"}})
+        preflight(parse_recipe({"model": str(tiny_llama), "engine": {"backend": "sglang"}}))
     assert "engine.backend" in str(err.value) and "make sglang" in str(err.value)
     assert "install_sglang.sh" in str(err.value)
 
@@ -103,6 +104,21 @@ def _sampled_ref(model, prompt: list[int], output: list[int], temperature: float
     return logp[pos, torch.tensor(output)].tolist()
 
 
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def _greedy(engine, prompt: list[int], slot) -> list:
+    """SGLang's greedy tokens and their logprobs (log_softmax(logits)) on a slot (None: the base)."""
+    c = engine.generate(prompt, GREEDY, slot=slot).result(120)
+    return c.output_ids, c.logprobs
+
+
+def _greedy_vs(engine, model, prompt: list[int], slot) -> float:
+    """Max |SGLang - reference| logprob on the tokens SGLang chose greedily."""
+    ids, logprobs = _greedy(engine, prompt, slot)
+    return _max_diff(logprobs, hf_logprobs(model, prompt, ids))
+
+
 def _max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
@@ -116,8 +132,7 @@ def test_base_logprobs_match_transformers(engine, tiny_llama):
     ref_model = hf_model(tiny_llama)
     worst_tf = worst_sampled = 0.0
     for p in prompts(4, seed=3):
-        cont = prompts(1, seed=len(p), low=20, high=21)[0]
-        worst_tf = max(worst_tf, _max_diff(engine.score(p, cont, slot=None), hf_logprobs(ref_model, p, cont)))
+        worst_tf = max(worst_tf, _greedy_vs(engine, ref_model, p, slot=None))
     for t in (1.0, 0.7):
         futs = [engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=None)
                 for p in prompts(4, seed=4)]
@@ -125,7 +140,7 @@ def test_base_logprobs_match_transformers(engine, tiny_llama):
             c = f.result(120)
             worst_sampled = max(worst_sampled, _max_diff(c.logprobs, _sampled_ref(ref_model, c.prompt_ids,
                                                                                    c.output_ids, t)))
-    print(f"\nbase vs transformers: teacher-forced {worst_tf:.2e}, sampled (T=1, 0.7) {worst_sampled:.2e}")
+    print(f"\nbase vs transformers: greedy {worst_tf:.2e}, sampled (T=1, 0.7) {worst_sampled:.2e}")
     assert worst_tf < BASE_TOL and worst_sampled < BASE_TOL
 
 
@@ -135,11 +150,11 @@ def test_trainer_adapter_in_a_slot_matches_peft(engine, policy_a):
     peft_model = policy_a.model
     worst_tf = worst_sampled = 0.0
     for p in prompts(4, seed=5):
-        cont = prompts(1, seed=len(p) + 1, low=20, high=21)[0]
-        worst_tf = max(worst_tf, _max_diff(engine.score(p, cont, slot=0), hf_logprobs(peft_model, p, cont)))
-    base = engine.score(prompts(1, seed=5)[0], [5, 6, 7, 8], slot=None)
-    with_adapter = engine.score(prompts(1, seed=5)[0], [5, 6, 7, 8], slot=0)
-    effect = _max_diff(base, with_adapter)
+        worst_tf = max(worst_tf, _greedy_vs(engine, peft_model, p, slot=0))
+    with peft_model.disable_adapter():  # the same tokens under the base: what the adapter changes
+        p = prompts(1, seed=5)[0]
+        ids, with_adapter = _greedy(engine, p, slot=0)
+        effect = _max_diff(hf_logprobs(peft_model, p, ids), with_adapter)
     for t in (1.0, 0.7):
         futs = [engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=0) for p in prompts(4, 6)]
         for f in futs:
@@ -147,7 +162,7 @@ def test_trainer_adapter_in_a_slot_matches_peft(engine, policy_a):
             assert c.slot == 0 and c.version_start == c.version_end == 1
             worst_sampled = max(worst_sampled, _max_diff(c.logprobs, _sampled_ref(peft_model, c.prompt_ids,
                                                                                    c.output_ids, t)))
-    print(f"\nLoRA (trainer export, q/k/v/o r=8) vs peft: teacher-forced {worst_tf:.2e}, sampled {worst_sampled:.2e}"
+    print(f"\nLoRA (trainer export, q/k/v/o r=8) vs peft: greedy {worst_tf:.2e}, sampled {worst_sampled:.2e}"
           f" (adapter effect {effect:.2f})")
     assert effect > 0.1, "the adapter must change the logprobs, else the comparison proves nothing"
     assert worst_tf < LORA_TOL and worst_sampled < LORA_TOL
@@ -162,7 +177,7 @@ def test_flip_in_flight_finish_on_old_slot_new_start_on_new(engine, policy_a, po
     old = _serve_long(engine, policy_a, 1, prompts(4, seed=7))
     _load(engine, 1, policy_b, version=2)  # the inactive slot, while slot 0 serves
     running = sum(not f.done() for f in old)
-    engine.pause_generation("in_place")  # the double-buffer flip on SGLang (no flush: see sync.py)
+    engine.pause_generation("in_place")  # the double-buffer flip on SGLang (no flush: see push/phases.py)
     engine.activate(1)
     engine.continue_generation()
     new = [engine.generate(p, SHORT) for p in prompts(4, seed=8)]
@@ -208,8 +223,8 @@ def test_overwriting_the_serving_slot_lets_its_requests_finish_first(engine, pol
 def test_bad_adapter_push_is_rejected_and_the_slot_keeps_serving(engine, policy_a, monkeypatch):
     _load(engine, 0, policy_a, version=5)
     engine.activate(0)
-    probe, cont = prompts(1, seed=11)[0], [7, 8, 9, 10, 11]
-    before = engine.score(probe, cont, slot=0)
+    probe = prompts(1, seed=11)[0]
+    before = _greedy(engine, probe, slot=0)
     good, config = policy_a.adapter_tensors(), policy_a.adapter_config()
     name = next(k for k in good if k.endswith("q_proj.lora_A.weight"))
 
@@ -254,16 +269,16 @@ def test_bad_adapter_push_is_rejected_and_the_slot_keeps_serving(engine, policy_
         _load(engine, 0, policy_a, version=6)
     monkeypatch.undo()
     assert len(calls) == 2 and engine.stats().slot_versions[0] == 5
-    after = engine.score(probe, cont, slot=0)
-    assert _max_diff(before, after) < 1e-6
+    after = _greedy(engine, probe, slot=0)
+    assert after[0] == before[0] and _max_diff(before[1], after[1]) < 1e-6
     c = engine.generate(probe, SHORT).result(60)
     assert c.slot == 0 and c.version_start == 5
 
 
 @needs_sglang
 def test_bad_weight_push_is_rejected(engine, tiny_llama):
-    probe, cont = prompts(1, seed=12)[0], [7, 8, 9]
-    before = engine.score(probe, cont, slot=None)
+    probe = prompts(1, seed=12)[0]
+    before = _greedy(engine, probe, slot=None)
     w = load_file(str(tiny_llama / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
     nan = w[name].clone()
@@ -273,7 +288,8 @@ def test_bad_weight_push_is_rejected(engine, tiny_llama):
         with pytest.raises(EngineError):
             engine.update_weights(tensors, 50)
     assert engine.stats().base_version == 0
-    assert _max_diff(before, engine.score(probe, cont, slot=None)) < 1e-6
+    after = _greedy(engine, probe, slot=None)
+    assert after[0] == before[0] and _max_diff(before[1], after[1]) < 1e-6
 
 
 # ---- no hang in the orders the modes use -----------------------------------------------------------
@@ -295,8 +311,7 @@ def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_
     done = [f.result(120) for f in futs]
     assert all(c.finish_reason == "length" and len(c.output_ids) == 200 for c in done)
     assert any(c.version_end == 7 for c in done) and engine.stats().base_version == 7
-    p = prompts(1, seed=14)[0]
-    assert _max_diff(engine.score(p, [5, 6, 7], slot=None), hf_logprobs(ref, p, [5, 6, 7])) < BASE_TOL
+    assert _greedy_vs(engine, ref, prompts(1, seed=14)[0], slot=None) < BASE_TOL
 
     # flush during an in_place pause with requests running: refused (EngineError), never a hang
     futs = _serve_long(engine, policy_a, 8, prompts(3, seed=15))
@@ -386,7 +401,7 @@ def test_a_reused_slot_never_serves_prefix_kv_of_its_previous_adapter(engine, po
 @pytest.mark.timeout(120)
 def test_a_reply_that_cannot_be_read_fails_the_request_not_hangs(engine, monkeypatch):
     """Parsing SGLang's reply happens after the request left SGLang: a reply without meta_info, or with a
-    finish reason Orbit does not know, must fail the future (generate and score), never leave it unset."""
+    finish reason Orbit does not know, must fail the future, never leave it unset."""
     async def no_meta(body):
         return {"output_ids": [5, 6]}
 
@@ -394,8 +409,6 @@ def test_a_reply_that_cannot_be_read_fails_the_request_not_hangs(engine, monkeyp
     fut = engine.generate(prompts(1, seed=40)[0], SHORT, slot=None)
     with pytest.raises(EngineError, match="could not be read"):
         fut.result(10)
-    with pytest.raises(EngineError, match="could not be read"):
-        engine.score(prompts(1, seed=40)[0], [5, 6], slot=None)
 
     async def odd_finish(body):
         return {"output_ids": [5], "meta_info": {"finish_reason": {"type": "preempted"},
@@ -466,23 +479,26 @@ def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_childre
 
 
 def test_make_push_follows_adapter_type_and_engine_capabilities():
-    from orbit.engine.embedded.client import EmbeddedClient
-    from orbit.engine.sglang import SGLangEngine
-    from orbit.sync import AdapterPush, DoubleBufferPush, FullPush, MergedPush, make_push
+    from orbit.engine.base import Capabilities
+    from orbit.push.phases import AdapterPush, DoubleBufferPush, FullPush, MergedPush, make_push
 
-    for engine in (EmbeddedClient, SGLangEngine):  # the classes carry the capabilities
+    # what the embedded engine and SGLang declare (EmbeddedClient, SGLangEngine)
+    embedded = Capabilities(slots=3, oft_slots=True, loads_while_paused=True, flush_while_running=True)
+    sglang = Capabilities(slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False)
+    for engine in (embedded, sglang):
         for kind in ("lora", "oft"):
             assert type(make_push("full", kind, engine)) is FullPush
         assert type(make_push("adapter", "lora", engine)) is AdapterPush
         assert type(make_push("double-buffer", "lora", engine)) is DoubleBufferPush
-    assert type(make_push("double-buffer", "oft", EmbeddedClient)) is DoubleBufferPush
-    assert type(make_push("adapter", "oft", EmbeddedClient)) is AdapterPush
+    assert type(make_push("double-buffer", "oft", embedded)) is DoubleBufferPush
+    assert type(make_push("adapter", "oft", embedded)) is AdapterPush
     for push in ("adapter", "double-buffer"):
-        assert type(make_push(push, "oft", SGLangEngine)) is MergedPush
-    assert make_push("adapter", "lora", EmbeddedClient).load_while_paused
-    assert not make_push("adapter", "lora", SGLangEngine).load_while_paused
-    assert make_push("double-buffer", "lora", EmbeddedClient).flush
-    assert not make_push("double-buffer", "lora", SGLangEngine).flush
+        assert type(make_push(push, "oft", sglang)) is MergedPush
+    assert make_push("adapter", "lora", embedded).load_while_paused
+    assert not make_push("adapter", "lora", sglang).load_while_paused
+    ring = make_push("double-buffer", "lora", embedded)
+    assert ring.flush and ring.slots == 3
+    assert not make_push("double-buffer", "lora", sglang).flush
 
 
 def test_merged_weights_of_the_adapted_modules_only(tiny_llama):
@@ -513,9 +529,8 @@ def test_qwen3_as_it_is_base_and_lora_slot_match_transformers_and_peft(tiny_qwen
         ref = hf_model(tiny_qwen3)
         worst_base = worst_slot = 0.0
         for p in prompts(3, seed=8):
-            cont = prompts(1, seed=len(p) + 2, low=16, high=17)[0]
-            worst_base = max(worst_base, _max_diff(eng.score(p, cont, slot=None), hf_logprobs(ref, p, cont)))
-            worst_slot = max(worst_slot, _max_diff(eng.score(p, cont, slot=0), hf_logprobs(policy.model, p, cont)))
+            worst_base = max(worst_base, _greedy_vs(eng, ref, p, slot=None))
+            worst_slot = max(worst_slot, _greedy_vs(eng, policy.model, p, slot=0))
     finally:
         eng.shutdown()
     print(f"\nqwen3 on SGLang: base {worst_base:.2e}, LoRA slot {worst_slot:.2e}")

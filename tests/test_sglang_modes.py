@@ -15,6 +15,7 @@ from run_helpers import check_no_request_ran_on_a_slot_being_written, run_metric
 from orbit.config import load_recipe
 from orbit.metrics import METRIC_FIELDS
 from orbit.modes import MODE_NAMES
+from orbit.preflight import preflight
 from orbit.run import train
 
 pytestmark = pytest.mark.sglang  # skips without sglang, fails in CI (tests/sglang_gate.py)
@@ -77,7 +78,7 @@ def _check_run(run_dir: Path, mode: str, merged: bool = False) -> list[dict]:
 def test_mode_runs_on_sglang(tmp_path, tiny_llama, mode):
     # exactly what `orbit train RECIPE --engine sglang` does with the flag (cli.py)
     recipe = load_recipe(_recipe_file(tmp_path, tiny_llama, mode), {"engine.backend": "sglang"})
-    result = train(recipe, live=False)
+    result = train(preflight(recipe), live=False)
     assert result.steps_done == STEPS
     rows = _check_run(tmp_path / "run", mode)
     print(f"\n{mode}: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "
@@ -103,7 +104,7 @@ def test_oft_on_sglang_is_pushed_as_merged_weights(tmp_path, tiny_llama):
     path = _recipe_file(tmp_path, tiny_llama, "double-buffer",
                         adapter={"type": "oft", "oft_block_size": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]})
     recipe = load_recipe(path, {"engine.backend": "sglang"})
-    train(recipe, live=False)
+    train(preflight(recipe), live=False)
     rows = _check_run(tmp_path / "run", "double-buffer", merged=True)
     events = run_timeline(tmp_path / "run")
     assert {e["push"] for e in events if e["kind"] == "push"} == {"merged"}
@@ -122,7 +123,7 @@ def test_two_sglang_engines_train(tmp_path, tiny_llama, mode):
                                                                                   "prompts_per_step": 2,
                                                                                   "max_new_tokens": 12,
                                                                                   "top_p": 0.9})
-    train(load_recipe(path, {"engine.backend": "sglang"}), live=False)
+    train(preflight(load_recipe(path, {"engine.backend": "sglang"})), live=False)
     rows = _check_run(tmp_path / "run", mode)
     assert all(r["engines_alive"] == 2 for r in rows)
     requests = [e for e in run_timeline(tmp_path / "run") if e["kind"] == "request"]

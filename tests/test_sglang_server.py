@@ -16,9 +16,9 @@ import httpx
 import psutil
 import pytest
 import torch
-from run_helpers import check_no_request_ran_on_a_slot_being_written, patched, run_metrics, run_timeline
+from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, recipe_dict, run_metrics, run_timeline
 
-from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe
+from orbit.config import AdapterConfig, RecipeError, TrainerConfig
 from orbit.engine.base import EngineError, SamplingParams
 from orbit.engine.sglang.server import free_port
 from orbit.engine.sglang_cpu import ENV_FLAG, SHIM_DIR
@@ -83,18 +83,10 @@ def plain_qwen2(tiny_qwen2):
 
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
-    data = {
-        "model": str(model),
+    return recipe_dict(model, out, {
         "adapter": {"type": "lora", "r": 8, "alpha": 16, "target_modules": TARGETS},
         "engine": {"backend": "sglang-server", "max_inflight": 8, "max_running": 8, "slots": 3},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
-        "trainer": {"lr": 0.01, "steps": 3, "save_every": 1000},
-        "mode": "double-buffer",
-        "max_staleness": 1,
-        "out": str(out),
-        "seed": 1,
-    }
-    return patched(data, patch)
+        "mode": "double-buffer", "max_staleness": 1}, **patch)
 
 
 def _check(run_dir: Path, steps: int) -> list[dict]:
@@ -114,7 +106,7 @@ def test_attach_trains_and_leaves_the_server_running(tmp_path, tiny_llama, serve
     url, proc = served
     monkeypatch.setenv(KEY_ENV, KEY)
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, engine={"servers": [url], "api_key_env": KEY_ENV},
+    recipe = checked(_recipe(tiny_llama, run_dir, engine={"servers": [url], "api_key_env": KEY_ENV},
                                   rollout={"top_p": 0.9}))
     train(recipe, live=False)
     rows = _check(run_dir, 3)
@@ -140,7 +132,7 @@ def test_start_up_checks_fail_before_training_with_the_fix(tmp_path, tiny_llama,
     ]
     for data, message in cases:
         with pytest.raises(RecipeError) as err:
-            train(parse_recipe(data), live=False)
+            train(checked(data), live=False)
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
         assert not Path(data["out"]).exists()  # nothing trained, nothing left
     # the same on the command line: one line, exit 2
@@ -180,12 +172,14 @@ def test_the_directory_transport_writes_peft_that_peft_loads(tmp_path, tiny_llam
         from transformers import AutoModelForCausalLM
 
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), path).eval()
-        prompt, cont = [5, 6, 7, 8], [9, 10, 11]
+        prompt = [5, 6, 7, 8]
+        greedy = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+                                 slot=0).result(60)  # what the server serves from the directory it read
+        cont = greedy.output_ids
         with torch.no_grad():
             logp = torch.log_softmax(peft_model(torch.tensor([prompt + cont])).logits[0].float(), -1)
-        want = logp[torch.arange(3, 6), torch.tensor(cont)].tolist()
-        got = engine.score(prompt, cont, slot=0)
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+        want = logp[torch.arange(3, 3 + len(cont)), torch.tensor(cont)].tolist()
+        assert max(abs(a - b) for a, b in zip(greedy.logprobs, want, strict=True)) < 1e-4
         # a bad push is refused and the slot keeps serving what it had
         bad = {k: v * float("nan") for k, v in trainer.adapter_tensors().items()}
         with pytest.raises(EngineError, match="NaN"):
@@ -205,7 +199,7 @@ def test_two_started_servers_double_buffer_with_one_killed_mid_run(tmp_path, tin
     """Two servers started by Orbit; one is killed mid-run: noticed within seconds, its requests go to
     the other, the run finishes; Orbit's servers are all stopped at the end."""
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, engine={"replicas": 2}, trainer={"steps": 8}))
+    recipe = checked(_recipe(tiny_llama, run_dir, engine={"replicas": 2}, trainer={"steps": 8}))
     # every process already here, with the module's own servers' schedulers and detokenizers: not Orbit's
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     killed: dict = {}
@@ -238,7 +232,7 @@ def test_two_started_servers_double_buffer_with_one_killed_mid_run(tmp_path, tin
 @pytest.mark.timeout(420)
 def test_two_started_servers_sync(tmp_path, tiny_llama):
     run_dir = tmp_path / "run"
-    train(parse_recipe(_recipe(tiny_llama, run_dir, mode="sync", engine={"replicas": 2})), live=False)
+    train(checked(_recipe(tiny_llama, run_dir, mode="sync", engine={"replicas": 2})), live=False)
     rows = _check(run_dir, 3)
     assert all(r["staleness_max"] == 0 and r["full_push"] for r in rows)
     assert {e["engine"] for e in run_timeline(run_dir) if e["kind"] == "request"} == {0, 1}

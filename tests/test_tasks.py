@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from run_helpers import patched, run_metrics
+from engine_helpers import FakeEngine
+from run_helpers import checked, recipe_dict, run_metrics
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from orbit.cli import app
 from orbit.config import AdapterConfig, LossConfig, RecipeError, TaskConfig, TrainerConfig, parse_recipe
 from orbit.engine.base import Completion, SamplingParams
-from orbit.rollout.buffer import GroupBuffer
-from orbit.rollout.producer import Admission, Producer
+from orbit.engine.pool import EnginePool
+from orbit.rollout.pipeline import Admission, Pipeline
+from orbit.rollout.producer import Producer
 from orbit.rollout.sample import Sample
 from orbit.run import train
 from orbit.tasks import TaskError, make_task
@@ -176,11 +178,12 @@ def test_call_end_must_be_one_token(tok):
 # ---- multi-turn rollouts: injection and masking -------------------------------------------------
 
 
-class OracleEngine:
+class OracleEngine(FakeEngine):
     """A scripted engine that plays zorplex perfectly: it calls LOOKUP along the chain, then answers.
     Records every request; turn i reports weights version i."""
 
     def __init__(self, task, tok, prompts) -> None:
+        super().__init__()
         self.task, self.tok = task, tok
         self.by_ids = {tuple(p.prompt_ids): p for p in prompts}
         self.requests: list[tuple[list[int], SamplingParams]] = []
@@ -202,14 +205,14 @@ class OracleEngine:
 
 def _rollout(engine, task, sampling: SamplingParams, group_size: int, groups: int, max_inflight: int,
              timeout: float):
-    """One batch of `groups` groups from a real Producer over `engine`."""
-    buffer = GroupBuffer(None)
-    producer = Producer(engine, task, sampling, group_size=group_size, buffer=buffer, max_inflight=max_inflight,
-                        admission=Admission(groups, None), seed=0)
-    producer.grant(groups)
+    """One batch of `groups` groups from a real Producer and Pipeline over `engine`."""
+    pool = EnginePool([engine], [max_inflight], monitor=False)
+    pipeline = Pipeline(pool, Admission(groups, None), group_size, max_inflight, drop_after=None)
+    producer = Producer(pipeline, pool, task, sampling, seed=0)
+    pipeline.grant(groups)
     producer.start()
     try:
-        return buffer.take(groups, version=0, stall_s=timeout)
+        return pipeline.take(groups, version=0, stall_s=timeout)
     finally:
         producer.stop()
 
@@ -329,14 +332,8 @@ def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
 
 
 def _recipe(model: Path, out: Path, task: dict, **patch) -> dict:
-    data = {
-        "model": str(model), "adapter": {"type": "lora", "r": 4, "alpha": 8},
-        "engine": {"max_inflight": 16, "max_running": 16},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
-        "trainer": {"lr": 0.01, "steps": 3, "save_every": 1}, "task": task, "out": str(out), "seed": 1,
-        "mode": "double-buffer",
-    }
-    return patched(data, patch)
+    return recipe_dict(model, out, {"rollout": {"max_new_tokens": 8}, "trainer": {"save_every": 1}, "task": task,
+                                    "mode": "double-buffer"}, **patch)
 
 
 def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
@@ -345,8 +342,8 @@ def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "words.py").write_text(USER_TASKS.read_text())
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = parse_recipe(_recipe(tiny_llama, tmp_path / "run", {"name": "mytasks.words:count_word", "word": "no"}))
-    assert recipe.task.options() == {"word": "no"}
+    recipe = checked(_recipe(tiny_llama, tmp_path / "run", {"name": "mytasks.words:count_word", "word": "no"}))
+    assert recipe.recipe.task.options() == {"word": "no"}
     result = train(recipe, live=False)
     assert result.steps_done == 3
     rows = run_metrics(tmp_path / "run")
@@ -355,7 +352,7 @@ def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
     saved = yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())
     assert saved["task"] == {"name": "mytasks.words:count_word", "word": "no"}
     # the file form works too
-    recipe = parse_recipe(_recipe(tiny_llama, tmp_path / "run2", {"name": f"{USER_TASKS}:count_word"},
+    recipe = checked(_recipe(tiny_llama, tmp_path / "run2", {"name": f"{USER_TASKS}:count_word"},
                                   trainer={"steps": 1}))
     assert train(recipe, live=False).steps_done == 1
 
@@ -368,7 +365,7 @@ def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
 ])
 def test_bad_task_path_fails_at_recipe_load(tmp_path, tiny_llama, name, message):
     with pytest.raises(RecipeError, match=message):
-        parse_recipe(_recipe(tiny_llama, tmp_path / "run", {"name": name}))
+        checked(_recipe(tiny_llama, tmp_path / "run", {"name": name}))
     assert not (tmp_path / "run").exists()
 
 
@@ -377,7 +374,7 @@ def test_bad_task_path_fails_at_recipe_load(tmp_path, tiny_llama, name, message)
     ("factory_raises", r"task.name: .*the factory raised ValueError: this factory needs an API key"),
 ])
 def test_bad_task_factory_fails_before_any_compute(tmp_path, tiny_llama, name, message):
-    recipe = parse_recipe(_recipe(tiny_llama, tmp_path / "run", {"name": f"{USER_TASKS}:{name}"}))
+    recipe = checked(_recipe(tiny_llama, tmp_path / "run", {"name": f"{USER_TASKS}:{name}"}))
     with pytest.raises(RecipeError, match=message):
         train(recipe, live=False)
     assert not (tmp_path / "run").exists()  # nothing was started or written
@@ -385,11 +382,11 @@ def test_bad_task_factory_fails_before_any_compute(tmp_path, tiny_llama, name, m
 
 def test_builtin_task_options_are_checked():
     with pytest.raises(RecipeError, match=r"task.max_digits: not an option of task 'zorplex'"):
-        parse_recipe({"model": "m", "task": {"name": "zorplex", "max_digits": 3}}, check_paths=False)
+        parse_recipe({"model": "m", "task": {"name": "zorplex", "max_digits": 3}})
     with pytest.raises(RecipeError, match=r"task.colour: unknown key for task 'arith'"):
-        parse_recipe({"model": "m", "task": {"name": "arith", "colour": "red"}}, check_paths=False)
+        parse_recipe({"model": "m", "task": {"name": "arith", "colour": "red"}})
     with pytest.raises(RecipeError, match=r"task.path: required for task 'jsonl'"):
-        parse_recipe({"model": "m", "task": {"name": "jsonl"}}, check_paths=False)
+        parse_recipe({"model": "m", "task": {"name": "jsonl"}})
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
@@ -409,7 +406,7 @@ def test_bad_dataset_row_names_the_line(tmp_path, tiny_task_tokens, bad, message
     data = _write_jsonl(tmp_path / "data.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "1+2=", "answer": "3"},
                                                   bad])
     with pytest.raises(RecipeError, match=r"task.path: .*data.jsonl " + message):
-        parse_recipe(_recipe(tiny_task_tokens, tmp_path / "run", {"name": "jsonl", "path": str(data)}))
+        checked(_recipe(tiny_task_tokens, tmp_path / "run", {"name": "jsonl", "path": str(data)}))
     runner = CliRunner()
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(yaml.safe_dump(_recipe(tiny_task_tokens, tmp_path / "run",
@@ -439,7 +436,7 @@ def test_jsonl_dataset_task(tmp_path, tok):
 @pytest.mark.timeout(240)
 def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(
+    recipe = checked(_recipe(
         warm_zorplex, run_dir, {"name": f"{USER_TASKS}:broken_zorplex", "fail_after": 60},
         trainer={"steps": 30, "save_every": 1},
     ))

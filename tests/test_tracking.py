@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from run_helpers import patched, read_jsonl, run_metrics
+from run_helpers import checked, read_jsonl, recipe_dict, run_metrics
 
 import orbit.run
 import orbit.tracking
@@ -19,18 +19,10 @@ SAMPLE_FIELDS = {"step", "version", "prompt", "completion", "reward", "failure_m
 
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
-    data = {
-        "model": str(model),
-        "adapter": {"type": "lora", "r": 4, "alpha": 8},
-        "engine": {"max_inflight": 16, "max_running": 16},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
-        "trainer": {"lr": 0.01, "steps": 3, "save_every": 3},
+    return recipe_dict(model, out, {
+        "rollout": {"max_new_tokens": 8}, "trainer": {"save_every": 3},
         "task": {"name": "tests/user_tasks.py:count_word"},  # says correct, format_ok, failure_mode
-        "mode": "sync-adapter",
-        "out": str(out),
-        "seed": 1,
-    }
-    return patched(data, patch)
+        "mode": "sync-adapter"}, **patch)
 
 
 def _offline_wandb(mp: pytest.MonkeyPatch, root: Path) -> None:
@@ -50,7 +42,7 @@ def tracked(tmp_path_factory, tiny_llama) -> Path:
     root = tmp_path_factory.mktemp("tracked")
     with pytest.MonkeyPatch.context() as mp:
         _offline_wandb(mp, root)
-        recipe = parse_recipe(_recipe(tiny_llama, root / "run", logging=["tensorboard", "wandb"]))
+        recipe = checked(_recipe(tiny_llama, root / "run", logging=["tensorboard", "wandb"]))
         assert train(recipe, live=False).steps_done == 3
     return root / "run"
 
@@ -144,13 +136,13 @@ def test_samples_jsonl_has_a_few_decoded_samples_per_step(tracked):
 ])
 def test_a_bad_logging_list_fails_at_parse(tmp_path, tiny_llama, logging, message):
     with pytest.raises(RecipeError, match=message):
-        parse_recipe(_recipe(tiny_llama, tmp_path / "run", logging=logging))
+        checked(_recipe(tiny_llama, tmp_path / "run", logging=logging))
 
 
 def test_a_tracker_not_installed_fails_at_parse_with_the_install_command(tmp_path, tiny_llama, monkeypatch):
     monkeypatch.setitem(orbit.tracking.TRACKERS, "wandb", ("no_such_module_orbit", "pip install wandb"))
     with pytest.raises(RecipeError, match=r"logging: 'wandb' cannot run: .*not installed.*pip install wandb"):
-        parse_recipe(_recipe(tiny_llama, tmp_path / "run", logging=["wandb"]))
+        checked(_recipe(tiny_llama, tmp_path / "run", logging=["wandb"]))
 
 
 def test_a_tracker_that_cannot_start_fails_the_start_and_leaves_nothing(tmp_path, tiny_llama, monkeypatch):
@@ -159,7 +151,7 @@ def test_a_tracker_that_cannot_start_fails_the_start_and_leaves_nothing(tmp_path
 
     monkeypatch.setattr(orbit.tracking._WandB, "__init__", no_key)
     run_dir = tmp_path / "run"
-    recipe = parse_recipe(_recipe(tiny_llama, run_dir, logging=["tensorboard", "wandb"]))
+    recipe = checked(_recipe(tiny_llama, run_dir, logging=["tensorboard", "wandb"]))
     with pytest.raises(RecipeError, match=r"logging: 'wandb' could not start: .*api_key.*WANDB_MODE=offline"):
         train(recipe, live=False)
     assert not run_dir.exists()  # the tensorboard directory it had opened went too
@@ -176,7 +168,7 @@ def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, tin
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", broken)
     run_dir = tmp_path / "run"
-    assert train(parse_recipe(_recipe(tiny_llama, run_dir, logging=["tensorboard"])), live=False).steps_done == 3
+    assert train(checked(_recipe(tiny_llama, run_dir, logging=["tensorboard"])), live=False).steps_done == 3
     assert [r["step"] for r in run_metrics(run_dir)] == [0, 1, 2] and len(calls) == 3  # tried every step
     log = (run_dir / "run.log").read_text()
     assert log.count("WARNING") == 1 and "tensorboard: OSError: No space left on device" in log
@@ -185,12 +177,12 @@ def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, tin
 
 def test_without_logging_samples_are_written_and_a_resume_keeps_them_in_step(tmp_path, tiny_llama):
     run_dir = tmp_path / "run"
-    train(parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 2, "save_every": 2})), live=False)
+    train(checked(_recipe(tiny_llama, run_dir, trainer={"steps": 2, "save_every": 2})), live=False)
     assert not (run_dir / "tensorboard").exists() and not (run_dir / "wandb").exists()
     # as if the run had gone on to step 2 and died before its checkpoint
     with (run_dir / "samples.jsonl").open("a") as f:
         f.write(json.dumps({"step": 2, "version": 2, "completion": "lost"}) + "\n")
-    train(parse_recipe(_recipe(tiny_llama, run_dir, trainer={"steps": 3, "save_every": 2})), resume=True,
+    train(checked(_recipe(tiny_llama, run_dir, trainer={"steps": 3, "save_every": 2})), resume=True,
           live=False)
     steps = [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")]
     assert steps == sorted(steps) and set(steps) == {0, 1, 2} and "lost" not in (run_dir / "samples.jsonl").read_text()

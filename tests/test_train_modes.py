@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import check_no_request_ran_on_a_slot_being_written, patched, run_metrics, run_timeline
+from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, recipe_dict, run_metrics, run_timeline
 
-from orbit.config import parse_recipe
 from orbit.metrics import METRIC_FIELDS
 from orbit.modes import MODE_NAMES
 from orbit.run import train
@@ -23,21 +22,12 @@ LOGPROB_DIFF_MAX = 1e-3  # fp32 engine vs fp32 trainer on the same tokens
 
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
-    data = {
-        "model": str(model),
-        "adapter": {"type": "lora", "r": 4, "alpha": 8},
-        "engine": {"max_inflight": 16, "max_running": 16},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
-        "trainer": {"lr": 0.01, "steps": 3, "save_every": 2},
-        "out": str(out),
-        "seed": 1,
-    }
-    return patched(data, patch)
+    return recipe_dict(model, out, {"trainer": {"save_every": 2}}, **patch)
 
 
 @pytest.mark.parametrize("mode", MODE_NAMES)
 def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
-    recipe = parse_recipe(_recipe(tiny_llama, tmp_path / mode, mode=mode, max_staleness=2))
+    recipe = checked(_recipe(tiny_llama, tmp_path / mode, mode=mode, max_staleness=2))
     result = train(recipe, live=False)
     assert result.steps_done == 3
     rows = run_metrics(tmp_path / mode)
@@ -64,7 +54,7 @@ def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
 def test_truncated_sampling_end_to_end_with_task_figures(tmp_path, tiny_llama):
     """top_p/top_k: engine and trainer score the same truncated distribution, so logprob_diff stays at
     rounding (it would be ~1 with one side untruncated); a task that knows correctness gets its figures."""
-    recipe = parse_recipe(_recipe(
+    recipe = checked(_recipe(
         tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=1,
         rollout={"top_p": 0.8, "top_k": 5, "temperature": 0.8}, trainer={"steps": 4},
         task={"name": "tests/user_tasks.py:count_word"}, adapter={"dropout": 0.1},
@@ -80,7 +70,7 @@ def test_truncated_sampling_end_to_end_with_task_figures(tmp_path, tiny_llama):
 @pytest.mark.timeout(180)  # a drained pipeline would hang: the timeout fails the test
 @pytest.mark.parametrize("mode, k", [("async-adapter", 0), ("double-buffer", 0), ("async-full", 1)])
 def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
-    recipe = parse_recipe(_recipe(
+    recipe = checked(_recipe(
         tiny_llama, tmp_path / "run", mode=mode, max_staleness=k,
         # many requests in flight per batch, and the former run-ahead admission, which starts groups
         # that go stale: the drop-and-replenish safety net must carry the run
@@ -96,7 +86,7 @@ def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
 
 
 def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, tiny_llama):
-    recipe = parse_recipe(_recipe(
+    recipe = checked(_recipe(
         tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=None,
         # run-ahead admission keeps requests in flight two versions back, so loads meet them
         engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 160, "admission": "run-ahead"},
@@ -116,7 +106,7 @@ def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, ti
 ])
 def test_reward_rises_in_double_buffer(tmp_path, tiny_llama, adapter):
     lr = 0.02 if adapter["type"] == "lora" else 0.01
-    recipe = parse_recipe(_recipe(
+    recipe = checked(_recipe(
         tiny_llama, tmp_path / "run", mode="double-buffer", adapter=adapter, max_staleness=1,
         engine={"max_inflight": 32, "max_running": 32},
         rollout={"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 16},
@@ -180,5 +170,5 @@ def test_existing_run_is_not_overwritten(tmp_path, tiny_llama):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(RecipeError, match="already holds a run"):
-        train(parse_recipe(_recipe(tiny_llama, run_dir)), live=False)
+        train(checked(_recipe(tiny_llama, run_dir)), live=False)
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'

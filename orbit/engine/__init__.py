@@ -30,8 +30,8 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
     `adapter` sizes what SGLang must fix at start (max LoRA rank, target modules; no LoRA for OFT);
     without it the SGLang backend accepts LoRA rank <= 8 on all seven projections.
     `call_timeout_s`: an engine that answers no control call for this long is hung (EngineDeadError).
-    `device`: this engine's device (default `cfg.device`). `load_delay_s`: a test hook (embedded
-    engine only) that makes every adapter load this much slower. `server`: the URL of the running
+    `device`: this engine's device (default `cfg.device`). `load_delay_s`: every adapter load this much
+    slower (the bench's slowed engine; embedded engine only). `server`: the URL of the running
     SGLang server this engine attaches to (sglang-server; None: start one). `truncated`: rollouts
     sample with top-k/top-p (a server must then return sampling masks as wide as the vocabulary).
     """
@@ -76,13 +76,12 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
 
 def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
                call_timeout_s: float | None = None, timeline=None, on_warning: Callable[[str], None] | None = None,
-               load_delays: list[float] | None = None, truncated: bool = False,
-               slow: SlowEngine | None = None) -> EnginePool:
+               truncated: bool = False, slow: SlowEngine | None = None) -> EnginePool:
     """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`) as
     one pool. If one fails to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
     servers = cfg.servers or [None] * cfg.engines
-    delays = list(load_delays or [0.0] * cfg.engines)
+    delays = [0.0] * cfg.engines
     configs = [cfg] * cfg.engines
     if slow is not None:
         if slow.load_s and cfg.backend != "embedded":

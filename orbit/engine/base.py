@@ -8,7 +8,7 @@ done them. Names follow SGLang's so the SGLang backend is a thin mapping.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -104,8 +104,37 @@ class EngineStats:
     retracted: int = 0  # running requests whose KV was dropped (pause "retract", release_memory)
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine learns at start-up about the model it serves."""
+
+    pid: int  # the process whose death is the engine's
+    model_type: str
+    vocab_size: int
+    max_context: int  # tokens per request, prompt included
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, for the push strategies (orbit/push/phases.py) to choose by. Every member
+    of a pool has the same (the pool checks)."""
+
+    slots: int  # adapter slots (engine.slots)
+    oft_slots: bool  # OFT adapters load into slots (else OFT is pushed as merged weights)
+    loads_while_paused: bool  # a slot can be overwritten under paused requests (they continue on it)
+    flush_while_running: bool  # flush_cache works with requests running (an in_place pause included)
+
+
 class Engine(Protocol):
     """What the trainer side holds. All calls are thread-safe."""
+
+    info: EngineInfo
+    capabilities: Capabilities
+    adapter_transport: str  # how adapters reach it: "shared-memory", "tensors" (same host) or "dir"
 
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE, meta: dict | None = None
@@ -134,4 +163,22 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Abort what is in flight and stop the engine's own processes (only its own). Idempotent."""
+        ...
+
+    def kill(self) -> None:
+        """Stop a dead or hung engine at once, without asking it first."""
+        ...
+
+
+def resolve(fut: Future, result: object = None, exc: BaseException | None = None) -> None:
+    """Answer a caller's future once: a future already answered (a dead engine failed it) or
+    cancelled by its caller keeps what it has."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass

@@ -1,4 +1,4 @@
-"""Checks shared by every engine backend: model shape facts, pushed tensors, adapters, slots.
+"""Checks shared by every engine backend: requests, pushed tensors, adapters, slots, versions.
 
 A bad push or request is refused here, naming the first problem, before anything reaches an
 engine (the embedded one or SGLang), so the engine keeps serving what it had.
@@ -6,61 +6,13 @@ engine (the embedded one or SGLang), so the engine keeps serving what it had.
 
 from __future__ import annotations
 
-import json
+import enum
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from orbit.engine.base import EngineError
-
-# The projections an adapter may target, by their names inside a decoder layer.
-MODULES: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape facts of a checkpoint that the engine needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    tie_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    max_position_embeddings: int
-
-    def module_shape(self, module: str) -> tuple[int, int]:
-        """(out_features, in_features) of a projection, e.g. 'self_attn.k_proj'."""
-        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, \
-            self.intermediate_size
-        return {
-            "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
-        }[module]
-
-
-def eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
-    """eos from config.json and generation_config.json (transformers' generate uses the latter)."""
-    ids: set[int] = set()
-    sources = [raw]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    return tuple(sorted(ids))
+from orbit.engine.base import ACTIVE, PAUSE_MODES, EngineError, Slot
+from orbit.engine.spec import MODULES, ModelSpec
 
 
 def check_tensor(name: str, t: object, shape: tuple[int, ...]) -> None:
@@ -90,6 +42,31 @@ def check_ids(ids: list, vocab: int, what: str) -> list[int]:
     return ids
 
 
+def check_prompt(prompt_ids: object, vocab: int, max_context: int) -> list[int]:
+    """A prompt: token ids in the vocabulary, leaving room for at least one generated token."""
+    prompt = check_ids(list(prompt_ids), vocab, "prompt")  # type: ignore[call-overload]
+    if not prompt:
+        raise EngineError("prompt_ids is empty")
+    if len(prompt) >= max_context:
+        raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {max_context} "
+                          f"(the prompt must leave room for at least one generated token)")
+    return prompt
+
+
+def check_request_slot(slot: object, num_slots: int) -> Slot:
+    """What `generate` takes as a slot: 'active', None (the base model) or a slot index."""
+    if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
+                                                and 0 <= slot < num_slots)):
+        raise EngineError(f"slot must be 'active', None or one of 0..{num_slots - 1}, got {slot!r}")
+    return slot  # type: ignore[return-value]
+
+
+def check_pause_mode(mode: object) -> str:
+    if mode not in PAUSE_MODES:
+        raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
 _NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)"
     r"\.(lora_A|lora_B|oft_R)\.weight$"
@@ -102,9 +79,15 @@ _LORA_MUST_BE_OFF = ("use_dora", "lora_bias", "modules_to_save", "rank_pattern",
 _OFT_MUST_BE_OFF = ("modules_to_save", "fan_in_fan_out")
 
 
-def _plain(value: object) -> object:
-    """peft puts enums (PeftType) and sets in to_dict(); compare on plain values."""
-    return getattr(value, "value", value)
+def plain_config(config: object) -> dict:
+    """An adapter config as plain JSON values: peft's to_dict() holds enums (PeftType) and sets."""
+    if not isinstance(config, dict):
+        raise EngineError(f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}")
+    out = {}
+    for key, value in config.items():
+        value = value.value if isinstance(value, enum.Enum) else value
+        out[key] = sorted(value) if isinstance(value, set | frozenset) else value
+    return out
 
 
 def _adjust_oft(in_features: int, params: int) -> int:
@@ -171,9 +154,8 @@ def check_adapter(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpe
     first problem; changes nothing. Shared by the embedded engine and the SGLang backend, so a bad
     push is refused before anything reaches either engine.
     """
-    if not isinstance(config, dict):
-        raise EngineError(f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}")
-    peft_type = str(_plain(config.get("peft_type"))).removeprefix("PeftType.")
+    config = plain_config(config)
+    peft_type = str(config.get("peft_type")).removeprefix("PeftType.")
     kinds = {"LORA": "lora", "OFT": "oft"}
     if peft_type not in kinds:
         raise EngineError(f"unsupported peft_type {peft_type!r}; {engine} serves LORA and OFT")

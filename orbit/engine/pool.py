@@ -1,19 +1,17 @@
-"""N engines behind the engine protocol (docs/design.md §8). Loops, modes and the producer see one
-engine; the pool routes, fails over, and keeps each member's version.
+"""N engines as one (docs/design.md §8): routing, failover and fan-out. The producer and the loop see
+one pool whether it holds one engine or eight; what each member serves is set by the push
+(orbit/push/), which calls `serves`.
 
-- Routing: a request goes to the live engine with the least outstanding work (requests in flight
-  over its `max_running`), or to the engine the caller names (a multi-turn episode stays on its
-  engine, whose prefix cache holds its context).
-- Versions: each member serves the version of its last completed push. The producer asks
-  `pick(min_version)` for an engine fresh enough for a new group (admission, §5).
-- Faults: a member whose requests fail with EngineDeadError, or that does not answer a ping
-  within `ping_timeout_s`, leaves the pool at once: a warning, a timeline event, its engine shut
-  down (only its own processes), and its outstanding requests resubmitted to the others. Only
-  when no member is left do requests and calls fail (EngineDeadError naming every member's end).
-- Control calls (`pause_generation`, `release_memory`, ...) go to every live member in parallel.
-
-Pushes to a pool go through `PoolPush` (orbit/updaters.py): one updater thread per member, or a
-barrier.
+- Routing: a request goes to the live member with the least outstanding work (requests in flight
+  over its `max_running`), or to the member the caller names (a multi-turn episode stays on its
+  engine, whose prefix cache holds its context). `pick(min_version)` says which member a new group
+  may start on (admission, §5).
+- Faults: a member whose requests fail with EngineDeadError, or that does not answer a ping within
+  `ping_timeout_s`, leaves the pool at once (`drop`): a warning, a timeline event, its engine killed
+  (only its own processes), and its outstanding requests resubmitted to the others. Only when no
+  member is left do requests and calls fail (EngineDeadError naming every member's end).
+- Fan-out: `each(call)` runs a call on every live member in parallel; `stats`, `release_memory` and
+  `resume_memory` are the pool-wide calls the loop makes.
 """
 
 from __future__ import annotations
@@ -22,12 +20,25 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from orbit.engine.base import ACTIVE, Completion, Engine, EngineDeadError, EngineStats, SamplingParams, Slot
+from orbit.engine.base import (
+    ACTIVE,
+    Capabilities,
+    Completion,
+    Engine,
+    EngineDeadError,
+    EngineInfo,
+    EngineStats,
+    SamplingParams,
+    Slot,
+    resolve,
+)
 
 PING_S = 1.0  # liveness check of every member this often
+_SUMMED = ("tokens_generated", "busy_s", "paused_s", "running", "waiting", "prefix_cache_entries",
+           "prefix_cache_hits", "prefill_tokens", "aborted", "aborted_on_load", "retracted")
 
 
 @dataclass
@@ -36,7 +47,7 @@ class Member:
     engine: Engine
     capacity: int  # its max_running: routing balances outstanding / capacity
     alive: bool = True
-    version: int = 0  # the policy version it serves (its last completed push)
+    version: int = 0  # the policy version it serves (set by the push: `serves`)
     outstanding: int = 0  # requests submitted to it and not answered
     reason: str = ""  # why it left the pool
 
@@ -56,25 +67,19 @@ class _Request:
     rid: int = 0
 
 
-@dataclass
-class _FlipClock:
-    """When each version was pushed and when each member first served it: flip lag."""
-
-    pushed: dict[int, float] = field(default_factory=dict)
-    reached: dict[int, dict[int, float]] = field(default_factory=dict)
-    last: tuple[int, float] | None = None  # (version, lag) of the newest version every live member serves
-
-
 class EnginePool:
-    """Implements the Engine protocol over `engines` (one or more)."""
+    """`engines` (one or more, all of one backend) as one."""
 
-    def __init__(self, engines: list[Engine], capacities: list[int] | None = None, timeline=None,
-                 ping_timeout_s: float = 5.0, monitor: bool = True,
-                 on_warning: Callable[[str], None] | None = None) -> None:
+    def __init__(self, engines: list[Engine], capacities: list[int], timeline=None, ping_timeout_s: float = 5.0,
+                 monitor: bool = True, on_warning: Callable[[str], None] | None = None) -> None:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
-        capacities = capacities or [getattr(getattr(e, "info", None), "max_running", 32) or 32 for e in engines]
-        self.members = [Member(i, e, max(1, c)) for i, e, c in zip(itertools.count(), engines, capacities)]
+        if any(e.capabilities != engines[0].capabilities for e in engines):
+            raise ValueError(f"the engines of a pool must have the same capabilities, got "
+                             f"{[e.capabilities for e in engines]}")
+        self.members = [Member(i, e, max(1, c)) for i, (e, c) in enumerate(zip(engines, capacities, strict=True))]
+        self.capabilities: Capabilities = engines[0].capabilities
+        self.info: EngineInfo = engines[0].info  # the model's facts: one model, the same on every member
         self.timeline = timeline
         self.ping_timeout_s = ping_timeout_s
         self.on_warning = on_warning or (lambda message: None)
@@ -83,25 +88,13 @@ class EnginePool:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._closed = False
-        self._clock = _FlipClock()
         self._reapers: list[threading.Thread] = []  # stopping the engines that left the pool
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="orbit-pool-monitor", daemon=True)
         if monitor:
             self._monitor.start()
 
-    # ---- what the protocol's callers read ---------------------------------------------------------
-
-    @property
-    def info(self):
-        return self.members[0].engine.info  # model facts are the same on every member
-
-    def __getattr__(self, name: str):
-        # Capabilities the push strategies read (supports_oft_slots, num_slots, ...): every member
-        # runs the same backend, so the first one answers for all.
-        if name.startswith("_") or name in ("members",):
-            raise AttributeError(name)
-        return getattr(self.members[0].engine, name)
+    # ---- what callers read ---------------------------------------------------------------------
 
     def alive(self) -> list[Member]:
         with self._lock:
@@ -112,12 +105,12 @@ class EnginePool:
         with self._lock:
             return [m.version if m.alive else None for m in self.members]
 
-    def transports(self) -> list[str | None]:
+    def transports(self) -> list[str]:
         """Per member: how adapters reach it (reported in the metrics)."""
-        return [getattr(m.engine, "adapter_transport", None) for m in self.members]
+        return [m.engine.adapter_transport for m in self.members]
 
     def listen(self, callback: Callable[[], None]) -> None:
-        """`callback()` after any member's version or liveness changes (the producer re-checks admission)."""
+        """`callback()` after any member's version or liveness changes (admission may open)."""
         self._listeners.append(callback)
 
     def pick(self, min_version: int | None = None) -> int | None:
@@ -128,7 +121,13 @@ class EnginePool:
                 return None
             return min(fresh, key=lambda m: (m.outstanding / m.capacity, m.index)).index
 
-    # ---- requests ---------------------------------------------------------------------------------
+    def serves(self, member: Member, version: int) -> None:
+        """`member` now serves `version` (its push or flip completed)."""
+        with self._lock:
+            member.version = max(member.version, version)
+        self._notify()
+
+    # ---- requests ------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
                  meta: dict | None = None, engine: int | None = None) -> Future[Completion]:
@@ -142,7 +141,7 @@ class EnginePool:
         with self._lock:
             target = engine if engine is not None and self.members[engine].alive else self.pick()
             if target is None:
-                self._resolve(req, exc=self._all_dead())
+                self._finish(req, exc=self._all_dead())
                 return
             member = self.members[target]
             member.outstanding += 1
@@ -153,7 +152,7 @@ class EnginePool:
             inner = member.engine.generate(req.prompt_ids, req.sampling, req.slot, req.meta)
         except EngineDeadError as err:
             self._settle(member)
-            self._lose(member, str(err))
+            self.drop(member, str(err))
             self._redispatch([req])
             return
         except Exception as err:  # bad input: the caller's mistake, on every member alike
@@ -162,7 +161,7 @@ class EnginePool:
                 self._requests.pop(req.rid, None)
             if raise_errors:
                 raise
-            self._resolve(req, exc=err)
+            self._finish(req, exc=err)
             return
         inner.add_done_callback(lambda f: self._answered(req, member, attempt, f))
 
@@ -172,41 +171,36 @@ class EnginePool:
             return  # resubmitted elsewhere meanwhile: this late answer is not the caller's
         err = inner.exception()
         if isinstance(err, EngineDeadError) and not self._closed:
-            self._lose(member, str(err))
+            self.drop(member, str(err))
             if req.slot == ACTIVE:  # any engine's active slot will do; a named slot is that engine's
                 self._redispatch([req])
                 return
         if err is not None:
-            self._resolve(req, exc=err)
+            self._finish(req, exc=err)
             return
         completion = inner.result()
         completion.engine = member.index
-        self._resolve(req, completion)
+        self._finish(req, completion)
 
     def _settle(self, member: Member) -> None:
         with self._lock:
             member.outstanding -= 1
 
-    def _resolve(self, req: _Request, result=None, exc: BaseException | None = None) -> None:
+    def _finish(self, req: _Request, result=None, exc: BaseException | None = None) -> None:
         with self._lock:
             self._requests.pop(req.rid, None)
-        try:
-            if exc is not None:
-                req.future.set_exception(exc)
-            else:
-                req.future.set_result(result)
-        except InvalidStateError:
-            pass  # cancelled by the caller
+        resolve(req.future, result, exc)
 
     def _redispatch(self, requests: list[_Request]) -> None:
         for req in requests:
             if not req.future.done():
                 self._dispatch(req, None)
 
-    # ---- faults -----------------------------------------------------------------------------------
+    # ---- faults --------------------------------------------------------------------------------
 
-    def _lose(self, member: Member, reason: str) -> None:
-        """`member` died or stopped answering: out of the pool, its requests to the others."""
+    def drop(self, member: Member, reason: str) -> None:
+        """`member` died or stopped answering: out of the pool, its engine killed, its requests to the
+        others. A member already gone stays as it was."""
         with self._lock:
             if not member.alive or self._closed:
                 return
@@ -218,13 +212,16 @@ class EnginePool:
         if self.timeline is not None:
             now = time.time()
             self.timeline.event("engine", "lost", now, now, member.version, engine=member.index, reason=reason)
-        # dead or hung: stop it without asking (only its own processes)
-        stop = getattr(member.engine, "kill", member.engine.shutdown)
-        reaper = threading.Thread(target=_quietly, args=(stop,), daemon=True)
+        reaper = threading.Thread(target=_quietly, args=(member.engine.kill,), daemon=True)
         reaper.start()
         self._reapers.append(reaper)
         self._redispatch(orphans)
         self._notify()
+
+    def require_alive(self) -> None:
+        """EngineDeadError, naming every member's end, when no member is left."""
+        if not self.alive():
+            raise self._all_dead()
 
     def _all_dead(self) -> EngineDeadError:
         ends = "; ".join(f"engine {m.index}: {m.reason}" for m in self.members)
@@ -239,53 +236,15 @@ class EnginePool:
                 if self._stop.is_set():
                     return
                 if isinstance(answer, TimeoutError):
-                    self._lose(member, f"did not answer for {self.ping_timeout_s:g} s (hung)")
+                    self.drop(member, f"did not answer for {self.ping_timeout_s:g} s (hung)")
                 elif isinstance(answer, EngineDeadError):
-                    self._lose(member, str(answer))
-
-    # ---- versions and flips -----------------------------------------------------------------------
-
-    def pushed(self, version: int, at: float) -> None:
-        with self._lock:
-            self._clock.pushed[version] = at
-
-    def serves(self, member: Member, version: int, at: float | None = None) -> None:
-        """`member` now serves `version` (its push or flip completed)."""
-        at = time.time() if at is None else at
-        with self._lock:
-            member.version = max(member.version, version)
-            clock = self._clock
-            for v in [v for v in clock.pushed if v <= member.version]:
-                clock.reached.setdefault(v, {}).setdefault(member.index, at)
-            for v in sorted(clock.pushed):
-                reached = clock.reached.get(v, {})
-                if all(m.index in reached for m in self.members if m.alive):
-                    clock.last = (v, max(reached.values()) - clock.pushed[v])
-                    del clock.pushed[v]
-                    clock.reached.pop(v, None)
-        self._notify()
-
-    def flip_lag(self) -> tuple[int, float] | None:
-        """(version, seconds from its push to the last live member serving it), for the newest such."""
-        with self._lock:
-            return self._clock.last
-
-    def wait_version(self, version: int, timeout: float) -> None:
-        """Block until every live member serves `version` (serial modes stay on-policy)."""
-        deadline = time.monotonic() + timeout
-        while any(m.version < version for m in self.alive()):
-            if not self.alive():
-                raise self._all_dead()
-            if time.monotonic() > deadline:
-                late = [f"engine {m.index} at v{m.version}" for m in self.alive() if m.version < version]
-                raise EngineDeadError(f"engines did not take version {version} within {timeout:g} s: {', '.join(late)}")
-            time.sleep(0.005)
+                    self.drop(member, str(answer))
 
     def _notify(self) -> None:
         for callback in list(self._listeners):
             callback()
 
-    # ---- control calls: every live member ----------------------------------------------------------
+    # ---- fan-out -------------------------------------------------------------------------------
 
     def each(self, call: Callable[[Member], object]) -> list:
         """`call(member)` on every live member, in parallel; a member that dies meanwhile leaves the
@@ -301,7 +260,7 @@ class EnginePool:
         results = []
         for member, (value, err) in zip(members, outcomes, strict=True):
             if isinstance(err, EngineDeadError):
-                self._lose(member, str(err))
+                self.drop(member, str(err))
             elif err is not None:
                 raise err
             else:
@@ -310,47 +269,11 @@ class EnginePool:
             raise self._all_dead()
         return results
 
-    def load_adapter(self, slot: int, tensors: dict, adapter_config: dict, version: int) -> float:
-        return max(self.each(lambda m: m.engine.load_adapter(slot, tensors, adapter_config, version)))
-
-    def activate(self, slot: int | None) -> None:
-        self.each(lambda m: m.engine.activate(slot))
-
-    def pause_generation(self, mode: str = "in_place") -> None:
-        self.each(lambda m: m.engine.pause_generation(mode))
-
-    def flush_cache(self) -> None:
-        self.each(lambda m: m.engine.flush_cache())
-
-    def continue_generation(self) -> None:
-        self.each(lambda m: m.engine.continue_generation())
-
-    def update_weights(self, tensors: dict, version: int) -> None:
-        self.each(lambda m: m.engine.update_weights(tensors, version))
-
     def release_memory(self) -> None:
         self.each(lambda m: m.engine.release_memory())
 
     def resume_memory(self) -> None:
         self.each(lambda m: m.engine.resume_memory())
-
-    def member_stats(self) -> list[EngineStats | None]:
-        """Per member (None once it left): its own counters."""
-        out: list[EngineStats | None] = [None] * len(self.members)
-        for index, stats in self.each(lambda m: (m.index, m.engine.stats())):
-            out[index] = stats
-        return out
-
-    def member_stats_bounded(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
-        """(index, its stats or why there are none) for every member, each live one waited for at
-        most `seconds` (for describing a possibly hung pool); one that left says why."""
-        out = []
-        for m in self.members:
-            answer = bounded(m.engine.stats, seconds) if m.alive else None
-            if not m.alive:  # it left (or left while we asked: the ping killed it): the pool's reason is the cause
-                answer = EngineDeadError(f"left the pool: {m.reason}")
-            out.append((m.index, answer))
-        return out
 
     def stats(self) -> EngineStats:
         """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""
@@ -359,10 +282,21 @@ class EnginePool:
         total = EngineStats(active_slot=first.active_slot, slot_versions=first.slot_versions,
                             slot_requests=first.slot_requests, base_version=first.base_version,
                             paused=any(p.paused for p in parts))
-        for name in ("tokens_generated", "busy_s", "paused_s", "running", "waiting", "prefix_cache_entries",
-                     "prefix_cache_hits", "prefill_tokens", "aborted", "aborted_on_load", "retracted"):
+        for name in _SUMMED:
             setattr(total, name, sum(getattr(p, name) for p in parts))
         return total
+
+    def states(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
+        """(index, its stats or why there are none) for every member, each live one waited for at most
+        `seconds` (for describing a possibly hung pool). One that left, or leaves while asked (the ping
+        killed it), gives the pool's reason: that is the cause, not the kill that followed."""
+        out = []
+        for m in self.members:
+            answer = bounded(m.engine.stats, seconds) if m.alive else None
+            if not m.alive:
+                answer = EngineDeadError(f"left the pool: {m.reason}")
+            out.append((m.index, answer))
+        return out
 
     def describe(self) -> str:
         with self._lock:
@@ -383,7 +317,7 @@ class EnginePool:
             with ThreadPoolExecutor(len(members)) as ex:
                 list(ex.map(lambda m: _quietly(m.engine.shutdown), members))
         for req in pending:
-            self._resolve(req, exc=EngineDeadError("engine was shut down"))
+            self._finish(req, exc=EngineDeadError("engine was shut down"))
         for reaper in self._reapers:
             reaper.join(10)
         if self._monitor.is_alive() and self._monitor is not threading.current_thread():

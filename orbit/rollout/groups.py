@@ -1,13 +1,26 @@
-"""Turn the completions of one prompt into scored samples with group-relative advantages."""
+"""Turn the completions of one prompt into scored samples with group-relative advantages (GRPO)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from orbit.engine.base import SamplingParams
 from orbit.rollout.sample import Sample
 from orbit.tasks.base import Prompt, Task, TaskError
-from orbit.train.loss import group_advantages
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO: (r - mean) / (std + eps) within one prompt's group (sample std, as in TRL's GRPO).
+
+    A group whose rewards are all equal carries no signal: its advantages are exactly zero.
+    """
+    n = len(rewards)
+    if n < 2 or all(r == rewards[0] for r in rewards):
+        return [0.0] * n
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+    return [(r - mean) / (std + eps) for r in rewards]
 
 
 @dataclass

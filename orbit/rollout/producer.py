@@ -1,212 +1,75 @@
-"""The rollout producer: a background thread that keeps the engine fed with whole groups.
+"""The rollout producer: a background thread that keeps the engines fed with whole groups.
 
-One producer serves both loop kinds; they differ only in when groups are granted:
-- serial: the loop grants one batch of groups per step, then waits for all of them (a barrier);
-  nothing is generated while the trainer trains.
-- overlapped: the whole run's groups are granted at start; the producer keeps up to
-  `max_inflight` requests in flight and the trainer takes groups as they complete. Each group
-  dropped as stale grants one more (replenish), so the pipeline never drains.
-
-Admission (docs/design.md §5): a group is started only when it can be trained within
-`max_staleness` (K) versions. Groups are trained in the order they start (the buffer hands out the
-oldest first), B per step, so the g-th group counted from the start of the run is trained at step
-g // B; started at version v, its staleness is g // B - v <= K exactly when
-g < (v + K + 1) * B, i.e. v >= g // B - K. So the g-th group starts on an engine serving at least
-version g // B - K (dropped groups do not count: each is replaced), and waits until one does.
-With a pool of engines each engine has its own version: the group goes, whole (its samples
-share the prompt's prefix cache), to the least-loaded engine that is fresh enough. Unbounded
-staleness (K = None) admits as K = 1 (one step off). The former rule (`rollout.admission:
-run-ahead`: at most (K + 1) batches in flight or buffered) let new groups start as soon as the
-trainer *took* a batch, while the engine was still a version behind, and a third of them went
-stale; it is kept to measure the difference.
+It starts every group the pipeline admits (pipeline.py), on the engine the pool picked, as
+`group_size` requests on that engine's active slot (the samples share the prompt's prefix cache), so
+up to `max_inflight` requests stay in flight. When one is answered it resubmits a sample the engine
+aborted (at most `rollout.max_attempts` times), runs the next turn of a multi-turn episode
+(episode.py), and once every sample of a group is done scores the group (groups.py) and hands it to
+the pipeline. The two loop kinds differ only in grants: serial grants one batch per step, overlapped
+grants the whole run at start (and each dropped group is granted again).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-from orbit.engine.base import ACTIVE, Completion, Engine, EngineDeadError, EngineStats, SamplingParams
+from orbit.engine.base import ACTIVE, Completion, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.metrics import Timeline
-from orbit.rollout.buffer import GroupBuffer, RolloutError
-from orbit.rollout.episode import Episode, continue_episode, with_task_stops
+from orbit.rollout.episode import continue_episode, with_task_stops
 from orbit.rollout.groups import build_group
+from orbit.rollout.pipeline import InFlight, Pipeline, RolloutError
 from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
-
-ADMISSIONS = ("version", "run-ahead")
-_DESCRIBE_WAIT_S = 2.0
-
-
-@dataclass
-class _Pending:
-    prompt: Prompt
-    completions: list[Completion | Episode | None]
-    attempts: list[int] = field(default_factory=list)
-    episodes: list[Episode] | None = None  # multi-turn tasks: each sample's episode in progress
-    engine: int = 0  # the engine the group runs on
-    version: int = 0  # the version its engine served when it started (its samples' version_start, or older)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Which groups may start: `batch` groups per train step, `max_staleness` as in the recipe."""
-
-    batch: int
-    max_staleness: int | None
-    policy: str = "version"  # or "run-ahead" (the former rule, for comparison)
-
-    @property
-    def k(self) -> int:
-        return 1 if self.max_staleness is None else self.max_staleness
-
-    def min_version(self, started: int) -> int | None:
-        """The oldest engine version the next group may start on (`started`: groups started so far,
-        dropped ones not counted); None: any (the run-ahead rule does not look at versions)."""
-        return None if self.policy == "run-ahead" else started // self.batch - self.k
-
-    def allows(self, version: int, started: int, in_pipeline: int) -> bool:
-        """May one more group start on an engine at `version`? `in_pipeline`: groups in flight or buffered."""
-        if self.policy == "run-ahead":
-            return in_pipeline < (self.k + 1) * self.batch
-        return version >= self.min_version(started)
-
-
-@dataclass
-class ProducerCounts:
-    """Running totals, read by the loop for each step's metrics."""
-
-    resubmitted: int = 0  # samples resubmitted after the engine aborted them
-    aborted_tokens: int = 0  # tokens generated by requests that ended aborted (waste)
 
 
 class Producer:
-    def __init__(
-        self,
-        engine: Engine | EnginePool,
-        task: Task,
-        sampling: SamplingParams,
-        group_size: int,
-        buffer: GroupBuffer,
-        max_inflight: int,
-        admission: Admission,
-        seed: int,
-        timeline: Timeline | None = None,
-        max_attempts: int = 8,
-        start_group: int = 0,
-        start_version: int = 0,
-    ) -> None:
-        """`max_inflight`: requests in flight at most, over all engines. `start_group` / `start_version`:
-        where a resumed run's prompt stream and versions stand."""
-        # A plain engine (tests, scripts) is a pool of one, whose version stays where it started.
-        self.engine = engine if isinstance(engine, EnginePool) else EnginePool([engine], monitor=False)
-        self.engine.listen(self.wake)  # a version or liveness change may open admission
-        self.task = task
+    def __init__(self, pipeline: Pipeline, pool: EnginePool, task: Task, sampling: SamplingParams, seed: int,
+                 timeline: Timeline | None = None, max_attempts: int = 8) -> None:
+        self.pipeline, self.pool, self.task, self.seed, self.timeline = pipeline, pool, task, seed, timeline
         self.sampling = with_task_stops(sampling, task)  # + the task's own (a tool call's end)
         self.multi_turn = is_multi_turn(task)
-        self.max_context: int | None = getattr(getattr(engine, "info", None), "max_context", None)
-        self.group_size = group_size
-        self.buffer = buffer
-        self.max_inflight = max_inflight
-        self.admission = admission
         self.max_attempts = max_attempts
-        self.seed = seed
-        self.timeline = timeline
         self._prompts = task.prompts(seed)
-        for _ in range(start_group):  # a resumed run continues the prompt stream where it stopped
+        for _ in range(pipeline.next_group):  # a resumed run continues the prompt stream where it stopped
             self._next_prompt()
-        self._events: queue.Queue = queue.Queue()
-        self._pending: dict[int, _Pending] = {}
-        self._inflight = 0
-        self._lock = threading.Lock()  # guards what other threads change: grants, started
-        self._granted = 0
-        # Groups counted by the admission rule: every group trained before this run started counts.
-        self._started = start_version * admission.batch
-        self.next_group = start_group  # group number (and prompt index) of the next group
+        self._ready: Prompt | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orbit-producer", daemon=True)
-        self.counts = ProducerCounts()
 
-    # ---- control, from the trainer thread -------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
-    def grant(self, n_groups: int) -> None:
-        """Allow `n_groups` more groups to be submitted."""
-        with self._lock:
-            self._granted += n_groups
-        self._events.put(None)  # wake the thread
-
-    def replace_dropped(self, n_groups: int, replenish: bool = True) -> None:
-        """`n_groups` were dropped as stale: they no longer count as started; replace them."""
-        with self._lock:
-            self._started -= n_groups
-            if replenish:
-                self._granted += n_groups
-        self._events.put(None)
-
-    def wake(self) -> None:
-        """Re-check whether more groups may be submitted (the buffer made room)."""
-        self._events.put(None)
-
     def stop(self) -> None:
         self._stop.set()
-        self._events.put(None)
+        self.pipeline.wake()
         self._thread.join(timeout=10)
 
-    def due_in_flight(self, version: int) -> int:
-        """Groups still in flight that started at `version` (the buffer's deadline rule)."""
-        with self._lock:
-            return sum(1 for p in self._pending.values() if p.version == version)
+    # ---- the thread ----------------------------------------------------------------------------
 
-    def describe(self) -> str:
-        """What the rollout side holds now (for errors that must say what was seen)."""
-        with self._lock:
-            granted, started = self._granted, self._started
-        with self._lock:
-            in_flight = len(self._pending)
-        members = self.engine.member_stats_bounded(_DESCRIBE_WAIT_S)
-        engines = "; ".join(_describe_member(i, s) for i, s in members)
-        return (f"{in_flight} group(s) in flight ({self._inflight} request(s)); {granted} grant(s) left; "
-                f"{started} group(s) started ({self.admission.policy} admission, max_staleness "
-                f"{self.admission.max_staleness}, engine versions {self.engine.versions()}); {engines}")
-
-    # ---- the producer thread ----------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._fill()
-                event = self._events.get()
+                event = self.pipeline.next_event()
                 if event is not None:
                     self._on_done(*event)
         except BaseException as err:  # noqa: BLE001 - any failure must reach the trainer
-            self.buffer.fail(err)
+            self.pipeline.fail(err)
 
     def _fill(self) -> None:
         while not self._stop.is_set():
-            engine = self._take_grant()
-            if engine is None:
+            # the next prompt is read ahead: the task runs outside the pipeline's lock, and prompts are
+            # still taken strictly in group order (a resumed run skips exactly the groups it started)
+            self._ready = self._ready or self._next_prompt()
+            started = self.pipeline.start(self._ready, self.multi_turn)
+            if started is None:
                 return
-            self._submit_group(self._next_prompt(), engine)
-
-    def _take_grant(self) -> int | None:
-        """The engine the next group may start on, taking its grant; None when none may start now."""
-        if self._inflight + self.group_size > self.max_inflight:
-            return None
-        in_pipeline = len(self.buffer) + len(self._pending)  # outside our lock: the buffer has its own
-        with self._lock:
-            if self._granted <= 0:
-                return None
-            engine = self.engine.pick(self.admission.min_version(self._started))
-            if engine is None or (self.admission.policy == "run-ahead"
-                                  and not self.admission.allows(0, self._started, in_pipeline)):
-                return None
-            self._granted -= 1
-            self._started += 1
-            return engine
+            gid, group = started
+            self._ready = None
+            for idx in range(self.pipeline.group_size):
+                self._submit(gid, idx, group)
 
     def _next_prompt(self) -> Prompt:
         try:
@@ -217,71 +80,56 @@ class Producer:
         except Exception as err:  # noqa: BLE001 - a failing task stops the run, named
             raise TaskError(f"task {self.task.name!r}: prompts() failed: {type(err).__name__}: {err}") from err
 
-    def _submit_group(self, prompt: Prompt, engine: int) -> None:
-        gid = self.next_group
-        self.next_group += 1
-        episodes = [Episode(list(prompt.prompt_ids)) for _ in range(self.group_size)] if self.multi_turn else None
-        with self._lock:
-            self._pending[gid] = _Pending(prompt, [None] * self.group_size, [0] * self.group_size, episodes, engine,
-                                          self.engine.members[engine].version)
-        for idx in range(self.group_size):
-            self._submit(gid, idx)
-
-    def _submit(self, gid: int, idx: int) -> None:
-        """Sample `idx` of group `gid` (its next turn, multi-turn) on the group's engine: the prompt's
-        prefix cache (an episode's context) is there. The pool reroutes if that engine is gone."""
-        pending = self._pending[gid]
-        if pending.episodes is None:
-            context, key = list(pending.prompt.prompt_ids), (self.seed, gid, idx, pending.attempts[idx])
+    def _submit(self, gid: int, idx: int, group: InFlight) -> None:
+        """Sample `idx` of a group (its next turn, multi-turn) on the group's engine: the prompt's prefix
+        cache (an episode's context) is there. The pool reroutes if that engine is gone."""
+        if group.episodes is None:
+            context, key = list(group.prompt.prompt_ids), (self.seed, gid, idx, group.attempts[idx])
         else:  # the next turn of a multi-turn episode: prompt + everything so far
-            episode = pending.episodes[idx]
-            context, key = episode.context(), (self.seed, gid, idx, pending.attempts[idx], episode.turns)
+            episode = group.episodes[idx]
+            context, key = episode.context(), (self.seed, gid, idx, group.attempts[idx], episode.turns)
         # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every run.
-        seed = hash(key) & 0x7FFFFFFF
-        sampling = dataclasses.replace(self.sampling, seed=seed)
-        fut: Future = self.engine.generate(context, sampling, slot=ACTIVE, engine=pending.engine)
-        self._inflight += 1
-        fut.add_done_callback(lambda f, g=gid, i=idx: self._events.put((g, i, f)))
+        sampling = dataclasses.replace(self.sampling, seed=hash(key) & 0x7FFFFFFF)
+        fut: Future = self.pool.generate(context, sampling, slot=ACTIVE, engine=group.engine)
+        self.pipeline.submitted()
+        fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
 
     def _on_done(self, gid: int, idx: int, fut: Future) -> None:
-        self._inflight -= 1
-        self.buffer.progress()
+        self.pipeline.answered()
         completion: Completion = fut.result()  # an engine error propagates to the trainer
         self._record(completion)
-        pending = self._pending[gid]
-        pending.engine = completion.engine  # where it ran (the pool may have moved it off a dead engine)
+        group = self.pipeline.in_flight[gid]
+        group.engine = completion.engine  # where it ran (the pool may have moved it off a dead engine)
         if completion.finish_reason == "abort":
-            self.counts.aborted_tokens += len(completion.output_ids)
-            self._retry(gid, idx, pending, completion)
+            self.pipeline.count(aborted_tokens=len(completion.output_ids))
+            self._retry(gid, idx, group, completion)
             return
-        if pending.episodes is not None:
-            episode = pending.episodes[idx]
+        if group.episodes is not None:
+            episode = group.episodes[idx]
             episode.add_turn(completion)
-            if continue_episode(self.task, pending.prompt, episode, self.max_context) and not self._stop.is_set():
-                self._submit(gid, idx)
+            if continue_episode(self.task, group.prompt, episode, self.pool.info.max_context) \
+                    and not self._stop.is_set():
+                self._submit(gid, idx, group)
                 return
             completion = episode
-        pending.completions[idx] = completion
-        if all(c is not None for c in pending.completions):
-            group = build_group(self.task, pending.prompt, pending.completions, gid)
-            with self._lock:
-                del self._pending[gid]
-            self.buffer.put(group)
+        group.completions[idx] = completion
+        if all(c is not None for c in group.completions):
+            self.pipeline.complete(gid, build_group(self.task, group.prompt, group.completions, gid))
 
-    def _retry(self, gid: int, idx: int, pending: _Pending, completion: Completion) -> None:
+    def _retry(self, gid: int, idx: int, group: InFlight, completion: Completion) -> None:
         """The engine aborted the sample (a pause in abort mode, its slot overwritten): regenerate it
         (a multi-turn episode: its current turn) on the active slot, at most `max_attempts` times."""
         if self._stop.is_set():
             return
-        pending.attempts[idx] += 1
-        if pending.attempts[idx] >= self.max_attempts:
+        group.attempts[idx] += 1
+        if group.attempts[idx] >= self.max_attempts:
             detail = f" ({completion.detail})" if completion.detail else ""
             raise RolloutError(
-                f"prompt {pending.prompt.id!r}: sample {idx} of group {gid} was aborted {pending.attempts[idx]} "
+                f"prompt {group.prompt.id!r}: sample {idx} of group {gid} was aborted {group.attempts[idx]} "
                 f"times (rollout.max_attempts: {self.max_attempts}); last finish reason "
                 f"{completion.finish_reason!r}{detail}")
-        self.counts.resubmitted += 1
-        self._submit(gid, idx)
+        self.pipeline.count(resubmitted=1)
+        self._submit(gid, idx, group)
 
     def _record(self, c: Completion) -> None:
         if self.timeline is not None:
@@ -289,12 +137,3 @@ class Producer:
                 "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,
                 slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
             )
-
-
-def _describe_member(i: int, s: EngineStats | BaseException) -> str:
-    if isinstance(s, EngineDeadError):  # it left the pool, or says itself that it is hung
-        return f"engine {i}: {s}"
-    if isinstance(s, BaseException):
-        return f"engine {i}: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
-    return (f"engine {i}: {s.running} running, {s.waiting} waiting, {'paused' if s.paused else 'not paused'}, "
-            f"active slot {s.active_slot}")

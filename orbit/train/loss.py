@@ -1,4 +1,4 @@
-"""GRPO advantages and the token-level policy-gradient loss with off-policy correction.
+"""The token-level policy-gradient loss with off-policy correction (advantages: orbit/rollout/groups.py).
 
 The engine samples with slightly stale weights (async modes) and its own numerics, so every
 token carries the engine's behaviour logprob. Three ways to use it (`loss.ratio`):
@@ -35,19 +35,6 @@ class LossStats:
     clip_frac: float  # fraction of tokens whose ratio was truncated/clipped
     kl: float  # mean k3 estimate of KL(policy || base)
     tokens: int
-
-
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO: (r - mean) / (std + eps) within one prompt's group (sample std, as in TRL's GRPO).
-
-    A group whose rewards are all equal carries no signal: its advantages are exactly zero.
-    """
-    n = len(rewards)
-    if n < 2 or all(r == rewards[0] for r in rewards):
-        return [0.0] * n
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
-    return [(r - mean) / (std + eps) for r in rewards]
 
 
 def policy_loss(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -20,17 +20,20 @@ import torch.multiprocessing as mp
 
 from orbit.engine.base import (
     ACTIVE,
-    PAUSE_MODES,
+    Capabilities,
     Completion,
     EngineDeadError,
     EngineError,
+    EngineInfo,
     EngineStats,
     PauseMode,
     SamplingParams,
     Slot,
+    resolve,
 )
+from orbit.engine.checks import check_pause_mode, check_prompt, check_request_slot, plain_config
 from orbit.engine.embedded.engine import EngineOptions
-from orbit.engine.embedded.process import EngineInfo, engine_main
+from orbit.engine.embedded.process import engine_main
 
 _POLL_S = 0.2
 _STARTUP_TIMEOUT_S = 600.0
@@ -48,7 +51,7 @@ def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_
     """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
 
     `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError).
-    `slots`: adapter slots; `load_delay_s`: a test hook that makes every load this much slower."""
+    `slots`: adapter slots; `load_delay_s`: every load this much slower (the bench's slowed engine)."""
     options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
                             seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens,
                             slots=slots, load_delay_s=load_delay_s)
@@ -71,20 +74,20 @@ def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_
     if kind != "ready":
         process.join(5)
         raise payload
-    return EmbeddedClient(process, commands, reader, payload, call_timeout_s)
+    return EmbeddedClient(process, commands, reader, payload, slots, call_timeout_s)
 
 
 class EmbeddedClient:
-    """Implements orbit.engine.base.Engine, plus `score` (teacher-forced logprobs)."""
+    """Implements orbit.engine.base.Engine for the engine process."""
 
-    # Capabilities the push strategies read (orbit/sync.py); the SGLang backend lacks all three.
-    supports_oft_slots = True  # OFT adapters load into slots
     adapter_transport = "shared-memory"  # tensors cross to the engine process through shared memory
-    loads_while_paused = True  # a slot can be overwritten under paused requests (they continue on it)
-    flush_while_running = True  # flush_cache works in any state
 
-    def __init__(self, process, commands, results, info: EngineInfo, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, process, commands, results, info: EngineInfo, slots: int,
+                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.info = info
+        # Everything a push may ask of it: OFT slots, loads under paused requests, flush at any time.
+        self.capabilities = Capabilities(slots=slots, oft_slots=True, loads_while_paused=True,
+                                         flush_while_running=True)
         self.call_timeout_s = call_timeout_s
         self._process = process
         self._commands = commands
@@ -100,10 +103,6 @@ class EmbeddedClient:
     @property
     def pid(self) -> int:
         return self.info.pid
-
-    @property
-    def num_slots(self) -> int:
-        return self.info.slots
 
     # ---- plumbing ------------------------------------------------------------------------------
 
@@ -152,13 +151,10 @@ class EmbeddedClient:
             fut, meta = self._pending.pop(key)  # type: ignore[arg-type]
         if kind == "done":  # meta never crossed the process: hand back the caller's own object
             payload.meta = meta if meta is not None else {}  # type: ignore[attr-defined]
-        try:
-            if kind in ("done", "reply"):
-                fut.set_result(payload)
-            else:  # "failed" / "error"
-                fut.set_exception(payload)  # type: ignore[arg-type]
-        except InvalidStateError:
-            pass  # the caller cancelled it; the engine's answer is dropped
+        if kind in ("done", "reply"):
+            resolve(fut, payload)
+        else:  # "failed" / "error"
+            resolve(fut, exc=payload)  # type: ignore[arg-type]
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -168,8 +164,7 @@ class EmbeddedClient:
         # nobody reads the command queue any more: do not let its feeder thread block exit
         self._commands.cancel_join_thread()
         for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(self._dead)
+            resolve(fut, exc=self._dead)
 
     def _shared(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One copy into fresh shared memory; the queue then moves only handles.
@@ -198,35 +193,19 @@ class EmbeddedClient:
         if not isinstance(sampling, SamplingParams):
             raise EngineError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         sampling.check()
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise EngineError("prompt_ids is empty")
-        if len(prompt) >= self.info.max_context:
-            raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {self.info.max_context} "
-                              f"(the prompt must leave room for at least one generated token)")
-        if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
-                                                    and 0 <= slot < self.num_slots)):
-            raise EngineError(f"slot must be 'active', None or one of 0..{self.num_slots - 1}, got {slot!r}")
+        prompt = check_prompt(prompt_ids, self.info.vocab_size, self.info.max_context)
+        check_request_slot(slot, self.capabilities.slots)
         return self._submit("generate", (prompt, sampling, slot), meta)
 
-    def score(self, prompt_ids: list[int], continuation_ids: list[int], slot: Slot = ACTIVE) -> list[float]:
-        """Teacher-forced logprobs (temperature 1) of each continuation token after the prompt."""
-        return self._call("score", list(prompt_ids), list(continuation_ids), slot)  # type: ignore[return-value]
-
     def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
-        config = {k: getattr(v, "value", v) for k, v in adapter_config.items()} \
-            if isinstance(adapter_config, dict) else adapter_config
-        if isinstance(config, dict) and isinstance(config.get("target_modules"), set | frozenset):
-            config["target_modules"] = sorted(config["target_modules"])
+        config = plain_config(adapter_config)  # peft's enums and sets do not cross the process as themselves
         return self._call("load_adapter", slot, self._shared(tensors), config, version)  # type: ignore[return-value]
 
     def activate(self, slot: int | None) -> None:
         self._call("activate", slot)
 
     def pause_generation(self, mode: PauseMode = "in_place") -> None:
-        if mode not in PAUSE_MODES:
-            raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._call("pause_generation", mode)
+        self._call("pause_generation", check_pause_mode(mode))
 
     def flush_cache(self) -> None:
         self._call("flush_cache")

@@ -23,22 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from orbit.engine.base import (
-    ACTIVE,
-    PAUSE_MODES,
-    Completion,
-    EngineError,
-    EngineStats,
-    FinishReason,
-    SamplingParams,
-    Slot,
-)
+from orbit.engine.base import ACTIVE, Completion, EngineError, EngineStats, FinishReason, SamplingParams, Slot
+from orbit.engine.checks import check_pause_mode, check_prompt, check_slot, check_version
 from orbit.engine.embedded.kv_cache import KVPool, PrefixCache, PrefixEntry, PrefixKey
 from orbit.engine.embedded.model import Decoder, Project, plain_linear, validate_weights
 from orbit.engine.embedded.sampler import sample
-from orbit.engine.embedded.scheduler import Scheduler
-from orbit.engine.embedded.sequence import Sequence
-from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, check_slot, parse_adapter
+from orbit.engine.embedded.scheduler import Scheduler, Sequence
+from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class EngineOptions:
     prefix_cache_size: int = 64  # prompts kept (LRU)
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one request)
     slots: int = NUM_SLOTS  # adapter slots (engine.slots)
-    load_delay_s: float = 0.0  # test hook: every load_adapter takes this much longer (a slow engine)
+    load_delay_s: float = 0.0  # every load_adapter takes this much longer: the bench's slowed engine (SlowEngine)
 
 
 class EngineCore:
@@ -88,7 +79,7 @@ class EngineCore:
     def submit(self, prompt_ids: Seq[int], sampling: SamplingParams, slot: Slot = ACTIVE,
                meta: dict | None = None, rid: int | None = None) -> int:
         """Queue a request; returns its id. Raises EngineError for bad input (nothing queued)."""
-        prompt = self._check_prompt(prompt_ids)
+        prompt = check_prompt(prompt_ids, self.spec.vocab_size, self.max_context)
         self._check_sampling(sampling)
         bound = self._resolve_slot(slot)
         if rid is None:
@@ -105,22 +96,6 @@ class EngineCore:
         seq = Sequence(rid, prompt, sampling, bound, frozenset(stops), generator, meta if meta is not None else {})
         self.scheduler.add(seq)
         return rid
-
-    def _check_prompt(self, prompt_ids: Seq[int]) -> list[int]:
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise EngineError("prompt_ids is empty")
-        if len(prompt) >= self.max_context:
-            raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {self.max_context} "
-                              f"(the prompt must leave room for at least one generated token)")
-        return self._check_ids(prompt, "prompt")
-
-    def _check_ids(self, ids: list[int], what: str) -> list[int]:
-        vocab = self.spec.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise EngineError(f"{what} token {t!r} is not an id in [0, {vocab})")
-        return ids
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         if not isinstance(sampling, SamplingParams):
@@ -293,7 +268,7 @@ class EngineCore:
         running request); if paused, they keep their binding and continue on the new contents.
         """
         slot = check_slot(slot, len(self.slots))
-        _check_version(version)
+        check_version(version)
         if self.options.load_delay_s:
             time.sleep(self.options.load_delay_s)
         weights = parse_adapter(tensors, adapter_config, version, self.spec, self.decoder.dtype,
@@ -319,8 +294,7 @@ class EngineCore:
         """Stop stepping. in_place: running requests keep rows and KV; retract: their KV is dropped
         and they are re-prefilled (prompt + output so far) on continue; abort: running and waiting
         requests finish with reason "abort". Requests submitted while paused wait."""
-        if mode not in PAUSE_MODES:
-            raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode(mode)
         if not self.paused:
             self.paused, self._pause_t0 = True, time.perf_counter()
         if mode == "retract":
@@ -347,7 +321,7 @@ class EngineCore:
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Full-weight push by HF names. Running requests continue on the new weights."""
-        _check_version(version)
+        check_version(version)
         params = validate_weights(self.decoder, tensors)
         with torch.inference_mode():
             for name, t in tensors.items():
@@ -381,33 +355,6 @@ class EngineCore:
         self.decoder.to(device)
         self.slots = [None if w is None else w.to(device) for w in self.slots]
 
-    def score(self, prompt_ids: Seq[int], continuation_ids: Seq[int], slot: Slot = ACTIVE) -> list[float]:
-        return self.score_batch([(prompt_ids, continuation_ids, slot)])[0]
-
-    def score_batch(self, items: list[tuple[Seq[int], Seq[int], Slot]]) -> list[list[float]]:
-        """Teacher-forced logprobs (temperature 1) of each continuation after its prompt, one forward."""
-        seqs = []
-        for prompt_ids, cont, slot in items:
-            prompt = self._check_prompt(prompt_ids)
-            cont = list(cont)
-            if not cont or len(prompt) + len(cont) > self.max_context:
-                raise EngineError(f"continuation must have 1..{self.max_context - len(prompt)} tokens, "
-                                  f"got {len(cont)}")
-            self._check_ids(cont, "continuation")
-            seqs.append((prompt, cont, self._resolve_slot(slot)))
-        width = max(len(p) + len(c) for p, c, _ in seqs)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, (p, c, _) in enumerate(seqs):
-            tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
-        with torch.inference_mode():
-            hidden = self.decoder.prefill(tokens.to(self.decoder.device),
-                                          self._project([s for _, _, s in seqs], width))
-            out = []
-            for i, (p, c, _) in enumerate(seqs):
-                logp = torch.log_softmax(self.decoder.logits(hidden[i, len(p) - 1: len(p) + len(c) - 1]), dim=-1)
-                out.append(logp.gather(1, torch.tensor(c, device=logp.device)[:, None]).squeeze(1).tolist())
-        return out
-
     def stats(self) -> EngineStats:
         c = self.counters
         paused_s = c["paused_s"] + (time.perf_counter() - self._pause_t0 if self.paused else 0.0)
@@ -427,7 +374,3 @@ class EngineCore:
         for seq in self.scheduler.take_running() + self.scheduler.take_waiting():
             self._complete(seq, "abort")
 
-
-def _check_version(version: object) -> None:
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise EngineError(f"version must be an int, got {version!r}")

@@ -14,7 +14,6 @@ rope, and its head_dim need not be hidden_size / num_attention_heads.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +23,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from orbit.engine.base import EngineError
-from orbit.engine.checks import MODULES, ModelSpec, check_tensor, eos_ids
+from orbit.engine.checks import check_tensor
+from orbit.engine.spec import DTYPES, MODULES, ModelSpec, checkpoint_files, read_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Architectures with `self_attn.q_norm` / `self_attn.k_norm` (RMSNorm over head_dim, per head).
 QK_NORM_MODEL_TYPES = ("qwen3",)
-# head_dim when config.json has none: the config class's default (Qwen3Config's is 128, not
-# hidden_size / num_attention_heads), as transformers would build the model.
-_DEFAULT_HEAD_DIM = {"qwen3": 128}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Projections that read the same input run fused; adapters address the member modules.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -44,36 +40,17 @@ GROUPS: dict[str, tuple[str, ...]] = {
 assert tuple(m for members in GROUPS.values() for m in members) == MODULES  # the checks' order
 
 
-def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
-    """Parse config.json; reject what this decoder does not implement."""
-    path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    mtype = raw.get("model_type")
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise EngineError(f"model_type {mtype!r} not supported by the embedded engine ({SUPPORTED_MODEL_TYPES})")
+def unsupported(spec: ModelSpec, raw: dict) -> str | None:
+    """Why this decoder cannot run a checkpoint (None: it can)."""
+    if spec.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"it is a {spec.model_type!r} model; the embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)}"
     if raw.get("hidden_act", "silu") != "silu":
-        raise EngineError(f"hidden_act {raw['hidden_act']!r} not supported (silu only)")
+        return f"hidden_act {raw['hidden_act']!r} is not supported (silu only)"
     if raw.get("use_sliding_window"):
-        raise EngineError("sliding-window attention is not supported by the embedded engine")
-    heads = raw["num_attention_heads"]
-    rope = _rope_parameters(raw)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise EngineError("partial_rotary_factor != 1 is not supported")
-    spec = ModelSpec(
-        model_type=mtype,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(mtype) or raw["hidden_size"] // heads,
-        rms_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_ids(path, raw),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-    )
-    return spec, raw
+        return "sliding-window attention is not supported by the embedded engine"
+    if _rope_parameters(raw).get("partial_rotary_factor", 1.0) != 1.0:
+        return "partial_rotary_factor != 1 is not supported"
+    return None
 
 
 def _rope_parameters(raw: dict) -> dict:
@@ -117,16 +94,11 @@ def rope_frequencies(path: str | Path, raw: dict, spec: ModelSpec, max_context: 
 
 def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of every shard named by model.safetensors.index.json."""
-    path = Path(path)
-    single = path / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    index = path / "model.safetensors.index.json"
-    if not index.exists():
-        raise EngineError(f"no model.safetensors or model.safetensors.index.json in {path}")
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(str(path / shard)))
+    for file in checkpoint_files(Path(path)):
+        if not file.exists():
+            raise EngineError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        state.update(load_file(str(file)))
     return state
 
 
@@ -174,6 +146,9 @@ class Decoder:
         if dtype not in DTYPES:
             raise EngineError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.spec, raw = read_spec(path)
+        problem = unsupported(self.spec, raw)
+        if problem is not None:
+            raise EngineError(f"{path}: {problem}")
         self.max_context = max_context or min(self.spec.max_position_embeddings, 4096)
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)

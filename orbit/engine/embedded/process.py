@@ -17,36 +17,19 @@ import os
 import queue
 import signal
 import traceback
-from dataclasses import dataclass
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
 
 import torch
 
-from orbit.engine.base import EngineError
+from orbit.engine.base import EngineError, EngineInfo
 from orbit.engine.embedded.engine import EngineCore, EngineOptions
 
 # Control calls the trainer side may invoke by name (anything else is refused).
 CALLS = frozenset({"load_adapter", "activate", "pause_generation", "flush_cache", "continue_generation",
-                   "update_weights", "release_memory", "resume_memory", "stats", "score", "score_batch",
-                   "shutdown"})
+                   "update_weights", "release_memory", "resume_memory", "stats", "shutdown"})
 _MAX_COMMANDS_PER_STEP = 512  # keeps a flood of submissions from starving the decode loop
 _IDLE_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the client learns at startup."""
-
-    pid: int
-    model_type: str
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-    num_layers: int
-    device: str
-    dtype: str
-    slots: int = 2
 
 
 def engine_main(model_path: str, options: EngineOptions, threads: int, commands, out: Connection) -> None:
@@ -61,8 +44,7 @@ def engine_main(model_path: str, options: EngineOptions, threads: int, commands,
         return
     spec = core.spec
     out.send(("ready", None, EngineInfo(os.getpid(), spec.model_type, spec.vocab_size, core.max_context,
-                                        spec.eos_token_ids, spec.num_layers, options.device, options.dtype,
-                                        options.slots)))
+                                        spec.eos_token_ids, spec.num_layers, options.device, options.dtype)))
     try:
         _serve(core, commands, out)
     except BaseException:  # noqa: BLE001 - a bug in the engine: tell the client, then die

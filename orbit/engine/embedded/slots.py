@@ -24,8 +24,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from orbit.engine.checks import check_adapter, check_slot, oft_layout  # noqa: F401 - check_slot re-exported
-from orbit.engine.embedded.model import GROUPS, Linear, ModelSpec
+from orbit.engine.checks import check_adapter, oft_layout
+from orbit.engine.embedded.model import GROUPS, Linear
+from orbit.engine.spec import ModelSpec
 
 NUM_SLOTS = 2  # the default: the classic double buffer (engine.slots)
 

@@ -12,6 +12,7 @@ servers Orbit starts or attaches to).
 | `http.py`      | ... or a server's routes                                                     |
 | `process.py`   | starting and stopping the in-process engine (CPU shims, signals, ZeroMQ)     |
 | `server.py`    | starting, attaching to and checking servers                                 |
+| `install.py`   | whether sglang 0.5.23 is installed here, and how to install it               |
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from pathlib import Path
 
 from orbit.engine.sglang.engine import SGLangEngine
 from orbit.engine.sglang.gate import slot_name
-from orbit.engine.sglang.process import ALL_TARGETS, INSTALL_HINT, SGLangOptions, launch
+from orbit.engine.sglang.process import ALL_TARGETS, SGLangOptions, launch
 from orbit.engine.sglang.transport import InProcessTransport
 
-__all__ = ["ALL_TARGETS", "INSTALL_HINT", "SGLangEngine", "SGLangOptions", "slot_name", "start_sglang_engine"]
+__all__ = ["ALL_TARGETS", "SGLangEngine", "SGLangOptions", "slot_name", "start_sglang_engine"]
 
 
 def start_sglang_engine(model_path: str | Path, **options) -> SGLangEngine:

@@ -24,19 +24,9 @@ import torch
 from safetensors.torch import save_file
 
 from orbit.engine.base import EngineError
-from orbit.engine.checks import ModelSpec, check_adapter
+from orbit.engine.checks import check_adapter, plain_config
 from orbit.engine.sglang_cpu.adapter_format import to_sglang_lora
-
-
-def plain_config(config: object) -> dict:
-    """peft's to_dict() has enums and sets: plain JSON values for the checks and for SGLang."""
-    if not isinstance(config, dict):
-        raise EngineError(f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}")
-    out = {}
-    for key, value in config.items():
-        value = getattr(value, "value", value)
-        out[key] = sorted(value) if isinstance(value, set | frozenset) else value
-    return out
+from orbit.engine.spec import ModelSpec
 
 
 def prepare_adapter(tensors: dict, adapter_config: dict, spec: ModelSpec, hf_config: dict, lora: bool,

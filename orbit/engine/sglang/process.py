@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -28,12 +27,11 @@ from pathlib import Path
 
 from orbit.devices import sglang_device
 from orbit.engine.base import EngineDeadError, EngineError
-from orbit.engine.checks import ModelSpec
+from orbit.engine.sglang.install import INSTALL_HINT
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
+from orbit.engine.spec import read_spec
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-INSTALL_HINT = ("make sglang (or: bash scripts/install_sglang.sh VENV, then "
-                "VENV/bin/pip install -c constraints.txt -e .)")
 
 sigquits: list[float] = []
 
@@ -72,44 +70,6 @@ class SGLangOptions:
     tp: int = 1  # GPU: --tp-size, GPUs base_gpu_id .. base_gpu_id + tp - 1
 
 
-def model_spec(path: Path) -> tuple[ModelSpec, dict]:
-    """Shape facts of a Llama/Qwen2/Mistral-style checkpoint (for adapter validation) and its config."""
-    raw = json.loads((path / "config.json").read_text())
-    heads = raw["num_attention_heads"]
-    spec = ModelSpec(
-        model_type=str(raw.get("model_type")), vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_ids=(), max_position_embeddings=raw.get("max_position_embeddings", 4096),
-    )
-    return spec, raw
-
-
-def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else [p.name for p in path.glob("*.safetensors")]
-    shapes = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
-
-
-def checkpoint_file_of(path: Path, tensor: str) -> Path:
-    """The safetensors file of a checkpoint that holds `tensor`."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return path / json.loads(index.read_text())["weight_map"][tensor]
-    return path / "model.safetensors"
-
-
 def launch(model_path: str | Path, opts: SGLangOptions):
     """Start `sglang.Engine` (LoRA on, room for two slots and the base model in a batch).
 
@@ -118,7 +78,7 @@ def launch(model_path: str | Path, opts: SGLangOptions):
     missing and EngineDeadError when its processes fail to start.
     """
     path = Path(model_path)
-    spec, hf_config = model_spec(path)
+    spec, hf_config = read_spec(path)
     on_cpu = opts.device == "cpu"
     if on_cpu:
         from orbit.engine.sglang_cpu import prepare_cpu_environment

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orbit.engine.base import ACTIVE, EngineError, FinishReason, SamplingParams, Slot
-from orbit.engine.checks import check_ids
+from orbit.engine.base import EngineError, FinishReason, SamplingParams, Slot
+from orbit.engine.checks import check_ids, check_prompt, check_request_slot
 from orbit.truncation import truncates
 
 
@@ -44,16 +44,9 @@ def build_request(prompt_ids: list[int], sampling: SamplingParams, slot: Slot, v
     sampling.check()
     if sampling.ignore_eos and sampling.stop_token_ids:
         raise EngineError("SGLang 0.5.23 ignores stop_token_ids when ignore_eos is set; use one or the other")
-    prompt = check_ids(list(prompt_ids), vocab, "prompt")
-    if not prompt:
-        raise EngineError("prompt_ids is empty")
-    if len(prompt) >= max_context:
-        raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {max_context} "
-                          f"(the prompt must leave room for at least one generated token)")
+    prompt = check_prompt(prompt_ids, vocab, max_context)
     check_ids(list(sampling.stop_token_ids), vocab, "stop")
-    if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
-                                                and 0 <= slot < num_slots)):
-        raise EngineError(f"slot must be 'active', None or one of 0..{num_slots - 1}, got {slot!r}")
+    check_request_slot(slot, num_slots)
     truncated = truncates(sampling.top_p, sampling.top_k) and sampling.temperature > 0
     params = {
         "max_new_tokens": min(sampling.max_new_tokens, max_context - len(prompt)),
@@ -122,14 +115,3 @@ def weight_version(meta: dict, default: int) -> int:
         return int(label)
     except (TypeError, ValueError):
         return default  # "default": no push yet
-
-
-def score_body(prompt: list[int], continuation: list[int]) -> dict:
-    """A teacher-forced request: the continuation's logprobs come back as input logprobs."""
-    return {"input_ids": prompt + continuation, "logprob_start_len": len(prompt) - 1, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-
-
-def read_scores(out: dict) -> list[float]:
-    """The continuation's logprobs: the first entry is the last prompt token's (None), skipped."""
-    return [float(lp) for lp, _tok, _txt in out["meta_info"]["input_token_logprobs"][1:]]

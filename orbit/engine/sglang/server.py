@@ -33,13 +33,14 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
-from orbit.config import SGLANG_VERSION, RecipeError
+from orbit.config import RecipeError
 from orbit.devices import sglang_device
-from orbit.engine.checks import ModelSpec
 from orbit.engine.sglang.engine import SGLangEngine
 from orbit.engine.sglang.http import PROBE_TIMEOUT_S, HttpTransport
-from orbit.engine.sglang.process import SGLangOptions, model_spec
+from orbit.engine.sglang.install import SGLANG_VERSION
+from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
+from orbit.engine.spec import ModelSpec, checkpoint_file_of, read_spec
 
 START_TIMEOUT_S = 600.0
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -153,7 +154,7 @@ class ServerFacts:
 
 
 def check_server(url: str, api_key: str | None, api_key_env: str | None, model: Path, spec: ModelSpec,
-                 opts: SGLangOptions, truncated: bool) -> ServerFacts:
+                 hf_config: dict, opts: SGLangOptions, truncated: bool) -> ServerFacts:
     """The start-up checks (module docstring). RecipeError: one line naming the server, the setting and the fix."""
     where = f"engine.servers: {url}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -175,7 +176,7 @@ def check_server(url: str, api_key: str | None, api_key_env: str | None, model: 
         get("/health")
         info, server = get("/model_info").json(), get("/server_info").json()
         _check_version(where, server.get("version"))
-        _check_model(where, info, server, model, spec, http)
+        _check_model(where, info, hf_config, model, spec, http)
         if opts.lora:
             _check_lora(where, server, opts)
         if int(server.get("dp_size") or 1) != 1:
@@ -194,10 +195,7 @@ def _check_version(where: str, version: object) -> None:
                           f"{SGLANG_VERSION} (pip install sglang=={SGLANG_VERSION} on the server)")
 
 
-def _check_model(where: str, info: dict, server: dict, model: Path, spec: ModelSpec, http: httpx.Client) -> None:
-    import json
-
-    local = json.loads((model / "config.json").read_text())
+def _check_model(where: str, info: dict, local: dict, model: Path, spec: ModelSpec, http: httpx.Client) -> None:
     fix = f"start the server with --model-path set to the recipe's model ({model}, or a copy of it)"
     if info.get("model_type") != local.get("model_type") or info.get("architectures") != local.get("architectures"):
         raise RecipeError(f"{where}: the server serves a {info.get('model_type')!r} model {info.get('architectures')}; "
@@ -210,8 +208,6 @@ def _check_model(where: str, info: dict, server: dict, model: Path, spec: ModelS
         raise RecipeError(f"{where}: the server's model has hidden size {served.numel()}; the recipe's has "
                           f"{spec.hidden_size}: {fix}")
     from safetensors import safe_open
-
-    from orbit.engine.sglang.process import checkpoint_file_of
 
     with safe_open(str(checkpoint_file_of(model, "model.norm.weight")), framework="pt") as f:
         ours = f.get_tensor("model.norm.weight").float()
@@ -255,12 +251,12 @@ def start_server_engine(model: str | Path, opts: SGLangOptions, url: str | None 
                         timeout_s: float = 600.0, truncated: bool = False, threads: int = 1) -> SGLangEngine:
     """One engine on an SGLang server: the one at `url` (attached), or one Orbit starts."""
     model = Path(model)
-    spec, hf_config = model_spec(model)
+    spec, hf_config = read_spec(model)
     server = None
     if url is None:
         url, server = launch_server(model, opts, spec, mem_fraction, tp, api_key, threads)
     try:
-        facts = check_server(url, api_key, api_key_env, model, spec, opts, truncated)
+        facts = check_server(url, api_key, api_key_env, model, spec, hf_config, opts, truncated)
         use_dir = adapter_transport == "dir" or (adapter_transport == "auto" and not is_local(url))
         if use_dir and adapter_dir is None:
             raise RecipeError(f"engine.adapter_dir: required for {url}, which is not on this host: a directory "

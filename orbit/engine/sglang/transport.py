@@ -10,7 +10,6 @@ Every coroutine runs on the engine's event loop. Outcomes are (success, SGLang's
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 from typing import Protocol
@@ -25,6 +24,7 @@ class Transport(Protocol):
     kind: str  # "in-process" | "http"
     adapter_transport: str  # "tensors" (shared memory, same host) | "dir" (engine.adapter_dir)
     memory_saver: bool  # release/resume_memory free something
+    attached: bool  # a server Orbit did not start: it stays up, with Orbit's adapters taken off it
 
     async def generate(self, body: dict) -> dict: ...
 
@@ -48,6 +48,14 @@ class Transport(Protocol):
         """Why SGLang is gone (None: alive). Polled every fraction of a second."""
         ...
 
+    async def aclose(self) -> None:
+        """Release what lives on the engine's loop (an HTTP client)."""
+        ...
+
+    def stop_server(self) -> None:
+        """Kill a server Orbit started at once (a lost engine: nothing there to save)."""
+        ...
+
     def close(self) -> None:
         """Stop what this transport started (only its own processes)."""
         ...
@@ -58,6 +66,7 @@ class InProcessTransport:
 
     kind = "in-process"
     adapter_transport = "tensors"
+    attached = False
 
     def __init__(self, sgl_engine, memory_saver: bool, previous_sigquit) -> None:
         import psutil
@@ -153,12 +162,11 @@ class InProcessTransport:
         note = " after signalling a failure (SIGQUIT)" if len(sigquits) > self._sigquits_at_start else ""
         return f"SGLang process {names} died{note}; the engine is dead"
 
-    async def cancel_all(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=2)
+    async def aclose(self) -> None:
+        pass  # nothing on the loop: the engine's processes go in close()
+
+    def stop_server(self) -> None:
+        pass  # no server: close() kills SGLang's own processes
 
     def close(self) -> None:
         """Kill SGLang's own process tree (not `Engine.shutdown()`: that kills every child of this process)."""

@@ -1,4 +1,4 @@
-"""Push strategies: how a new policy version reaches one engine (docs/design.md §1).
+"""Push strategies: how a new policy version reaches one engine (docs/design.md §1), in phases.
 
 - full: merge the adapter into the base weights and ship all of them (`update_weights`).
 - adapter: one slot; pause → flush → overwrite the slot → continue.
@@ -9,14 +9,12 @@
   the OFT-adapted modules only (`merged_weights(only_adapted=True)`), as a full push does. Chosen
   for the adapter and double-buffer modes there; marked `merged_push` in the metrics.
 
-Every strategy is three phases, so that one engine's push (`push`) and a barrier over many engines
-(pool.py: every engine's `prepare`, then every pause, every `apply`, every continue) are the same
-code: `prepare` runs while the engine serves, `apply` while it is paused in `pause_mode` (right
-after `prepare` when `pause_mode` is None).
+Every strategy is three phases: `prepare` runs while the engine serves, `apply` while it is paused
+in `pause_mode` (right after `prepare` when `pause_mode` is None). `run_phases` runs them over one
+engine or, for the barrier (fleet.py), over every engine of a pool phase by phase: one code path.
 
-`make_push` picks the strategy from (the mode's push, the adapter type, the engine's
-capabilities). Engines declare what they cannot do with class attributes (absent = can):
-- `supports_oft_slots`: OFT adapters load into slots (embedded yes, SGLang no → merged push);
+`make_push` picks the strategy from (the mode's push, the adapter type, the engine's capabilities):
+- `oft_slots`: OFT adapters load into slots (embedded yes, SGLang no → merged push);
 - `loads_while_paused`: a slot can be overwritten while paused requests are bound to it. SGLang
   cannot (replacing a slot unloads its adapter, which waits for every request using it, and
   paused requests never finish), so its adapter push loads *while generation runs*: the engine
@@ -33,11 +31,14 @@ uses — it only moves the active pointer — so `in_place` suffices and nothing
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from orbit.engine.base import Engine, PauseMode
+from orbit.engine.base import Capabilities, Engine, PauseMode
 from orbit.metrics import Timeline
+
+PUSHES = ("full", "adapter", "double-buffer")
 
 
 @dataclass
@@ -50,7 +51,7 @@ class PushResult:
 
 
 class PolicySource(Protocol):
-    """What a push needs from the trainer (or from a snapshot of it, pool.py)."""
+    """What a push reads of a policy version (a `Snapshot` of the trainer, fleet.py)."""
 
     version: int
 
@@ -68,7 +69,7 @@ def _event(timeline: Timeline | None, kind: str, t0: float, version: int, engine
 
 class Push:
     """One engine's push, in phases (see the module docstring). Subclasses set the class attributes
-    and override `prepare` / `apply`."""
+    and override `initial`, `prepare` and `apply`."""
 
     name = "push"
     pause_mode: PauseMode | None = "retract"
@@ -89,24 +90,6 @@ class Push:
     def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
         """What must be done while it is paused in `pause_mode`."""
 
-    def push(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> PushResult:
-        """The whole push on this engine: prepare, pause, apply, continue."""
-        t0 = time.time()
-        self.prepare(engine, policy, timeline)
-        paused = 0.0
-        if self.pause_mode is None:
-            self.apply(engine, policy, timeline)
-        else:
-            t_pause = time.time()
-            engine.pause_generation(self.pause_mode)
-            try:
-                self.apply(engine, policy, timeline)
-            finally:
-                engine.continue_generation()
-            paused = time.time() - t_pause
-            _event(timeline, "paused", t_pause, policy.version, self.engine_index, mode=self.pause_mode)
-        return self.result(time.time() - t0, paused)
-
     def result(self, seconds: float, paused_s: float) -> PushResult:
         return PushResult(seconds, paused_s, flipped=self.flips, full=self.full, merged=self.merged)
 
@@ -117,6 +100,36 @@ class Push:
         t0 = time.time()
         written = engine.load_adapter(slot, policy.adapter_tensors(), policy.adapter_config(), policy.version)
         _event(timeline, "load_adapter", t0, policy.version, self.engine_index, slot=slot, written=written)
+
+
+@dataclass
+class Target:
+    """One engine and its push."""
+
+    push: Push
+    engine: Engine
+
+
+def run_phases(targets: list[Target], policy: PolicySource, timeline: Timeline | None,
+               each: Callable[[Callable[[Target], object]], object] | None = None) -> float:
+    """prepare on every target; pause all; apply all; continue all. `each(call)` runs a phase over
+    the targets (default: one after the other; the barrier runs it on every engine at once).
+    Returns the seconds generation was paused."""
+    each = each or (lambda call: [call(t) for t in targets])
+    each(lambda t: t.push.prepare(t.engine, policy, timeline))
+    mode = targets[0].push.pause_mode
+    if mode is None:
+        each(lambda t: t.push.apply(t.engine, policy, timeline))
+        return 0.0
+    t_pause = time.time()
+    each(lambda t: t.engine.pause_generation(mode))
+    try:
+        each(lambda t: t.push.apply(t.engine, policy, timeline))
+    finally:
+        each(lambda t: t.engine.continue_generation())
+    for t in targets:
+        _event(timeline, "paused", t_pause, policy.version, t.push.engine_index, mode=mode)
+    return time.time() - t_pause
 
 
 class FullPush(Push):
@@ -186,16 +199,16 @@ class DoubleBufferPush(Push):
         engine.load_adapter(self.active, policy.adapter_tensors(), policy.adapter_config(), policy.version)
         engine.activate(self.active)
 
-    def choose_slot(self, engine: Engine) -> int:
+    def choose_slot(self, slot_requests: tuple[int, ...]) -> int:
         """The ring: the slot inactive longest among those with no request of their own left, else
         the one inactive longest (its requests are then aborted, or waited for, by the engine)."""
-        busy = engine.stats().slot_requests
         others = [s for s in range(self.slots) if s != self.active]
-        return min(others, key=lambda s: (busy[s] > 0 if s < len(busy) else False, self._deactivated[s]))
+        return min(others, key=lambda s: (slot_requests[s] > 0 if s < len(slot_requests) else False,
+                                          self._deactivated[s]))
 
     def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
         # The active slot keeps serving while another one is written.
-        self.target = self.choose_slot(engine)
+        self.target = self.choose_slot(engine.stats().slot_requests)
         self._load(engine, self.target, policy, timeline)
 
     def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
@@ -207,16 +220,14 @@ class DoubleBufferPush(Push):
         self.active = self.target
 
 
-def make_push(name: str, adapter_type: str = "lora", engine: Engine | None = None, engine_index: int = 0) -> Push:
+def make_push(name: str, adapter_type: str, capabilities: Capabilities, engine_index: int = 0) -> Push:
     """One engine's push for a mode's `push` on this adapter type and engine (module docstring)."""
     if name == "full":
         return FullPush(engine_index)
-    if adapter_type == "oft" and not getattr(engine, "supports_oft_slots", True):
+    if adapter_type == "oft" and not capabilities.oft_slots:
         return MergedPush(engine_index)
     if name == "adapter":
-        return AdapterPush(engine_index, load_while_paused=getattr(engine, "loads_while_paused", True))
+        return AdapterPush(engine_index, load_while_paused=capabilities.loads_while_paused)
     if name == "double-buffer":
-        slots = getattr(engine, "num_slots", 2)
-        return DoubleBufferPush(engine_index, slots=slots if isinstance(slots, int) else 2,  # a class: its default
-                                flush=getattr(engine, "flush_while_running", True))
-    raise ValueError(f"unknown push {name!r} (allowed: full, adapter, double-buffer)")
+        return DoubleBufferPush(engine_index, slots=capabilities.slots, flush=capabilities.flush_while_running)
+    raise ValueError(f"unknown push {name!r} (allowed: {', '.join(PUSHES)})")

@@ -2,15 +2,17 @@
 
 A push freezes the policy into a `Snapshot` (one copy, in the trainer's thread), then either
 - `independent` (the default): hands it to one `Updater` thread per engine and returns. Each updater
-  runs its engine's own push (sync.py: e.g. load the ring slot, pause in place, activate, continue)
-  as soon as it can; an engine still busy with version v when v+2 arrives skips to v+2 (latest
-  wins). No engine waits for another, and the trainer waits for none of them;
-- `barrier` (for comparison, the peers' way): every engine's `prepare`, then every pause, every
-  `apply`, every continue, each phase across all engines at once, while the trainer waits.
+  runs its engine's own phases (phases.py: e.g. load the ring slot, pause in place, activate,
+  continue) as soon as it can; an engine still busy with version v when v+2 arrives skips to v+2
+  (latest wins). No engine waits for another, and the trainer waits for none of them;
+- `barrier` (for comparison, the peers' way): the same phases, each run on every engine at once
+  (`run_phases` with the pool's fan-out), while the trainer waits.
 Serial modes stay on-policy: the trainer waits until every live engine serves the new version
 before the next batch is granted, whichever the flip.
 
 `update_weights_s` is the time the trainer was held: the snapshot alone for independent flips.
+The flip clock (when each version was pushed and when the last engine served it) lives here, where
+the flips happen.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from orbit.engine.base import EngineDeadError
 from orbit.engine.pool import EnginePool, Member
 from orbit.metrics import Timeline
-from orbit.sync import PolicySource, Push, PushResult, make_push
+from orbit.push.phases import PolicySource, Push, PushResult, Target, make_push, run_phases
 
 FLIPS = ("independent", "barrier")
 
@@ -54,11 +56,41 @@ class Snapshot:
         return self.merged[only_adapted]
 
 
+class FlipClock:
+    """When each version was pushed and when each live engine first served it: the flip lag."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pushed: dict[int, float] = {}
+        self._reached: dict[int, dict[int, float]] = {}
+        self._last: tuple[int, float] | None = None  # (version, lag) of the newest version all live engines serve
+
+    def pushed(self, version: int, at: float) -> None:
+        with self._lock:
+            self._pushed[version] = at
+
+    def reached(self, pool: EnginePool, member: Member, version: int, at: float) -> None:
+        """`member` serves `version` (and every older one) from `at`."""
+        with self._lock:
+            for v in [v for v in self._pushed if v <= version]:
+                self._reached.setdefault(v, {}).setdefault(member.index, at)
+            live = [m.index for m in pool.alive()]
+            for v in sorted(self._pushed):
+                reached = self._reached.get(v, {})
+                if all(i in reached for i in live):
+                    self._last = (v, max(reached.values()) - self._pushed.pop(v))
+                    self._reached.pop(v, None)
+
+    def lag(self) -> tuple[int, float] | None:
+        with self._lock:
+            return self._last
+
+
 class Updater:
     """One engine's update thread: applies the newest snapshot with that engine's push."""
 
-    def __init__(self, pool: EnginePool, member: Member, push: Push, timeline: Timeline | None) -> None:
-        self.pool, self.member, self.push, self.timeline = pool, member, push, timeline
+    def __init__(self, fleet: FleetPush, member: Member, push: Push, timeline: Timeline | None) -> None:
+        self.fleet, self.member, self.push, self.timeline = fleet, member, push, timeline
         self.error: Exception | None = None  # a push the engine refused: reported at the next push
         self._next: Snapshot | None = None
         self._busy = False
@@ -92,13 +124,13 @@ class Updater:
             try:
                 if self.member.alive:
                     t0 = time.time()
-                    self.push.push(self.member.engine, snapshot, self.timeline)
-                    self.pool.serves(self.member, snapshot.version)
+                    run_phases([Target(self.push, self.member.engine)], snapshot, self.timeline)
+                    self.fleet.served(self.member, snapshot.version)
                     if self.timeline is not None:  # this engine's own update, load to flip
                         self.timeline.event("engine", "update", t0, time.time(), snapshot.version,
                                             engine=self.member.index)
             except EngineDeadError as err:
-                self.pool._lose(self.member, str(err))
+                self.fleet.pool.drop(self.member, str(err))
             except Exception as err:  # noqa: BLE001 - the engine refused it: the trainer hears of it next push
                 self.error = err
             finally:
@@ -107,51 +139,73 @@ class Updater:
                     self._cond.notify_all()
 
 
-class PoolPush:
+class FleetPush:
     """The trainer's push over a pool: snapshot, then independent updaters or a barrier."""
 
     def __init__(self, mode_push: str, adapter_type: str, pool: EnginePool, flip: str = "independent",
                  wait_all: bool = False, timeline: Timeline | None = None, wait_s: float = 600.0) -> None:
         if flip not in FLIPS:
             raise ValueError(f"flip must be one of {FLIPS}, got {flip!r}")
-        self.pool, self.flip, self.wait_all, self.wait_s = pool, flip, wait_all, wait_s
-        self.pushes = [make_push(mode_push, adapter_type, m.engine, m.index) for m in pool.members]
+        self.pool, self.flip, self.wait_all, self.wait_s, self.timeline = pool, flip, wait_all, wait_s, timeline
+        self.pushes = [make_push(mode_push, adapter_type, pool.capabilities, m.index) for m in pool.members]
         self.name = self.pushes[0].name
-        self.updaters = [Updater(pool, m, p, timeline) for m, p in zip(pool.members, self.pushes, strict=True)] \
+        self.clock = FlipClock()
+        self.updaters = [Updater(self, m, p, timeline) for m, p in zip(pool.members, self.pushes, strict=True)] \
             if flip == "independent" else []
 
-    def initial(self, pool: EnginePool, policy: PolicySource) -> None:
+    def served(self, member: Member, version: int, at: float | None = None) -> None:
+        """`member` finished its push of `version`: routing and the flip clock hear of it."""
+        self.pool.serves(member, version)
+        self.clock.reached(self.pool, member, version, time.time() if at is None else at)
+
+    def initial(self, policy: PolicySource) -> None:
         """The starting policy on every engine, before any generation."""
         snapshot = Snapshot.of(policy, self.pushes[0])
-        pool.each(lambda m: self.pushes[m.index].initial(m.engine, snapshot))
-        for m in pool.alive():
-            pool.serves(m, policy.version)
+        self.pool.each(lambda m: self.pushes[m.index].initial(m.engine, snapshot))
+        for m in self.pool.alive():
+            self.served(m, policy.version)
 
-    def push(self, pool: EnginePool, policy: PolicySource, timeline: Timeline | None) -> PushResult:
+    def push(self, policy: PolicySource) -> PushResult:
         t0 = time.time()
         self._raise_refusal()
         snapshot = Snapshot.of(policy, self.pushes[0])
-        pool.pushed(snapshot.version, t0)
+        self.clock.pushed(snapshot.version, t0)
         paused = 0.0
         if self.flip == "barrier":
-            paused = self._barrier(pool, snapshot, timeline)
+            paused = self._barrier(snapshot)
         else:
             for updater in self.updaters:
                 if updater.member.alive:
                     updater.offer(snapshot)
             if self.wait_all:
-                pool.wait_version(snapshot.version, self.wait_s)
+                self.wait_served(snapshot.version)
                 self._raise_refusal()
         return self.pushes[0].result(time.time() - t0, paused)
+
+    def wait_served(self, version: int) -> None:
+        """Block until every live engine serves `version` (serial modes stay on-policy)."""
+        deadline = time.monotonic() + self.wait_s
+        while late := [m for m in self.pool.alive() if m.version < version]:
+            if time.monotonic() > deadline:
+                names = ", ".join(f"engine {m.index} at v{m.version}" for m in late)
+                raise EngineDeadError(f"engines did not take version {version} within {self.wait_s:g} s: {names}")
+            time.sleep(0.005)
+        self.pool.require_alive()
+
+    def flip_lag(self) -> tuple[int, float] | None:
+        return self.clock.lag()
 
     def finish(self, timeout: float = 60.0) -> None:
         """Let the updaters apply what they hold (the run is ending), then stop them."""
         deadline = time.monotonic() + timeout
         while not all(u.idle() or not u.member.alive for u in self.updaters) and time.monotonic() < deadline:
             time.sleep(0.01)
+        self.stop()
+        self._raise_refusal()
+
+    def stop(self) -> None:
         for updater in self.updaters:
             updater.stop()
-        self._raise_refusal()
 
     def _raise_refusal(self) -> None:
         for updater in self.updaters:
@@ -159,30 +213,15 @@ class PoolPush:
                 err, updater.error = updater.error, None
                 raise err
 
-    def _barrier(self, pool: EnginePool, snapshot: Snapshot, timeline: Timeline | None) -> float:
-        """Every engine's prepare; pause all; apply all; continue all. Returns the paused seconds."""
-        def on_all(call) -> None:
-            pool.each(lambda m: call(self.pushes[m.index], m))
-
+    def _barrier(self, snapshot: Snapshot) -> float:
+        """The phases on every engine at once. Returns the paused seconds."""
         t_start = time.time()
-        on_all(lambda push, m: push.prepare(m.engine, snapshot, timeline))
-        mode = self.pushes[0].pause_mode
-        t_pause = time.time()
-        if mode is None:
-            on_all(lambda push, m: push.apply(m.engine, snapshot, timeline))
-        else:
-            on_all(lambda push, m: m.engine.pause_generation(mode))
-            try:
-                on_all(lambda push, m: push.apply(m.engine, snapshot, timeline))
-            finally:
-                on_all(lambda push, m: m.engine.continue_generation())
-            if timeline is not None:
-                for m in pool.alive():
-                    timeline.event("engine", "paused", t_pause, time.time(), snapshot.version, engine=m.index,
-                                   mode=mode)
+        targets = {m.index: Target(self.pushes[m.index], m.engine) for m in self.pool.alive()}
+        paused = run_phases(list(targets.values()), snapshot, self.timeline,
+                            each=lambda call: self.pool.each(lambda m: call(targets[m.index])))
         now = time.time()
-        for m in pool.alive():
-            pool.serves(m, snapshot.version, now)
-            if timeline is not None:
-                timeline.event("engine", "update", t_start, now, snapshot.version, engine=m.index)
-        return now - t_pause if mode is not None else 0.0
+        for m in self.pool.alive():
+            self.served(m, snapshot.version, now)
+            if self.timeline is not None:
+                self.timeline.event("engine", "update", t_start, now, snapshot.version, engine=m.index)
+        return paused

@@ -1,0 +1,141 @@
+"""Before any compute: everything a recipe names outside itself is checked here, and `engine.backend:
+auto` becomes a concrete backend.
+
+`preflight(recipe)` returns a `Checked` recipe, the value a run reads: the recipe with its backend
+resolved (what the run directory's recipe.yaml records) and the lines to tell the user about it.
+Each problem is a RecipeError naming the field: a model directory without weights, a tokenizer or an
+architecture the engine and the trainer run; an OFT block size that does not divide a target; a task
+that does not import or a dataset row that is bad; devices that do not exist; SGLang or a tracker
+that is not installed; an API key variable that is not set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from orbit.config import EngineConfig, Recipe, RecipeError, TaskConfig
+from orbit.devices import check_devices, choose_backend
+from orbit.engine.sglang.install import INSTALL_HINT, sglang_problem
+from orbit.engine.spec import SpecError, read_spec
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A recipe that passed the preflight: its backend is concrete."""
+
+    recipe: Recipe
+    notes: tuple[str, ...] = ()  # what the user is told before the run (the backend auto chose, and why)
+
+
+def preflight(recipe: Recipe) -> Checked:
+    """Every check of this module, in the order a user would fix them; the recipe with its backend resolved."""
+    recipe = recipe.model_copy(deep=True)
+    note = resolve_backend(recipe.engine)
+    check_installed(recipe)
+    check_devices(recipe)
+    check_model(recipe)
+    check_oft_block_size(recipe)
+    check_task(recipe.task)
+    return Checked(recipe, (note,) if note else ())
+
+
+def resolve_backend(cfg: EngineConfig) -> str | None:
+    """`engine.backend: auto` becomes a concrete backend here; returns the one line `orbit train` and
+    `orbit bench` print about it (None when the recipe named one)."""
+    if cfg.backend != "auto":
+        return None
+    if cfg.servers:
+        cfg.backend, why = "sglang-server", "engine.servers are given"
+    else:
+        cfg.backend, why = choose_backend(cfg.engine_devices(), sglang_installed=sglang_problem() is None)
+    return f"engine: {cfg.backend} (engine.backend auto: {why})"
+
+
+def check_installed(recipe: Recipe) -> None:
+    """SGLang must be installed here to run in-process or to start servers (attaching needs only HTTP);
+    an API key's variable must be set; the trackers must be installed."""
+    backend = recipe.engine.backend
+    if backend == "sglang" or (backend == "sglang-server" and recipe.engine.servers is None):
+        problem = sglang_problem()
+        if problem is not None:
+            raise RecipeError(f"engine.backend: {backend!r} cannot run: {problem}. Install it with: {INSTALL_HINT}")
+    key = recipe.engine.api_key_env
+    if key is not None and not os.environ.get(key):
+        raise RecipeError(f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
+                          "servers' --api-key)")
+    from orbit.tracking import tracker_problem
+
+    for tracker in recipe.logging:
+        problem = tracker_problem(tracker)
+        if problem is not None:
+            raise RecipeError(f"logging: {tracker!r} cannot run: {problem}")
+
+
+def check_model(recipe: Recipe) -> None:
+    """The model directory: a Hugging Face checkpoint with weights, a tokenizer and an architecture the
+    engine and the trainer can run. Each problem is one line naming the path."""
+    model = recipe.model
+    if not model.is_dir():
+        raise RecipeError(f"model: no such directory {str(model)!r} (build one with `orbit model tiny DIR`, or "
+                          "import one with `orbit model import SRC DIR`)")
+    if not (model / "config.json").exists():
+        raise RecipeError(f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)")
+    try:
+        spec, raw = read_spec(model)
+    except SpecError as err:
+        raise RecipeError(f"model: {err}") from None
+    if not any((model / name).exists() for name in WEIGHT_FILES):
+        raise RecipeError(f"model: {str(model)!r} has no weights (expected {' or '.join(WEIGHT_FILES)})")
+    if not any((model / name).exists() for name in TOKENIZER_FILES):
+        raise RecipeError(f"model: {str(model)!r} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
+    if recipe.engine.backend == "embedded":
+        from orbit.engine.embedded.model import unsupported
+
+        problem = unsupported(spec, raw)
+        if problem is not None:
+            raise RecipeError(f"model: {str(model)!r}: {problem} (SGLang runs more: engine.backend: sglang)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if spec.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise RecipeError(f"model: {str(model)!r} is a {spec.model_type!r} model, which the trainer (transformers' "
+                          f"AutoModelForCausalLM) cannot load")
+
+
+def check_oft_block_size(recipe: Recipe) -> None:
+    """OFT splits each target's input into blocks: the block size must divide every width."""
+    adapter = recipe.adapter
+    if adapter.type != "oft":
+        return
+    spec, _ = read_spec(recipe.model)
+    sizes = [spec.in_features(t) for t in adapter.target_modules]
+    if all(n % adapter.oft_block_size == 0 for n in sizes):
+        return
+    allowed = [b for b in range(2, min(sizes) + 1) if all(n % b == 0 for n in sizes)]
+    raise RecipeError(
+        f"adapter.oft_block_size: {adapter.oft_block_size} does not divide the input width of every "
+        f"target ({dict(zip(adapter.target_modules, sizes, strict=True))}); allowed: {allowed}"
+    )
+
+
+def check_task(task: TaskConfig) -> None:
+    """What can be checked without the model: a user task imports, a dataset's rows are valid."""
+    from orbit.tasks.jsonl import DatasetError, load_rows
+    from orbit.tasks.loader import TaskLoadError, resolve_factory
+
+    key = "name"
+    try:
+        if not task.is_builtin:
+            resolve_factory(task.name)
+        if task.name == "jsonl":
+            for key in ("path", "eval_path"):
+                path = task.path if key == "path" else task.eval_path
+                if path is not None:
+                    load_rows(path)
+    except TaskLoadError as err:
+        raise RecipeError(f"task.name: {err}") from None
+    except DatasetError as err:
+        raise RecipeError(f"task.{key}: {err}") from None

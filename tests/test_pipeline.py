@@ -1,0 +1,184 @@
+"""Unit tests of the rollout pipeline (admission, in flight, complete, take) and of the pieces a sample
+passes on its way: episodes, held interrupts. An engine double stands in for the engine: these test
+one piece each; the end-to-end tests run the real engines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from engine_helpers import FakeEngine
+
+from orbit.engine.base import Completion
+from orbit.engine.pool import EnginePool
+from orbit.loop import HeldInterrupt
+from orbit.rollout.episode import Episode
+from orbit.rollout.groups import Group
+from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.rollout.sample import Sample
+from orbit.tasks.base import Prompt
+
+PROMPT = Prompt(id="p", text="p", prompt_ids=(1, 2, 3))
+
+
+def _pool(n: int = 1) -> EnginePool:
+    return EnginePool([FakeEngine() for _ in range(n)], [8] * n, monitor=False)
+
+
+def _pipeline(pool: EnginePool, batch: int = 2, k: int | None = 1, policy: str = "version", **kw) -> Pipeline:
+    return Pipeline(pool, Admission(batch, k, policy), group_size=2, max_inflight=kw.pop("max_inflight", 64),
+                    drop_after=kw.pop("drop_after", k), **kw)
+
+
+def _start_all(pipe: Pipeline) -> list[int]:
+    """Start every group the pipeline admits now, submitting its requests as the producer does."""
+    started = []
+    while (s := pipe.start(PROMPT, multi_turn=False)) is not None:
+        started.append(s[0])
+        for _ in range(pipe.group_size):
+            pipe.submitted()
+    return started
+
+
+def _complete(pipe: Pipeline, gid: int) -> None:
+    version = pipe.in_flight[gid].version
+    samples = [Sample([1], [5, 6], [-0.1, -0.2], reward=float(i), version_start=version, version_end=version,
+                      group_id=gid) for i in range(2)]
+    pipe.complete(gid, Group(PROMPT, samples, gid))
+
+
+def test_admission_starts_a_group_only_on_an_engine_fresh_enough():
+    """B = 2, K = 1: with the engine at version v, at most (v + K + 1) * B groups may have started."""
+    pool = _pool()
+    pipe = _pipeline(pool)
+    pipe.grant(100)
+    assert _start_all(pipe) == [0, 1, 2, 3]  # (0 + 1 + 1) * 2
+    pool.serves(pool.members[0], 1)
+    assert _start_all(pipe) == [4, 5]
+    assert {g.version for gid, g in pipe.in_flight.items() if gid >= 4} == {1}
+
+
+def test_grants_and_room_in_flight_bound_what_starts():
+    pipe = _pipeline(_pool(), k=5, max_inflight=5)  # room for two groups of two requests
+    pipe.grant(1)
+    assert _start_all(pipe) == [0]  # one grant
+    pipe.grant(5)
+    assert _start_all(pipe) == [1]  # 2 requests in flight + 2 <= 5; 2 more would not fit
+    pipe.answered()
+    pipe.answered()
+    assert _start_all(pipe) == [2]  # two answered: room again
+
+
+def test_run_ahead_counts_what_is_in_flight_or_buffered():
+    pipe = _pipeline(_pool(), batch=2, k=1, policy="run-ahead")
+    pipe.grant(100)
+    assert _start_all(pipe) == [0, 1, 2, 3]  # (K + 1) * B, whatever the version
+    _complete(pipe, 0)
+    _complete(pipe, 1)
+    assert _start_all(pipe) == []  # complete but not taken: still in the pipeline
+    pipe.take(2, version=0)
+    assert _start_all(pipe) == [4, 5]
+
+
+def test_take_hands_out_the_oldest_first():
+    pool = _pool()
+    pipe = _pipeline(pool, k=3)
+    pipe.grant(100)
+    _start_all(pipe)
+    for gid in (3, 1, 0, 2):
+        _complete(pipe, gid)
+    batch = pipe.take(2, version=0)
+    assert [g.id for g in batch.groups] == [0, 1] and batch.stale_dropped == 0
+    assert len(batch.samples) == 4
+
+
+def test_stale_groups_are_dropped_and_replaced():
+    pool = _pool()
+    pipe = _pipeline(pool, batch=1, k=0)
+    pipe.grant(1)
+    [gid] = _start_all(pipe)
+    _complete(pipe, gid)  # started at version 0
+    pool.serves(pool.members[0], 1)
+    pipe.grant(1)
+    [fresh] = _start_all(pipe)
+    threading.Timer(0.2, lambda: _complete(pipe, fresh)).start()
+    batch = pipe.take(1, version=1, stall_s=10)  # the version-0 group is too old at version 1
+    assert batch.stale_dropped == 1 and batch.dropped_tokens == 4 and [g.id for g in batch.groups] == [fresh]
+    assert _start_all(pipe) == [2]  # its replacement was granted: admission counts it as not started
+
+
+def test_a_group_at_its_deadline_is_waited_for_not_overtaken():
+    """B = 1, K = 1: a group started at version 0 must be trained at step 1; the trainer waits for it
+    rather than taking a newer complete group past it (overtaken, it would go stale: a length bias)."""
+    pool = _pool()
+    pipe = _pipeline(pool, batch=1, k=1)
+    pipe.grant(100)
+    first, slow = _start_all(pipe)  # both at version 0
+    _complete(pipe, first)
+    assert [g.id for g in pipe.take(1, version=0).groups] == [first]
+    pool.serves(pool.members[0], 1)
+    [newer] = _start_all(pipe)  # at version 1
+    _complete(pipe, newer)
+    t0 = time.monotonic()
+    threading.Timer(0.3, lambda: _complete(pipe, slow)).start()
+    batch = pipe.take(1, version=1, stall_s=10)
+    assert [g.id for g in batch.groups] == [slow] and time.monotonic() - t0 >= 0.25
+
+
+def test_a_stall_says_what_was_seen():
+    pipe = _pipeline(_pool(2))
+    pipe.grant(3)
+    _start_all(pipe)
+    with pytest.raises(RolloutError) as err:
+        pipe.take(1, version=0, stall_s=0.3)
+    msg = str(err.value)
+    assert "no rollout arrived for" in msg and "(rollout.stall_timeout_s: 0.3)" in msg
+    assert "3 group(s) in flight (6 request(s))" in msg and "0 grant(s) left" in msg
+    assert "engine 0: 0 running" in msg and "engine 1: 0 running" in msg
+
+
+def test_an_engine_that_left_while_asked_is_named_with_the_pools_reason():
+    """The stall asks each engine for its state; the ping drops a hung one meanwhile (and kills it): the
+    description gives the reason it left, not the kill's own words."""
+    class Hung(FakeEngine):
+        def stats(self):
+            time.sleep(0.3)
+            raise RuntimeError("engine was killed")
+
+    pool = EnginePool([Hung()], [8], monitor=False)
+    threading.Timer(0.1, lambda: pool.drop(pool.members[0], "did not answer for 5 s (hung)")).start()
+    [(index, answer)] = pool.states(2.0)
+    assert index == 0 and "left the pool: did not answer for 5 s (hung)" in str(answer)
+
+
+def test_a_failed_producer_wakes_the_trainer_with_its_error():
+    pipe = _pipeline(_pool())
+    threading.Timer(0.2, lambda: pipe.fail(ValueError("broken"))).start()
+    with pytest.raises(RolloutError, match="rollout producer failed: broken"):
+        pipe.take(1, version=0, stall_s=10)
+
+
+def test_an_episode_concatenates_turns_and_masks_what_was_injected():
+    episode = Episode([1, 2])
+    episode.add_turn(Completion([1, 2], [5, 6], [-0.5, -0.6], "stop", 0, 3, 3, t_start=1.0, t_end=2.0))
+    episode.inject([7, 8, 9])
+    episode.add_turn(Completion([1, 2, 5, 6, 7, 8, 9], [10], [-0.1], "stop", 0, 4, 4, t_start=3.0, t_end=4.0))
+    assert episode.context() == [1, 2, 5, 6, 7, 8, 9, 10]
+    assert episode.loss_mask == [1, 1, 0, 0, 0, 1] and episode.logprobs == [-0.5, -0.6, 0.0, 0.0, 0.0, -0.1]
+    assert (episode.version_start, episode.version_end, episode.turns, episode.tool_results) == (3, 4, 2, 1)
+    assert (episode.t_start, episode.t_end) == (1.0, 4.0)
+
+
+def test_ctrl_c_is_held_until_the_block_ends():
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with HeldInterrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            reached.append("end of the block")  # the step finished its line before the interrupt
+    assert reached == ["end of the block"]
+    with HeldInterrupt():  # nothing pending: nothing raised
+        pass

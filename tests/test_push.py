@@ -1,0 +1,186 @@
+"""Unit tests of the push (orbit/push/) and the slot gate: the phases, the ring's slot choice, the
+updaters (latest wins, refusals reported, dead engines dropped), the barrier and the flip clock. An
+engine double records the calls; the end-to-end tests run the real engines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from engine_helpers import FakeEngine
+
+from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.pool import EnginePool
+from orbit.engine.sglang.gate import SlotGate
+from orbit.push.fleet import FleetPush
+from orbit.push.phases import DoubleBufferPush, Target, make_push, run_phases
+
+
+class Policy:
+    """What a push reads of a policy version."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def adapter_tensors(self) -> dict:
+        return {"w": self.version}
+
+    def adapter_config(self) -> dict:
+        return {}
+
+    def merged_weights(self, only_adapted: bool = False) -> dict:
+        return {"w": self.version}
+
+
+def _kinds(engine: FakeEngine) -> list:
+    return [c[0] if c[0] != "load_adapter" else ("load", c[1]) for c in engine.calls]
+
+
+def test_double_buffer_writes_the_inactive_slot_while_serving_then_flips():
+    engine = FakeEngine(slots=2)
+    push = make_push("double-buffer", "lora", engine.capabilities)
+    push.initial(engine, Policy(0))
+    engine.calls.clear()
+    run_phases([Target(push, engine)], Policy(1), None)
+    assert _kinds(engine) == [("load", 1), "pause_generation", "flush_cache", "activate", "continue_generation"]
+    assert engine.calls[1] == ("pause_generation", "in_place") and push.active == 1
+    engine.calls.clear()
+    run_phases([Target(push, engine)], Policy(2), None)
+    assert _kinds(engine)[0] == ("load", 0)  # back to slot 0: the ring of two
+
+
+def test_the_ring_skips_slots_with_requests_and_reuses_the_one_inactive_longest():
+    push = DoubleBufferPush(slots=4)
+    assert push.choose_slot((0, 0, 0, 0)) == 1
+    push.target = 1
+    push.apply(FakeEngine(slots=4), Policy(1), None)  # active 1; slot 0 deactivated at flip 1
+    assert push.choose_slot((0, 0, 0, 0)) == 2  # never used: inactive longest
+    assert push.choose_slot((0, 0, 3, 0)) == 3  # slot 2 still has requests of its own
+    assert push.choose_slot((5, 0, 5, 5)) == 2  # all busy: the one inactive longest (its requests wait or abort)
+
+
+def test_an_adapter_push_on_sglang_loads_while_generation_runs():
+    engine = FakeEngine()
+    caps = engine.capabilities
+    engine.capabilities = type(caps)(slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False)
+    push = make_push("adapter", "lora", engine.capabilities)
+    run_phases([Target(push, engine)], Policy(1), None)
+    assert _kinds(engine) == [("load", 0)]  # no pause: the slot's requests finish first, new ones wait
+
+
+def _fleet(n: int = 2, flip: str = "independent", **kw) -> tuple[EnginePool, FleetPush, list[FakeEngine]]:
+    engines = [FakeEngine() for _ in range(n)]
+    pool = EnginePool(engines, [8] * n, monitor=False)
+    push = FleetPush("double-buffer", "lora", pool, flip, **kw)
+    push.initial(Policy(0))
+    return pool, push, engines
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_independent_updaters_return_at_once_and_each_engine_serves_the_new_version():
+    pool, push, engines = _fleet()
+    result = push.push(Policy(1))
+    assert result.flipped and result.paused_s == 0.0
+    _wait(lambda: pool.versions() == [1, 1])
+    _wait(lambda: push.flip_lag() is not None)
+    assert push.flip_lag()[0] == 1
+    push.finish()
+
+
+def test_an_engine_busy_with_one_version_skips_to_the_newest():
+    pool, push, engines = _fleet(1)
+    inside, gate = threading.Event(), threading.Event()
+    real_load = engines[0].load_adapter
+
+    def slow_load(slot, tensors, config, version):
+        inside.set()
+        gate.wait(5)
+        return real_load(slot, tensors, config, version)
+
+    engines[0].load_adapter = slow_load
+    engines[0].calls.clear()
+    push.push(Policy(1))
+    assert inside.wait(5)  # the engine is busy with version 1 ...
+    for v in (2, 3):  # ... while 2 and 3 arrive
+        push.push(Policy(v))
+    gate.set()
+    _wait(lambda: pool.versions() == [3])
+    push.finish()
+    assert [c[2] for c in engines[0].calls if c[0] == "load_adapter"] == [1, 3]  # 2 was skipped: latest wins
+
+
+def test_a_refused_push_is_reported_at_the_next_push_and_a_dead_engine_leaves_the_pool():
+    pool, push, engines = _fleet()
+
+    def refuse(*args):
+        raise EngineError("bad adapter")
+
+    def die(*args):
+        raise EngineDeadError("engine process 7 died")
+
+    engines[0].load_adapter, engines[1].load_adapter = refuse, die
+    push.push(Policy(1))
+    _wait(lambda: not pool.members[1].alive and all(u.idle() for u in push.updaters))
+    assert "died" in pool.members[1].reason and ("kill",) in engines[1].calls
+    with pytest.raises(EngineError, match="bad adapter"):
+        push.push(Policy(2))
+    push.stop()
+
+
+def test_the_barrier_runs_each_phase_on_every_engine_and_waits():
+    pool, push, engines = _fleet(flip="barrier")
+    for e in engines:
+        e.calls.clear()
+    result = push.push(Policy(1))
+    assert pool.versions() == [1, 1] and result.paused_s >= 0 and push.flip_lag()[0] == 1
+    for e in engines:
+        assert _kinds(e) == [("load", 1), "pause_generation", "flush_cache", "activate", "continue_generation"]
+
+
+def test_serial_pushes_wait_until_every_engine_serves_the_version():
+    pool, push, engines = _fleet(wait_all=True, wait_s=0.5)
+    push.push(Policy(1))
+    assert pool.versions() == [1, 1]  # returned only once both serve it
+    engines[0].load_adapter = lambda *a: time.sleep(2)
+    with pytest.raises(EngineDeadError, match="did not take version 2 within 0.5 s: engine 0 at v1"):
+        push.push(Policy(2))
+    push.stop()
+
+
+def test_slot_gate_rewrites_a_slot_only_once_its_requests_are_gone():
+    async def scenario():
+        gate = SlotGate(2)
+        log = []
+
+        async def ok(*args):
+            log.append("load")
+            return True, ""
+
+        async def unloaded():
+            log.append("unload")
+            return True, ""
+
+        await gate.rewrite(0, 1, paused=False, load=ok, unload=unloaded, restore=ok, backup=())
+        assert await gate.enter(0) == 1  # a request running on version 1
+        rewrite = asyncio.ensure_future(gate.rewrite(0, 2, paused=False, load=ok, unload=unloaded, restore=ok,
+                                                     backup=()))
+        await asyncio.sleep(0.05)
+        held = asyncio.ensure_future(gate.enter(0))  # a new request waits for the new adapter
+        await asyncio.sleep(0.05)
+        assert not rewrite.done() and not held.done() and gate.requests() == (2, 0)
+        gate.leave(0)  # the running request finishes on version 1
+        await rewrite
+        assert await held == 2 and log == ["load", "unload", "load"]
+        gate.leave(0)
+        with pytest.raises(EngineError, match="while paused"):  # unloading under paused requests would hang
+            await gate.rewrite(0, 3, paused=True, load=ok, unload=unloaded, restore=ok, backup=())
+
+    asyncio.run(scenario())

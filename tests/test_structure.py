@@ -1,0 +1,75 @@
+"""The shape of the code that docs/design.md promises: imports that run one way, modules of a readable
+size, and engines used through what their protocol declares (no capability probing)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "orbit"
+MAX_LINES = 400
+# Files that are not Orbit's modules: the CPU shims run inside SGLang's processes (docs/sglang.md).
+OUTSIDE = ("engine/sglang_cpu/pypath/",)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        if any(part in rel for part in OUTSIDE):
+            continue
+        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every orbit module `path` imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orbit"):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("orbit")}
+    return {m for m in found if m in modules}
+
+
+def test_the_import_graph_has_no_cycles():
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_modules_stay_readable():
+    long = {p.relative_to(ROOT.parent).as_posix(): n for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_engines_are_used_through_their_protocol():
+    """No `getattr(engine, ...)`-style probing of an engine, a pool member or a transport: what callers
+    use is declared on the protocol (orbit/engine/base.py, Transport)."""
+    probes = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr",
+                                                                                                    "hasattr"):
+                target = ast.unparse(node.args[0])
+                if any(word in target for word in ("engine", "pool", "member", "transport")):
+                    probes.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not probes, "\n".join(probes)
