@@ -1,13 +1,8 @@
-"""LoRA and OFT on the trainer side: peft configs, tensor export, merged weights for the full push.
-
-Names are peft's own: `adapter_tensors` is `get_peft_model_state_dict` unchanged and
-`adapter_config_dict` is what `save_pretrained` writes to adapter_config.json. The engine's slots
-and SGLang's `load_lora_adapter_from_tensors` take exactly these, so nothing here renames.
-"""
+"""LoRA and OFT on the trainer side: peft configs, and merged weights for the full push. (What the
+adapter push exports, peft's own state dict and config, is the trainer's: orbit/train/trainer.py.)"""
 
 from __future__ import annotations
 
-import json
 from math import gcd
 
 import peft
@@ -73,21 +68,6 @@ def check_oft_block_size(adapter: AdapterConfig, model: nn.Module) -> None:
         f"adapter.oft_block_size: {bs} does not divide in_features {bad} of target_modules "
         f"{list(adapter.target_modules)}; allowed values: {allowed or 'none (choose other target_modules)'}"
     )
-
-
-def adapter_tensors(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's weights under peft's names, as detached contiguous CPU copies."""
-    state = peft.get_peft_model_state_dict(peft_model)
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
-
-
-def adapter_config_dict(peft_model: peft.PeftModel) -> dict:
-    """The active adapter's peft config as plain JSON types (the adapter_config.json contents)."""
-    config = peft_model.peft_config[peft_model.active_adapter].to_dict()
-    for key, value in config.items():
-        if isinstance(value, set):  # save_pretrained turns sets into lists too; sort for stable output
-            config[key] = sorted(value)
-    return json.loads(json.dumps(config))  # enums -> str, tuples -> lists
 
 
 def merged_weights(peft_model: peft.PeftModel, only_adapted: bool = False) -> dict[str, torch.Tensor]:

@@ -32,8 +32,7 @@ from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
 from orbit.preflight import Checked
 from orbit.push.fleet import FleetPush
-from orbit.rollout.groups import sampling_params
-from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
 from orbit.rollout.producer import Producer
 from orbit.tasks import TaskError, make_task
 from orbit.tracking import Trackers, open_trackers

@@ -78,7 +78,7 @@ def random_lora(model_dir: Path, targets: list[str], r: int = 8, alpha: float = 
     import peft
     from transformers import AutoModelForCausalLM
 
-    from orbit.adapters import adapter_config_dict, adapter_tensors
+    from orbit.train.trainer import adapter_config_dict, adapter_tensors
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")

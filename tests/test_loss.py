@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orbit.config import LossConfig
-from orbit.rollout.groups import group_advantages
+from orbit.rollout.pipeline import group_advantages
 from orbit.train.loss import policy_loss
 
 LOGP = [[-1.0, -2.0], [-1.0, -2.0]]

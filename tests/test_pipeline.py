@@ -16,8 +16,7 @@ from orbit.engine.base import Completion
 from orbit.engine.pool import EnginePool
 from orbit.loop import HeldInterrupt
 from orbit.rollout.episode import Episode
-from orbit.rollout.groups import Group
-from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.rollout.pipeline import Admission, Group, Pipeline, RolloutError
 from orbit.rollout.sample import Sample
 from orbit.tasks.base import Prompt
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from orbit import adapters
 from orbit.config import AdapterConfig, LossConfig, TrainerConfig
 from orbit.rollout.sample import Sample
-from orbit.train.trainer import Trainer
+from orbit.train.trainer import Trainer, adapter_tensors
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = AdapterConfig(type="lora", r=4, alpha=8.0)
@@ -284,7 +284,7 @@ def test_saved_adapter_loads_with_peft(tiny_llama: Path, tmp_path: Path):
     ids = torch.tensor([SAMPLES[0].prompt_ids + SAMPLES[0].output_ids])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=0, atol=1e-6)
-    for name, t in adapters.adapter_tensors(loaded).items():
+    for name, t in adapter_tensors(loaded).items():
         assert torch.equal(t, trainer.adapter_tensors()[name]), name
 
 

@@ -1,4 +1,4 @@
-"""The token-level policy-gradient loss with off-policy correction (advantages: orbit/rollout/groups.py).
+"""The token-level policy-gradient loss with off-policy correction (advantages: orbit/rollout/pipeline.py).
 
 The engine samples with slightly stale weights (async modes) and its own numerics, so every
 token carries the engine's behaviour logprob. Three ways to use it (`loss.ratio`):

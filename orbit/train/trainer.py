@@ -91,6 +91,21 @@ class _Totals:
             self.diff_tokens[i] += int(mask.sum())
 
 
+def adapter_tensors(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's weights under peft's names, as detached contiguous CPU copies."""
+    state = peft.get_peft_model_state_dict(peft_model)
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+
+
+def adapter_config_dict(peft_model: peft.PeftModel) -> dict:
+    """The active adapter's peft config as plain JSON types (the adapter_config.json contents)."""
+    config = peft_model.peft_config[peft_model.active_adapter].to_dict()
+    for key, value in config.items():
+        if isinstance(value, set):  # save_pretrained turns sets into lists too; sort for stable output
+            config[key] = sorted(value)
+    return json.loads(json.dumps(config))  # enums -> str, tuples -> lists
+
+
 def _mean(total: float, count: int) -> float:
     return total / count if count else math.nan
 
@@ -285,10 +300,10 @@ class Trainer:
     # -- export -----------------------------------------------------------------------------
 
     def adapter_tensors(self) -> dict[str, Tensor]:
-        return adapters.adapter_tensors(self.model)
+        return adapter_tensors(self.model)
 
     def adapter_config(self) -> dict:
-        return adapters.adapter_config_dict(self.model)
+        return adapter_config_dict(self.model)
 
     def merged_weights(self, only_adapted: bool = False) -> dict[str, Tensor]:
         """Base weights with the adapter merged in; `only_adapted`: just the adapted modules' weights."""

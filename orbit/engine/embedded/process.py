@@ -1,10 +1,17 @@
-"""The engine's own process: a loop that interleaves trainer commands with engine steps.
+"""The embedded engine in a process of its own: the client the trainer side holds, and the loop that
+runs in the engine's process. The two ends of one protocol, in one place.
 
-Commands arrive on a torch.multiprocessing queue (tensors travel as shared-memory handles);
-results go back on a one-way pipe whose only writer is this process, so the trainer side sees EOF
-the moment this process dies. Between two steps the loop drains every queued command, so a
-control call waits at most one step (plus its own work), and a burst of `generate` calls is
-admitted together.
+Trainer side (`EmbeddedClient`, the Engine protocol): thread-safe; a producer thread calls `generate`
+while the trainer thread makes control calls. `generate` returns a Future at once; control calls
+block until the engine has done them. One reader thread resolves futures from the engine's pipe; it
+polls with a timeout and checks the process, so if the engine dies every pending future and every
+later call raises EngineDeadError within about a second instead of hanging.
+
+Engine side (`engine_main`): a loop that interleaves commands with engine steps. Commands arrive on a
+torch.multiprocessing queue (tensors travel as shared-memory handles); results go back on a one-way
+pipe whose only writer is the engine process, so the trainer side sees EOF the moment it dies.
+Between two steps the loop drains every queued command, so a control call waits at most one step
+(plus its own work), and a burst of `generate` calls is admitted together.
 
 Messages in:  ("generate", rid, (prompt_ids, sampling, slot))  |  ("call", cid, (method, args))
 Messages out: ("ready", None, EngineInfo) | ("startup_error", None, exc) | ("done", rid, Completion)
@@ -13,17 +20,258 @@ Messages out: ("ready", None, EngineInfo) | ("startup_error", None, exc) | ("don
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import signal
+import threading
+import time
 import traceback
+from concurrent.futures import Future
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
-from orbit.engine.base import EngineError, EngineInfo
+from orbit.engine.base import (
+    ACTIVE,
+    Capabilities,
+    Completion,
+    EngineDeadError,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    PauseMode,
+    SamplingParams,
+    Slot,
+    resolve,
+)
+from orbit.engine.checks import check_pause_mode, check_prompt, check_request_slot, plain_config
 from orbit.engine.embedded.engine import EngineCore, EngineOptions
+
+_POLL_S = 0.2
+_STARTUP_TIMEOUT_S = 600.0
+# Control calls wait for one engine step plus their own work (milliseconds to seconds); an engine
+# that stays silent this long is hung (e.g. stopped), not busy.
+CALL_TIMEOUT_S = 300.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_context: int | None = None,
+                          dtype: str = "float32", device: str = "cpu", threads: int = 1, seed: int = 0,
+                          prefix_cache_size: int = 64, max_prefill_tokens: int = 4096,
+                          call_timeout_s: float = CALL_TIMEOUT_S, slots: int = 2,
+                          load_delay_s: float = 0.0) -> EmbeddedClient:
+    """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
+
+    `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError).
+    `slots`: adapter slots; `load_delay_s`: every load this much slower (the bench's slowed engine)."""
+    options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
+                            seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens,
+                            slots=slots, load_delay_s=load_delay_s)
+    ctx = mp.get_context("spawn")
+    commands = ctx.Queue()
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=engine_main, args=(str(model_path), options, threads, commands, writer),
+                          daemon=True, name="orbit-engine")
+    process.start()
+    writer.close()  # the engine must hold the only writer, so its death reads as EOF here
+    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    try:
+        while not reader.poll(_POLL_S):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise EngineDeadError(f"engine process failed to start (exit code {process.exitcode})")
+        kind, _, payload = reader.recv()
+    except (EOFError, OSError) as e:
+        process.join(5)
+        raise EngineDeadError(f"engine process failed to start (exit code {process.exitcode})") from e
+    if kind != "ready":
+        process.join(5)
+        raise payload
+    return EmbeddedClient(process, commands, reader, payload, slots, call_timeout_s)
+
+
+class EmbeddedClient:
+    """Implements orbit.engine.base.Engine for the engine process."""
+
+    adapter_transport = "shared-memory"  # tensors cross to the engine process through shared memory
+
+    def __init__(self, process, commands, results, info: EngineInfo, slots: int,
+                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.info = info
+        # Everything a push may ask of it: OFT slots, loads under paused requests, flush at any time.
+        self.capabilities = Capabilities(slots=slots, oft_slots=True, loads_while_paused=True,
+                                         flush_while_running=True)
+        self.call_timeout_s = call_timeout_s
+        self._process = process
+        self._commands = commands
+        self._results = results
+        self._pending: dict[int, tuple[Future, dict | None]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._closing: str | None = None  # why the process is being stopped (shut down, killed)
+        self._reader = threading.Thread(target=self._read, name="orbit-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _submit(self, kind: str, payload: tuple, meta: dict | None = None) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            key = next(self._ids)
+            self._pending[key] = (fut, meta)
+            # under the lock: a dying reader cannot miss this future
+            self._commands.put((kind, key, payload))
+        return fut
+
+    def _call(self, method: str, *args: object, timeout: float | None = None) -> object:
+        timeout = self.call_timeout_s if timeout is None else timeout
+        fut = self._submit("call", (method, args))
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise EngineDeadError(f"engine process {self.pid} did not answer {method} within {timeout:g} s "
+                                  f"(alive: {self._process.is_alive()}); it is hung") from None
+
+    def _read(self) -> None:
+        try:
+            while True:
+                if self._results.poll(_POLL_S):
+                    kind, key, payload = self._results.recv()
+                    self._dispatch(kind, key, payload)
+                elif not self._process.is_alive():
+                    raise EOFError
+        except (EOFError, OSError):
+            self._process.join(2)
+            self._fail_all(EngineDeadError(self._closing or f"engine process {self.pid} died (exit code "
+                                                            f"{self._process.exitcode})"))
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except BaseException as e:  # noqa: BLE001 - whatever broke, no caller may hang on it
+            self._fail_all(EngineDeadError(f"engine client reader failed: {e!r}"))
+
+    def _dispatch(self, kind: str, key: int | None, payload: object) -> None:
+        if kind == "crash":
+            raise EngineDeadError(f"engine process {self.pid} crashed:\n{payload}")
+        with self._lock:
+            fut, meta = self._pending.pop(key)  # type: ignore[arg-type]
+        if kind == "done":  # meta never crossed the process: hand back the caller's own object
+            payload.meta = meta if meta is not None else {}  # type: ignore[attr-defined]
+        if kind in ("done", "reply"):
+            resolve(fut, payload)
+        else:  # "failed" / "error"
+            resolve(fut, exc=payload)  # type: ignore[arg-type]
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = error
+            pending, self._pending = self._pending, {}
+        # nobody reads the command queue any more: do not let its feeder thread block exit
+        self._commands.cancel_join_thread()
+        for fut, _ in pending.values():
+            resolve(fut, exc=self._dead)
+
+    def _shared(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One copy into fresh shared memory; the queue then moves only handles.
+
+        A copy, not `share_memory_()` on the caller's tensors: that would move the trainer's live
+        parameters into shared memory. CUDA tensors for a CUDA engine go by CUDA IPC as they are
+        (the call blocks until the engine has copied them).
+        """
+        if not isinstance(tensors, dict):
+            raise EngineError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+        out = {}
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor):
+                t = t.detach()
+                if not (t.is_cuda and self.info.device.startswith("cuda")):
+                    t = torch.empty(t.shape, dtype=t.dtype).share_memory_().copy_(t)
+            out[name] = t
+        return out
+
+    # ---- the Engine protocol -------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
+                 meta: dict | None = None) -> Future[Completion]:
+        """Submit one request. Bad arguments raise EngineError here; an empty slot or a token id
+        outside the vocabulary fails the future with EngineError."""
+        if not isinstance(sampling, SamplingParams):
+            raise EngineError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        sampling.check()
+        prompt = check_prompt(prompt_ids, self.info.vocab_size, self.info.max_context)
+        check_request_slot(slot, self.capabilities.slots)
+        return self._submit("generate", (prompt, sampling, slot), meta)
+
+    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
+        config = plain_config(adapter_config)  # peft's enums and sets do not cross the process as themselves
+        return self._call("load_adapter", slot, self._shared(tensors), config, version)  # type: ignore[return-value]
+
+    def activate(self, slot: int | None) -> None:
+        self._call("activate", slot)
+
+    def pause_generation(self, mode: PauseMode = "in_place") -> None:
+        self._call("pause_generation", check_pause_mode(mode))
+
+    def flush_cache(self) -> None:
+        self._call("flush_cache")
+
+    def continue_generation(self) -> None:
+        self._call("continue_generation")
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._call("update_weights", self._shared(tensors), version)
+
+    def release_memory(self) -> None:
+        self._call("release_memory")
+
+    def resume_memory(self) -> None:
+        self._call("resume_memory")
+
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        return self._call("stats", timeout=timeout)  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        """Abort what is in flight, stop the process (killed if it does not stop: a hung or stopped
+        process must not hold the caller). Idempotent."""
+        self._closing = self._closing or "engine was shut down"
+        try:
+            self._call("shutdown", timeout=_SHUTDOWN_TIMEOUT_S)
+        except EngineDeadError:
+            pass
+        self._process.join(_SHUTDOWN_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()  # SIGKILL: a SIGSTOPped process ignores SIGTERM until continued
+            self._process.join(_SHUTDOWN_TIMEOUT_S)
+        self._fail_all(EngineDeadError("engine was shut down"))
+        self._commands.close()
+
+    def kill(self) -> None:
+        """Stop a dead or hung engine at once (SIGKILL), without asking it first."""
+        self._closing = self._closing or "engine was killed"
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(_SHUTDOWN_TIMEOUT_S)
+        self._fail_all(EngineDeadError("engine was killed"))
+
+    def __enter__(self) -> EmbeddedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+# ---- the engine's process ----------------------------------------------------------------------
 
 # Control calls the trainer side may invoke by name (anything else is refused).
 CALLS = frozenset({"load_adapter", "activate", "pause_generation", "flush_cache", "continue_generation",
