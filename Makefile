@@ -12,7 +12,7 @@ SMALL := .cache/small/llama-s0
 SGLANG := $(VENV)/.orbit-sglang-stamp
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install sglang demo test test-gpu lint bench bench-engine bench-sglang clean
+.PHONY: install sglang demo test test-fast test-gpu lint bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,13 @@ demo: install $(TINY)/model.safetensors
 test: install sglang
 	$(BIN)/ruff check orbit tests bench scripts
 	$(BIN)/pytest -q
+
+# The developer's loop (under a minute here): unit tests of the pipeline, the push, the slot gate,
+# interrupts and episodes, the in-process engine numerics, the trainer and the recipe checks. No
+# SGLang, no engine processes, no end-to-end runs (those are marked `slow`).
+test-fast: install
+	$(BIN)/ruff check orbit tests bench scripts
+	$(BIN)/pytest -q -m "not slow and not sglang and not gpu"
 
 # The tests marked `gpu` (tests/test_gpu.py: engine and trainer on CUDA in bf16, SGLang on CUDA);
 # `make test` deselects them. No CUDA GPU: one line and success, nothing installed; with

@@ -11,6 +11,8 @@ from run_helpers import checked, recipe_dict, run_metrics, run_timeline
 from orbit.rollout.pipeline import Admission
 from orbit.run import train
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 OVERLAPPED = ("async-full", "async-adapter", "double-buffer")
 
 

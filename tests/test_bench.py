@@ -16,6 +16,8 @@ from orbit.config import RecipeError
 from orbit.modes import MODE_NAMES, MODES
 from orbit.panels import pack_lanes
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 
 def _recipe(model, out):
     return checked(recipe_dict(model, out, rollout={"max_new_tokens": 10}))

@@ -87,6 +87,7 @@ def test_drop_without_replenish_is_rejected(tiny_llama):
     ("no tokenizer", "has no tokenizer (expected tokenizer.json or tokenizer_config.json)"),
     ("gpt2", "is a 'gpt2' model; the embedded engine runs llama, qwen2, qwen3"),
 ])
+@pytest.mark.slow
 def test_a_bad_model_directory_is_one_line(tmp_path, tiny_llama, problem, message):
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
@@ -134,6 +135,7 @@ def _orbit(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orbit.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_recipe_check(tmp_path, tiny_llama):
     good = _write(tmp_path, {"model": str(tiny_llama)})
     assert _orbit("recipe", "check", str(good)).returncode == 0
@@ -142,6 +144,7 @@ def test_cli_recipe_check(tmp_path, tiny_llama):
     assert res.returncode == 2 and "rollout.temperature" in res.stderr
 
 
+@pytest.mark.slow
 def test_cli_train_bad_flags_fail_before_compute(tmp_path, tiny_llama):
     recipe = _write(tmp_path, {"model": str(tiny_llama), "out": str(tmp_path / "run")})
     res = _orbit("train", str(recipe), "--mode", "turbo")
@@ -153,6 +156,7 @@ def test_cli_train_bad_flags_fail_before_compute(tmp_path, tiny_llama):
     assert not (tmp_path / "run").exists()  # nothing was created or computed
 
 
+@pytest.mark.slow
 def test_cli_model_tiny_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,6 +175,7 @@ def test_oft_block_size_must_divide_targets(tiny_llama):
     preflight(parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}}))
 
 
+@pytest.mark.slow
 def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
     from transformers import AutoTokenizer
 

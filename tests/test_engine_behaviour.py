@@ -233,6 +233,7 @@ def _wait_until(cond, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_double_buffer_flip_without_stalling(engine, tiny_llama):
     _, first, config = peft_adapter(tiny_llama, "lora", seed=81)
     _, second, _ = peft_adapter(tiny_llama, "lora", seed=82)
@@ -287,6 +288,7 @@ def test_double_buffer_flip_without_stalling(engine, tiny_llama):
     assert engine.stats().aborted == 0
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama):
     _, good, config = peft_adapter(tiny_llama, "lora", seed=91)
     engine.load_adapter(1, good, config, version=10)
@@ -351,6 +353,7 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
     assert probe(1) == slot_before and probe(None) == base_before
 
 
+@pytest.mark.slow
 def test_pause_abort_through_the_process(engine):
     ps = prompts(3, seed=95)
     futs = [engine.generate(p, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), slot=None)
@@ -362,6 +365,7 @@ def test_pause_abort_through_the_process(engine):
     engine.continue_generation()
 
 
+@pytest.mark.slow
 def test_killed_engine_raises_dead_error_promptly(tiny_llama):
     client = start_embedded_engine(tiny_llama, max_running=4)
     futs = [client.generate(p, SamplingParams(max_new_tokens=400, ignore_eos=True)) for p in prompts(4)]

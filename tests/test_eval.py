@@ -23,6 +23,8 @@ from orbit.eval import resolve_target, run_eval
 from orbit.preflight import preflight
 from orbit.run import train
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-arith.yaml"
 EVAL_N = 200
 MIN_GAIN = 0.10  # measured: +17 to +30 points over seeds and runs; the test asks for 10

@@ -27,6 +27,8 @@ from orbit.rollout.producer import Producer
 from orbit.run import Interrupted, RunStopped, train
 from orbit.train.trainer import STATE_FILE
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
     return recipe_dict(model, out, {"trainer": {"steps": 4}, "mode": "double-buffer"}, **patch)

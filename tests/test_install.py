@@ -94,6 +94,7 @@ def test_gpu_tests_are_left_out_of_the_default_run():
     assert any(m.startswith("gpu:") for m in options["markers"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_installing_orbit_keeps_the_installed_torch(tmp_path):
     """`pip install --dry-run --report` of Orbit's source into this environment: pip resolves every

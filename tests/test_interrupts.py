@@ -45,6 +45,7 @@ def test_a_ctrl_c_python_dropped_in_a_del_is_raised_again():
         interrupts.handled()
 
 
+@pytest.mark.slow
 def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
     """CPython 3.11 would kill the process with SIGINT at exit (returncode -2) without the reset."""
     (tmp_path / "ctrlc_in_exec.py").write_text(textwrap.dedent("""

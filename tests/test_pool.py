@@ -20,6 +20,8 @@ from orbit.engine.base import SamplingParams
 from orbit.modes import MODE_NAMES, MODES
 from orbit.run import train
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
     return recipe_dict(model, out, {"engine": {"max_inflight": 12, "max_running": 12, "replicas": 2},

@@ -11,11 +11,11 @@ import time
 import pytest
 from engine_helpers import FakeEngine
 
-from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.base import Capabilities, EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool
 from orbit.engine.sglang.gate import SlotGate
 from orbit.push.fleet import FleetPush
-from orbit.push.phases import DoubleBufferPush, Target, make_push, run_phases
+from orbit.push.phases import AdapterPush, DoubleBufferPush, FullPush, MergedPush, Target, make_push, run_phases
 
 
 class Policy:
@@ -68,6 +68,26 @@ def test_an_adapter_push_on_sglang_loads_while_generation_runs():
     push = make_push("adapter", "lora", engine.capabilities)
     run_phases([Target(push, engine)], Policy(1), None)
     assert _kinds(engine) == [("load", 0)]  # no pause: the slot's requests finish first, new ones wait
+
+
+def test_make_push_follows_adapter_type_and_engine_capabilities():
+    # what the embedded engine and SGLang declare (EmbeddedClient, SGLangEngine)
+    embedded = Capabilities(slots=3, oft_slots=True, loads_while_paused=True, flush_while_running=True)
+    sglang = Capabilities(slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False)
+    for engine in (embedded, sglang):
+        for kind in ("lora", "oft"):
+            assert type(make_push("full", kind, engine)) is FullPush
+        assert type(make_push("adapter", "lora", engine)) is AdapterPush
+        assert type(make_push("double-buffer", "lora", engine)) is DoubleBufferPush
+    assert type(make_push("double-buffer", "oft", embedded)) is DoubleBufferPush
+    assert type(make_push("adapter", "oft", embedded)) is AdapterPush
+    for push in ("adapter", "double-buffer"):
+        assert type(make_push(push, "oft", sglang)) is MergedPush
+    assert make_push("adapter", "lora", embedded).load_while_paused
+    assert not make_push("adapter", "lora", sglang).load_while_paused
+    ring = make_push("double-buffer", "lora", embedded)
+    assert ring.flush and ring.slots == 3
+    assert not make_push("double-buffer", "lora", sglang).flush
 
 
 def _fleet(n: int = 2, flip: str = "independent", **kw) -> tuple[EnginePool, FleetPush, list[FakeEngine]]:

@@ -24,6 +24,8 @@ from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe
 from orbit.engine.base import EngineDeadError, EngineError, SamplingParams
 from orbit.preflight import preflight
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 needs_sglang = pytest.mark.sglang  # skips without sglang, fails in CI (tests/sglang_gate.py)
 
 # Tolerances, max |engine - reference| logprob on the same tokens, fp32 on both sides.
@@ -476,29 +478,6 @@ def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_childre
 
 
 # ---- push selection and merged weights (no SGLang needed) --------------------------------------------
-
-
-def test_make_push_follows_adapter_type_and_engine_capabilities():
-    from orbit.engine.base import Capabilities
-    from orbit.push.phases import AdapterPush, DoubleBufferPush, FullPush, MergedPush, make_push
-
-    # what the embedded engine and SGLang declare (EmbeddedClient, SGLangEngine)
-    embedded = Capabilities(slots=3, oft_slots=True, loads_while_paused=True, flush_while_running=True)
-    sglang = Capabilities(slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False)
-    for engine in (embedded, sglang):
-        for kind in ("lora", "oft"):
-            assert type(make_push("full", kind, engine)) is FullPush
-        assert type(make_push("adapter", "lora", engine)) is AdapterPush
-        assert type(make_push("double-buffer", "lora", engine)) is DoubleBufferPush
-    assert type(make_push("double-buffer", "oft", embedded)) is DoubleBufferPush
-    assert type(make_push("adapter", "oft", embedded)) is AdapterPush
-    for push in ("adapter", "double-buffer"):
-        assert type(make_push(push, "oft", sglang)) is MergedPush
-    assert make_push("adapter", "lora", embedded).load_while_paused
-    assert not make_push("adapter", "lora", sglang).load_while_paused
-    ring = make_push("double-buffer", "lora", embedded)
-    assert ring.flush and ring.slots == 3
-    assert not make_push("double-buffer", "lora", sglang).flush
 
 
 def test_merged_weights_of_the_adapted_modules_only(tiny_llama):

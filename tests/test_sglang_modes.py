@@ -18,7 +18,7 @@ from orbit.modes import MODE_NAMES
 from orbit.preflight import preflight
 from orbit.run import train
 
-pytestmark = pytest.mark.sglang  # skips without sglang, fails in CI (tests/sglang_gate.py)
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]  # skips without sglang, fails in CI (tests/sglang_gate.py)
 
 LOGPROB_DIFF_MAX = 1e-3  # fp32 SGLang vs fp32 trainer on the same tokens (measured ~1e-6)
 STEPS = 3

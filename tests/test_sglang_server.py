@@ -24,7 +24,7 @@ from orbit.engine.sglang.server import free_port
 from orbit.engine.sglang_cpu import ENV_FLAG, SHIM_DIR
 from orbit.run import train
 
-pytestmark = pytest.mark.sglang  # skips without sglang, fails in CI (tests/sglang_gate.py)
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]  # skips without sglang, fails in CI (tests/sglang_gate.py)
 
 KEY = "orbit-test-key-3f9c"
 KEY_ENV = "ORBIT_TEST_SGLANG_KEY"

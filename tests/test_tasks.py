@@ -143,6 +143,7 @@ def test_zorplex_splits_disjoint(tok):
     assert not chains("train", 2000) & chains("eval", 500)
 
 
+@pytest.mark.slow
 def test_chat_model_style_tool_calls(tiny_task_tokens, tmp_path):
     """The GPU recipes' shape: a chat template around the prompt, <tool_call>...</tool_call> calls that
     stop at the one-token </tool_call>, and tool responses in their own markup."""
@@ -286,6 +287,7 @@ def test_trainer_excludes_injected_tokens_from_loss(tiny_task_tokens, tok):
     assert not torch.allclose(g0, g2, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
     """Real episodes through the embedded engine: tool results injected between turns, masked, and
@@ -336,6 +338,7 @@ def _recipe(model: Path, out: Path, task: dict, **patch) -> dict:
                                     "mode": "double-buffer"}, **patch)
 
 
+@pytest.mark.slow
 def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
     pkg = tmp_path / "mytasks"
     pkg.mkdir()
@@ -373,6 +376,7 @@ def test_bad_task_path_fails_at_recipe_load(tmp_path, tiny_llama, name, message)
     ("not_a_task", r"task.name: .*returned int, which is not a task: it lacks \['name', 'prompts', 'score'\]"),
     ("factory_raises", r"task.name: .*the factory raised ValueError: this factory needs an API key"),
 ])
+@pytest.mark.slow
 def test_bad_task_factory_fails_before_any_compute(tmp_path, tiny_llama, name, message):
     recipe = checked(_recipe(tiny_llama, tmp_path / "run", {"name": f"{USER_TASKS}:{name}"}))
     with pytest.raises(RecipeError, match=message):
@@ -402,6 +406,7 @@ def _write_jsonl(path: Path, rows: list) -> Path:
     ({"prompt": "", "answer": "4"}, r"line 3: 'prompt' must be a non-empty string"),
     ({"prompt": "2+2=", "answer": None}, r"line 3: 'answer' must be a string or a number"),
 ])
+@pytest.mark.slow
 def test_bad_dataset_row_names_the_line(tmp_path, tiny_task_tokens, bad, message):
     data = _write_jsonl(tmp_path / "data.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "1+2=", "answer": "3"},
                                                   bad])
@@ -433,6 +438,7 @@ def test_jsonl_dataset_task(tmp_path, tok):
     assert len({p.text for p in _take(task.prompts(0), 90)}) == 30
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
     run_dir = tmp_path / "run"
@@ -454,6 +460,7 @@ def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["task"]["fail_after"] == 60
 
 
+@pytest.mark.slow
 def test_tool_error_on_the_command_line(tmp_path, warm_zorplex):
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(yaml.safe_dump(_recipe(
@@ -471,6 +478,7 @@ def test_tool_error_on_the_command_line(tmp_path, warm_zorplex):
 # ---- the warm start -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_warm_start_is_deterministic(tmp_path):
     from orbit.warmstart import WarmConfig, build_warm_model
 
@@ -483,6 +491,7 @@ def test_warm_start_is_deterministic(tmp_path):
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_warm_start_is_cached(tmp_path, warm_arith, monkeypatch):
     import orbit.warmstart as ws
 

@@ -15,6 +15,8 @@ from orbit.config import RecipeError, parse_recipe
 from orbit.run import train
 from orbit.tracking import log_images, scalars
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 SAMPLE_FIELDS = {"step", "version", "prompt", "completion", "reward", "failure_mode", "correct", "format_ok"}
 
 

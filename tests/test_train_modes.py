@@ -18,6 +18,8 @@ from orbit.metrics import METRIC_FIELDS
 from orbit.modes import MODE_NAMES
 from orbit.run import train
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 LOGPROB_DIFF_MAX = 1e-3  # fp32 engine vs fp32 trainer on the same tokens
 
 
