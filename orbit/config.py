@@ -145,7 +145,8 @@ class TrainerConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's base weights (bfloat16 "
                                                   "on a GPU halves them; adapter weights stay float32)")
     threads: int = Field(1, ge=1, le=256)
-    micro_batch: int = Field(0, ge=0, description="samples per forward/backward; 0 = the whole batch")
+    micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward/backward (samples of similar "
+                                    "length together); 0 = the whole batch at once")
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

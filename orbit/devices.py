@@ -141,22 +141,25 @@ class ColocatedPlan:
                 f"{g(self.free)} free")
 
 
-def trainer_step_bytes(size: ModelSize, micro_batch: int, seq: int) -> int:
-    """A generous estimate of one micro-batch's peak: fp32 logits with their log-softmax and gradient
-    (3 × batch × seq × vocab × 4 B), plus ~16 hidden-sized fp32 activations per layer and token."""
-    logits = 3 * micro_batch * seq * size.vocab * 4
-    activations = 16 * micro_batch * seq * size.hidden * size.layers * 4
+def trainer_step_bytes(size: ModelSize, tokens: int) -> int:
+    """A generous estimate of one micro-batch's peak (`tokens`: its padded tokens): ~16 hidden-sized fp32
+    activations per layer and token, plus one chunk of fp32 logits with its log-softmax and gradient
+    (3 × CHUNK_ROWS × vocab × 4 B: the trainer projects to the vocabulary a chunk at a time)."""
+    from orbit.train.batch import CHUNK_ROWS
+
+    logits = 3 * CHUNK_ROWS * size.vocab * 4
+    activations = 16 * tokens * size.hidden * size.layers * 4
     return logits + activations
 
 
-def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, trainer_dtype: str, micro_batch: int,
+def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, trainer_dtype: str, tokens: int,
                    seq: int, max_running: int, mem_fraction: float | None = None) -> ColocatedPlan:
     """Split one GPU: the trainer keeps room for its weights and step; the engine gets the rest (at most
     MAX_ENGINE_SHARE of the card) for its weights and KV cache. Raises ValueError, with the numbers, when
     the engine's KV cannot hold even `max_running` requests of `seq` tokens."""
     engine_w = size.params * DTYPE_BYTES[engine_dtype]
     trainer_w = size.params * DTYPE_BYTES[trainer_dtype]
-    step = trainer_step_bytes(size, micro_batch, seq)
+    step = trainer_step_bytes(size, tokens)
     trainer_room = trainer_w + step + int(HEADROOM * total)
     if mem_fraction is None:
         mem_fraction = min(MAX_ENGINE_SHARE, (free - trainer_room) / total)
@@ -168,7 +171,7 @@ def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, tr
     if kv < per_request * max_running:
         raise ValueError(f"trainer and engine cannot share this GPU: {plan.describe()}; the engine's KV needs "
                          f"{per_request * max_running / GiB:.2f} GiB for {max_running} requests of {seq} tokens "
-                         f"(engine.max_running, rollout.max_new_tokens; or trainer.micro_batch, or a GPU each)")
+                         f"(engine.max_running, rollout.max_new_tokens; or trainer.micro_batch_tokens, or a GPU each)")
     if int(mem_fraction * total) + trainer_room > free:
         raise ValueError(f"engine.mem_fraction {mem_fraction:g} leaves the trainer too little: {plan.describe()}")
     return plan
@@ -190,10 +193,11 @@ def colocate(recipe) -> tuple[object, str | None]:
     import torch
 
     free, total = torch.cuda.mem_get_info(t)
-    micro = recipe.trainer.micro_batch or r.group_size * r.prompts_per_step
+    seq = r.max_new_tokens + PROMPT_ALLOWANCE
+    tokens = recipe.trainer.micro_batch_tokens or r.group_size * r.prompts_per_step * seq
     try:
-        plan = plan_colocated(ModelSize.of(recipe.model), total, free, cfg.dtype, recipe.trainer.dtype, micro,
-                              r.max_new_tokens + PROMPT_ALLOWANCE, cfg.max_running, cfg.mem_fraction)
+        plan = plan_colocated(ModelSize.of(recipe.model), total, free, cfg.dtype, recipe.trainer.dtype, tokens,
+                              seq, cfg.max_running, cfg.mem_fraction)
     except ValueError as err:
         raise RecipeError(f"trainer.device: {recipe.trainer.device} is also an engine's device: {err}") from None
     update = {"mem_fraction": plan.mem_fraction}

@@ -75,8 +75,8 @@ def test_recipe_on_a_missing_gpu_fails_at_load(tiny_llama):
 
 def test_colocated_plan_on_an_80_gib_card():
     plan = plan_colocated(QWEN_05B, total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16",
-                          micro_batch=8, seq=1536, max_running=64)
-    step = 3 * 8 * 1536 * 151_936 * 4 + 16 * 8 * 1536 * 896 * 24 * 4
+                          tokens=8 * 1536, seq=1536, max_running=64)
+    step = 3 * 256 * 151_936 * 4 + 16 * 8 * 1536 * 896 * 24 * 4  # a chunk of logits + the activations
     assert plan.trainer_step == step
     trainer_room = 494_000_000 * 2 + step + int(0.05 * 80 * GiB)
     fraction = min(0.85, (79 * GiB - trainer_room) / (80 * GiB))  # the rest of the free memory, capped
@@ -90,12 +90,12 @@ def test_colocated_plan_on_an_80_gib_card():
 def test_colocated_plan_that_cannot_fit_says_the_numbers():
     with pytest.raises(ValueError) as err:
         plan_colocated(QWEN_05B, total=8 * GiB, free=6 * GiB, engine_dtype="float32", trainer_dtype="float32",
-                       micro_batch=32, seq=4096, max_running=256)
+                       tokens=32 * 4096, seq=4096, max_running=256)
     text = str(err.value)
     assert "cannot share this GPU" in text and "GiB free" in text and "engine KV" in text and "model" in text
     with pytest.raises(ValueError, match="engine.mem_fraction 0.9 leaves the trainer too little"):
         plan_colocated(QWEN_05B, total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16",
-                       micro_batch=8, seq=1536, max_running=64, mem_fraction=0.9)
+                       tokens=8 * 1536, seq=1536, max_running=64, mem_fraction=0.9)
 
 
 def test_model_size_of_a_checkpoint(tiny_llama):

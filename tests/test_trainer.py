@@ -98,7 +98,7 @@ def _on_policy(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
 
 
 def test_logprobs_match_plain_transformers_base(tiny_any: Path):
-    trainer = _trainer(tiny_any, OFT, temperature=0.7, micro_batch=2)  # fresh OFT = identity
+    trainer = _trainer(tiny_any, OFT, temperature=0.7, micro_batch_tokens=8)  # fresh OFT = identity; 2 micro-batches
     expected = _plain_logprobs(_plain_model(tiny_any), SAMPLES, 0.7)
     got = trainer.logprobs(SAMPLES)
     for g, e in zip(got, expected, strict=True):
@@ -217,8 +217,8 @@ def test_masked_tokens_do_not_affect_the_update(tiny_llama: Path):
 def test_micro_batches_give_the_same_update(tiny_llama: Path):
     samples = _scored([1.0, -0.5, 2.0])
     results, tensors = [], []
-    for micro in (0, 1):
-        trainer = _trainer(tiny_llama, micro_batch=micro)
+    for micro in (0, 6):  # the whole batch at once; one sample per micro-batch (each is 4..7 tokens)
+        trainer = _trainer(tiny_llama, micro_batch_tokens=micro)
         _perturb(trainer, 0.05)  # so LoRA A and B both get gradients
         results.append(trainer.step(samples))
         tensors.append(trainer.adapter_tensors())
@@ -226,6 +226,18 @@ def test_micro_batches_give_the_same_update(tiny_llama: Path):
     assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=1e-4)
     for name, t in tensors[0].items():
         torch.testing.assert_close(t, tensors[1][name], rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_hold_similar_lengths_within_the_token_budget():
+    from orbit.train.batch import micro_batches, padded_tokens
+
+    samples = [_sample([1] * p, [5] * o) for p, o in ((2, 30), (3, 1), (2, 2), (10, 20), (2, 3), (4, 4))]
+    parts = micro_batches(samples, budget=24)
+    assert sorted(id(s) for part in parts for s in part) == sorted(id(s) for s in samples)  # each sample once
+    lengths = [[len(s.prompt_ids) + len(s.output_ids) for s in part] for part in parts]
+    assert lengths == [[4, 4, 5], [8], [30], [32]]  # sorted, packed up to 24 padded tokens; a long one alone
+    assert all(padded_tokens(part) <= 24 or len(part) == 1 for part in parts)
+    assert micro_batches(samples, budget=0) == [sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.output_ids))]
 
 
 def test_gradients_are_clipped(tiny_llama: Path):

@@ -8,14 +8,24 @@ The reported logprob is that of the chosen token under the distribution it was s
 log_softmax(logits / temperature), truncated to top-k/top-p and renormalised when those are set
 (orbit/truncation.py, the rule the trainer scores with too). Greedy rows report
 log_softmax(logits) (temperature 1, untruncated).
+
+With a real vocabulary (49k, 152k) the sampler must not cost a fraction of the forward: every pass
+over a [rows, vocab] tensor counts. So one fused softmax gives the probabilities, the chosen token's
+logprob is the log of its probability (no full log-softmax), and the inverse CDF runs in two levels
+(block masses, then one block in float64) instead of a cumulative sum of the whole row.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from orbit.engine.base import SamplingParams
 from orbit.truncation import kept_sorted
+
+BLOCK = 512  # at most this many vocabulary entries per block of the two-level inverse CDF
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -23,44 +33,58 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """logits [n, V] float32 -> (token per row, its logprob)."""
     temps = [p.temperature for p in params]
     if not any(temps):  # all greedy: the common evaluation path, no uniforms needed
-        logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-        return tokens.tolist(), logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return tokens.tolist(), chosen.tolist()
 
     device = logits.device
     n = logits.shape[0]
     t = torch.tensor([x if x > 0 else 1.0 for x in temps], device=device)
-    logp = torch.log_softmax(logits / t[:, None], dim=-1)
+    probs = torch.softmax(logits / t[:, None], dim=-1)
     uniforms = torch.tensor(
         [float(torch.rand((), generator=g, dtype=torch.float64)) if g is not None else 0.0 for g in generators],
         device=device,
     )
     # Rows that keep every token sample in vocabulary order; only truncating rows are sorted, so a
     # row's token never depends on whether a batch-mate truncates.
-    sampled = _inverse_cdf(logp.exp(), uniforms)
+    tokens = inverse_cdf(probs, uniforms)
     log_mass = torch.zeros(n, device=device)  # log of the kept mass: 0 where nothing is cut
     cut = [i for i, p in enumerate(params) if p.top_p < 1.0 or p.top_k > 0]
     if cut:
         rows = torch.tensor(cut, device=device)
-        sorted_logp, order = logp[rows].sort(dim=-1, descending=True)
-        probs = sorted_logp.exp()
+        sorted_probs, order = probs[rows].sort(dim=-1, descending=True)
         top_k = torch.tensor([params[i].top_k for i in cut], device=device)
         top_p = torch.tensor([params[i].top_p for i in cut], device=device)
-        kept = probs * kept_sorted(probs, top_p, top_k)
-        picked = _inverse_cdf(kept, uniforms[rows])
-        sampled[rows] = order.gather(1, picked[:, None]).squeeze(1)
+        kept = sorted_probs * kept_sorted(sorted_probs, top_p, top_k)
+        picked = inverse_cdf(kept, uniforms[rows])
+        tokens[rows] = order.gather(1, picked[:, None]).squeeze(1)
         log_mass[rows] = kept.sum(dim=-1).log()
-    greedy = torch.tensor([x == 0 for x in temps], device=device)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)  # greedy rows ran at temperature 1 and keep all
-    return tokens.tolist(), torch.where(greedy, chosen, chosen - log_mass).tolist()
+    chosen = probs.gather(1, tokens[:, None]).squeeze(1).log() - log_mass
+    greedy = [i for i, x in enumerate(temps) if x == 0]
+    if greedy:  # temperature 1, untruncated: log_softmax(logits) of the argmax
+        rows = torch.tensor(greedy, device=device)
+        tokens[rows] = logits[rows].argmax(dim=-1)
+        chosen[rows] = logits[rows].gather(1, tokens[rows, None]).squeeze(1) - torch.logsumexp(logits[rows], dim=-1)
+    return tokens.tolist(), chosen.tolist()
 
 
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Index per row where the running sum of (unnormalised) weights first exceeds u·total.
-
-    `right=True` makes a zero-weight entry unpickable: its running sum equals its predecessor's.
-    """
-    cdf = weights.double().cumsum(dim=-1)
-    target = (uniforms * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index per row where the running sum of (unnormalised, non-negative) weights [n, V] first exceeds
+    u·total, found in two levels: the block whose cumulative mass crosses it, then the entry in it.
+    `right=True` makes a zero-weight entry unpickable: its running sum equals its predecessor's."""
+    n, vocab = weights.shape
+    size = math.gcd(vocab, BLOCK)
+    if size < 64:  # a vocabulary with no good block size (small or odd): pad it (cheap at that size)
+        size = BLOCK
+        weights = F.pad(weights, (0, -vocab % BLOCK))
+    blocks = weights.view(n, -1, size)
+    mass = blocks.sum(dim=-1).double()  # [n, blocks]
+    cdf = mass.cumsum(dim=-1)
+    target = uniforms.double() * cdf[:, -1]
+    b = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    rows = torch.arange(n, device=weights.device)
+    inner = blocks[rows, b].double().cumsum(dim=-1)  # [n, size]
+    j = torch.searchsorted(inner, (target - (cdf[rows, b] - mass[rows, b]))[:, None], right=True).squeeze(1)
+    # rounding can put the target a hair past the block's last positive entry: take that entry
+    last = (blocks[rows, b] > 0).int().cumsum(dim=-1).argmax(dim=-1)
+    return (b * size + torch.minimum(j, last)).clamp_(max=vocab - 1)
