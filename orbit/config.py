@@ -150,13 +150,16 @@ class TrainerConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
-BUILTIN_TASKS = ("pattern", "arith", "zorplex", "jsonl")
+BUILTIN_TASKS = ("pattern", "arith", "zorplex", "jsonl", "math")
 # The options each built-in task takes; every other option must stay unset (null) for it.
 TASK_OPTIONS = {
     "pattern": ("target",),
-    "arith": ("max_digits", "ops", "template", "chat"),
-    "zorplex": ("min_hops", "max_hops", "max_turns", "template", "result_format", "call_format", "call_end", "chat"),
+    "arith": ("max_digits", "ops", "template", "chat", "system", "answer"),
+    "zorplex": ("min_hops", "max_hops", "max_turns", "template", "result_format", "call_format", "call_end", "chat",
+                "answer"),
     "jsonl": ("path", "eval_path", "holdout_every", "template", "chat"),
+    "math": ("path", "eval_path", "holdout_every", "question_field", "answer_field", "template", "chat", "system",
+             "format_reward"),
 }
 
 
@@ -167,7 +170,7 @@ class TaskConfig(_Section):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    name: str = Field("pattern", min_length=1, description="pattern | arith | zorplex | jsonl | module:factory")
+    name: str = Field("pattern", min_length=1, description="pattern | arith | zorplex | jsonl | math | module:factory")
     target: str | None = Field(None, min_length=1, description="pattern: the word to emit (default yes)")
     max_digits: int | None = Field(None, ge=1, le=9, description="arith: operands have 1..max_digits digits (2)")
     ops: str | None = Field(None, pattern=r"^[+*-]+$", description="arith: operators to draw from (+-)")
@@ -179,9 +182,19 @@ class TaskConfig(_Section):
     call_format: str | None = Field(None, min_length=1, description="zorplex: a tool call (LOOKUP({key}))")
     call_end: str | None = Field(None, min_length=1, description="zorplex: one-token end of a call; stops the turn")
     chat: bool | None = Field(None, description="wrap the prompt in the tokenizer's chat template (false)")
-    path: Path | None = Field(None, description="jsonl: rows of {prompt, answer}")
-    eval_path: Path | None = Field(None, description="jsonl: held-out rows (default: every holdout_every-th row)")
-    holdout_every: int | None = Field(None, ge=2, description="jsonl: hold out every Nth row of path (10)")
+    system: str | None = Field(None, description="arith, math: a system prompt (with chat: true)")
+    answer: Literal["tag", "math"] | None = Field(None, description="arith, zorplex: how the answer is read: the "
+                                                  "<answer> tag, exactly (tag); or math-verify, by value (math)")
+    path: str | None = Field(None, min_length=1, description="jsonl: rows of {prompt, answer}; math: a dataset "
+                             "file (jsonl, json, parquet, csv), a save_to_disk directory or a hub dataset name")
+    eval_path: str | None = Field(None, min_length=1, description="jsonl, math: held-out rows (default: every "
+                                  "holdout_every-th row)")
+    holdout_every: int | None = Field(None, ge=2, description="jsonl, math: hold out every Nth row of path (10)")
+    question_field: str | None = Field(None, min_length=1, description="math: the question's field (question)")
+    answer_field: str | None = Field(None, min_length=1, description="math: the answer's field (answer; a "
+                                     "GSM8K answer's value is what follows its last ####)")
+    format_reward: float | None = Field(None, ge=0.0, le=10.0, description="math: reward for giving any answer "
+                                        "math-verify can read, right or wrong (0)")
 
     @property
     def is_builtin(self) -> bool:
@@ -207,6 +220,8 @@ class TaskConfig(_Section):
                                  f"{', '.join(allowed)})")
             if self.name == "jsonl" and self.path is None:
                 raise ValueError("task.path: required for task 'jsonl' (a JSONL file of {prompt, answer} rows)")
+            if self.name == "math" and self.path is None:
+                raise ValueError("task.path: required for task 'math' (a dataset file or directory of problems)")
             if self.min_hops is not None and self.max_hops is not None and self.min_hops > self.max_hops:
                 raise ValueError(f"task.min_hops: {self.min_hops} is more than max_hops {self.max_hops}")
         elif ":" not in self.name:

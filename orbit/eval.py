@@ -28,7 +28,7 @@ from orbit.engine.base import Engine, SamplingParams
 from orbit.preflight import check_task
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.pipeline import score as score_sample
-from orbit.tasks import FAILURE_MODES, make_task
+from orbit.tasks import FAILURE_MODES, close_task, make_task
 from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 
 DEFAULT_N = 200
@@ -242,18 +242,10 @@ def _load_adapter(engine, adapter: Path) -> int:
 # ---- the command --------------------------------------------------------------------------------
 
 
-def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1,
-             console: Console | None = None) -> dict:
-    """Evaluate the target, print the table, write eval.json and eval_samples.jsonl; return the report."""
-    from transformers import AutoTokenizer
-
+def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int, console: Console):
+    """Base (unless the target is an adapter alone) and trained, on the embedded engine."""
     from orbit.engine.embedded import start_embedded_engine
 
-    if n < 1:
-        raise RecipeError(f"--n: must be >= 1, got {n}")
-    console = console or Console()
-    tokenizer = AutoTokenizer.from_pretrained(target.model)
-    task = make_task(target.task, tokenizer)
     prompts = held_out_prompts(task, n, seed)
     if len(prompts) < n:
         console.print(f"note: the held-out split has only {len(prompts)} distinct prompts; evaluating those")
@@ -272,6 +264,23 @@ def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1
                                                               max_context)
     finally:
         engine.shutdown()
+    return results, samples, version, n
+
+
+def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1,
+             console: Console | None = None) -> dict:
+    """Evaluate the target, print the table, write eval.json and eval_samples.jsonl; return the report."""
+    from transformers import AutoTokenizer
+
+    if n < 1:
+        raise RecipeError(f"--n: must be >= 1, got {n}")
+    console = console or Console()
+    tokenizer = AutoTokenizer.from_pretrained(target.model)
+    task = make_task(target.task, tokenizer)
+    try:
+        results, samples, version, n = _evaluate_target(target, task, n, seed, threads, console)
+    finally:
+        close_task(task)
     report = {
         "target": str(target.path), "kind": target.kind, "model": str(target.model),
         "adapter": str(target.adapter) if target.adapter else None, "adapter_version": version,

@@ -122,19 +122,30 @@ def check_oft_block_size(recipe: Recipe) -> None:
 
 
 def check_task(task: TaskConfig) -> None:
-    """What can be checked without the model: a user task imports, a dataset's rows are valid."""
+    """What can be checked without the model: a user task imports, a dataset's rows are valid (every
+    row of a math dataset has its fields and a gold answer math-verify can read)."""
     from orbit.tasks.jsonl import DatasetError, load_rows
     from orbit.tasks.loader import TaskLoadError, resolve_factory
+    from orbit.tasks.math import load_problems
+    from orbit.tasks.verify import MathChecker
 
     key = "name"
     try:
         if not task.is_builtin:
             resolve_factory(task.name)
-        if task.name == "jsonl":
+        if task.name in ("jsonl", "math"):
             for key in ("path", "eval_path"):
                 path = task.path if key == "path" else task.eval_path
-                if path is not None:
+                if path is None:
+                    continue
+                if task.name == "jsonl":
                     load_rows(path)
+                    continue
+                checker = MathChecker()
+                try:
+                    load_problems(path, task.question_field or "question", task.answer_field or "answer", checker)
+                finally:
+                    checker.close()
     except TaskLoadError as err:
         raise RecipeError(f"task.name: {err}") from None
     except DatasetError as err:

@@ -34,7 +34,7 @@ from orbit.preflight import Checked
 from orbit.push.fleet import FleetPush
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
 from orbit.rollout.producer import Producer
-from orbit.tasks import TaskError, make_task
+from orbit.tasks import TaskError, close_task, make_task
 from orbit.tracking import Trackers, open_trackers
 from orbit.train.trainer import STATE_FILE, Trainer
 from orbit.truncation import truncates
@@ -124,21 +124,25 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     task = make_task(recipe.task, tokenizer)
-    stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
-    interrupts.raise_if_dropped()
-    created = prepare_run_dir(run_dir, resume)
     try:
-        run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer)
-    except BaseException as err:
-        _undo_start(run_dir, created, resume)
-        if isinstance(err, KeyboardInterrupt):
-            interrupts.handled()
-            raise Interrupted(f"interrupted during start-up: nothing was trained{_left(run_dir, resume)}") from None
-        raise
-    try:
-        _loop(run, recipe, run_dir, created, resume)
+        stop_ids = stop_token_ids(tokenizer, recipe.rollout.stop)
+        interrupts.raise_if_dropped()
+        created = prepare_run_dir(run_dir, resume)
+        try:
+            run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer)
+        except BaseException as err:
+            _undo_start(run_dir, created, resume)
+            if isinstance(err, KeyboardInterrupt):
+                interrupts.handled()
+                raise Interrupted(f"interrupted during start-up: nothing was trained{_left(run_dir, resume)}") \
+                    from None
+            raise
+        try:
+            _loop(run, recipe, run_dir, created, resume)
+        finally:
+            run.close_files()
     finally:
-        run.close_files()
+        close_task(task)  # after the producer stopped: nothing scores any more
     return RunResult(run_dir, run.trainer.version - run.start_version, time.time() - t0)
 
 

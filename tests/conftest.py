@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+_ROOT = Path(__file__).resolve().parent.parent
+# `datasets` keeps what it loads in a cache: the repository's, not the home directory (set before import)
+os.environ.setdefault("HF_DATASETS_CACHE", str(_ROOT / ".cache" / "datasets"))
 
-from orbit.tiny import build_tiny_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from orbit.tiny import build_tiny_model  # noqa: E402
 
 pytest_plugins = ["sglang_gate"]  # `sglang` marker: skip without sglang, fail in CI
 
-_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tiny"
+_CACHE = _ROOT / ".cache" / "tiny"
 
 
 def tiny_model(arch: str = "llama", seed: int = 0) -> Path:

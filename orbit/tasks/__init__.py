@@ -15,20 +15,22 @@ from orbit.tasks.base import (
     Task,
     TaskError,
     check_task,
+    close_task,
     is_multi_turn,
     task_stop_ids,
 )
 from orbit.tasks.jsonl import DatasetError, JsonlTask
 from orbit.tasks.loader import TaskLoadError, resolve_factory
+from orbit.tasks.math import MathTask
 from orbit.tasks.pattern import PatternTask
 from orbit.tasks.zorplex import ZorplexTask
 
 __all__ = [
-    "FAILURE_MODES", "MultiTurnTask", "Prompt", "Score", "Segment", "Task", "TaskError", "is_multi_turn",
-    "make_task", "task_stop_ids",
+    "FAILURE_MODES", "MultiTurnTask", "Prompt", "Score", "Segment", "Task", "TaskError", "close_task",
+    "is_multi_turn", "make_task", "task_stop_ids",
 ]
 
-BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask}
+BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask, "math": MathTask}
 
 
 def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:

@@ -14,8 +14,9 @@ A multi-turn task (tool use) adds
 - `max_turns: int`: model turns per episode at most.
 
 Optional on any task: `stop_token_ids` (tuple of ints) ends a model turn besides eos (a multi-turn
-task puts its tool-call end marker here), and `demonstration(prompt) -> list[Segment]` (a correct
-episode, used by the warm start).
+task puts its tool-call end marker here), `demonstration(prompt) -> list[Segment]` (a correct
+episode, used by the warm start), and `close()` (stop what the task started, e.g. a checker process;
+called when the run or the evaluation ends).
 
 A task that fails (raises) while the run is going is a `TaskError`: the run stops with the
 prompt id and the task's own message, and keeps what it has written.
@@ -83,6 +84,14 @@ def is_multi_turn(task: object) -> bool:
 
 def task_stop_ids(task: object) -> tuple[int, ...]:
     return tuple(int(t) for t in getattr(task, "stop_token_ids", ()) or ())
+
+
+def close_task(task: object) -> None:
+    """Stop what a task started (the math tasks' checker process); a task with nothing to stop has no
+    `close`."""
+    close = getattr(task, "close", None)
+    if callable(close):
+        close()
 
 
 def check_task(task: object, where: str) -> None:

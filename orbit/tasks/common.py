@@ -7,6 +7,7 @@ import zlib
 from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt, Score, Segment, answer_tag
+from orbit.tasks.verify import MathChecker
 
 CORRECT_REWARD = 1.0
 FORMAT_REWARD = 0.2  # an answer tag is present, right or wrong
@@ -22,11 +23,16 @@ def check_chat(tokenizer: PreTrainedTokenizerBase, chat: bool) -> bool:
     return chat
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> tuple[int, ...]:
-    """Token ids of a prompt; `chat`: as the user turn of the tokenizer's chat template."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool, system: str | None = None
+                  ) -> tuple[int, ...]:
+    """Token ids of a prompt; `chat`: as the user turn of the tokenizer's chat template, after `system`
+    as the system turn when given (else the template's own default, if it has one)."""
+    if system is not None and not chat:
+        raise ValueError("task.system: a system prompt needs task.chat: true (it is a turn of the chat template)")
     if check_chat(tokenizer, chat):
+        turns = [{"role": "system", "content": system}] if system is not None else []
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            turns + [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
             ids = ids["input_ids"]
@@ -57,16 +63,29 @@ def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)
 
 
-def answer_score(text: str, answer: str, tool_calls: int = 0, spam: bool = False, **info) -> Score:
-    """Shaped reward: +1.0 correct, +0.2 answer tag present, -0.1 per tool call beyond 2.
+ANSWERS = ("tag", "math")  # how an answer is read: the answer tag, exactly; or math-verify, by value
 
+
+def answer_score(text: str, answer: str, tool_calls: int = 0, spam: bool = False, checker: MathChecker | None = None,
+                 format_reward: float = FORMAT_REWARD, **info) -> Score:
+    """Shaped reward: +1.0 correct, +`format_reward` (0.2) an answer was given, -0.1 per tool call beyond 2.
+
+    The answer is read from the `<answer>` tag and must equal `answer` exactly; with a `checker`, it
+    is read by math-verify (the last `\\boxed{}`, a `#### N` or the final number) and compared by value.
     failure_mode: success | tool_spam (`spam`: more tool calls than the problem needs, and wrong)
-    | wrong_format (no answer tag) | wrong_answer.
+    | wrong_format (no answer found) | wrong_answer.
     """
-    given = answer_tag(text)
+    timed_out = False
+    if checker is None:
+        given = answer_tag(text)
+        correct = given is not None and given == answer.strip()
+    else:
+        verdict = checker.check(text, answer)
+        given, correct, timed_out = verdict.given, verdict.correct, verdict.timed_out
+        if timed_out:
+            info["timed_out"] = True
     format_ok = given is not None
-    correct = format_ok and given == answer.strip()
-    reward = CORRECT_REWARD * correct + FORMAT_REWARD * format_ok
+    reward = CORRECT_REWARD * correct + format_reward * format_ok
     reward -= TOOL_CALL_PENALTY * max(0, tool_calls - FREE_TOOL_CALLS)
     if correct:
         mode = "success"
@@ -83,14 +102,28 @@ def answer_score(text: str, answer: str, tool_calls: int = 0, spam: bool = False
     )
 
 
+def answer_checker(answer: str) -> MathChecker | None:
+    """The checker a task's `answer` option asks for: None for the answer tag, math-verify for `math`."""
+    if answer not in ANSWERS:
+        raise ValueError(f"task.answer: {answer!r} is not one of {', '.join(ANSWERS)}")
+    return MathChecker() if answer == "math" else None
+
+
 class AnswerTagTask:
-    """Single-turn tasks scored by the `<answer>` tag; needs `tokenizer` and `stop_token_ids`."""
+    """Single-turn tasks scored by the `<answer>` tag (or, `answer: math`, by math-verify); needs
+    `tokenizer`, `stop_token_ids` and `checker`."""
 
     tokenizer: PreTrainedTokenizerBase
     stop_token_ids: tuple[int, ...]
+    checker: MathChecker | None = None
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
-        return answer_score(decode(self.tokenizer, output_ids), prompt.answer)
+        return answer_score(decode(self.tokenizer, output_ids), prompt.answer, checker=self.checker)
+
+    def close(self) -> None:
+        """Stop what the task started (math-verify's process)."""
+        if self.checker is not None:
+            self.checker.close()
 
     def demonstration(self, prompt: Prompt) -> list[Segment]:
         """The correct completion, for the warm start's supervised pass."""

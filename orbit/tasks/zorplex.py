@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt, Score, Segment
-from orbit.tasks.common import answer_score, check_chat, decode, encode_prompt, in_split, single_token
+from orbit.tasks.common import answer_checker, answer_score, check_chat, decode, encode_prompt, in_split, single_token
 
 DEFAULT_TEMPLATE = "zorplex({key})?"
 DEFAULT_RESULT = "={value};"
@@ -43,7 +43,7 @@ class ZorplexTask:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, min_hops: int = 1, max_hops: int = 3,
                  max_turns: int | None = None, template: str | None = None, result_format: str | None = None,
-                 call_format: str | None = None, call_end: str = ")", chat: bool = False) -> None:
+                 call_format: str | None = None, call_end: str = ")", chat: bool = False, answer: str = "tag") -> None:
         if not 1 <= min_hops <= max_hops <= len(KEYS) - 1:
             raise ValueError(f"task.min_hops/max_hops: need 1 <= min_hops <= max_hops <= 25, "
                              f"got {min_hops}, {max_hops}")
@@ -72,6 +72,7 @@ class ZorplexTask:
                              f"call_end {call_end!r}")
         answer_end = single_token(tokenizer, "</answer>")
         self.stop_token_ids: tuple[int, ...] = (end,) + ((answer_end,) if answer_end is not None else ())
+        self.checker = answer_checker(answer)  # last: nothing above may fail with its process started
 
     # ---- prompts -----------------------------------------------------------------------------
 
@@ -123,7 +124,11 @@ class ZorplexTask:
         text = decode(self.tokenizer, output_ids)
         calls = len(_CALL.findall(text))
         hops = len(prompt.meta["chain"])
-        return answer_score(text, prompt.answer, tool_calls=calls, spam=calls > hops, hops=hops)
+        return answer_score(text, prompt.answer, tool_calls=calls, spam=calls > hops, checker=self.checker, hops=hops)
+
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
 
     def demonstration(self, prompt: Prompt) -> list[Segment]:
         """The correct episode: one call per hop, the tool's results, the answer."""
