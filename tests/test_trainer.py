@@ -228,16 +228,56 @@ def test_micro_batches_give_the_same_update(tiny_llama: Path):
         torch.testing.assert_close(t, tensors[1][name], rtol=1e-4, atol=1e-6)
 
 
-def test_micro_batches_hold_similar_lengths_within_the_token_budget():
+def test_micro_batches_hold_whole_prompts_within_the_token_budget():
+    """A micro-batch costs its prompts once each plus its outputs, padded; prompts' samples stay together
+    where they fit, groups sorted by length."""
     from orbit.train.batch import micro_batches, padded_tokens
 
-    samples = [_sample([1] * p, [5] * o) for p, o in ((2, 30), (3, 1), (2, 2), (10, 20), (2, 3), (4, 4))]
-    parts = micro_batches(samples, budget=24)
-    assert sorted(id(s) for part in parts for s in part) == sorted(id(s) for s in samples)  # each sample once
-    lengths = [[len(s.prompt_ids) + len(s.output_ids) for s in part] for part in parts]
-    assert lengths == [[4, 4, 5], [8], [30], [32]]  # sorted, packed up to 24 padded tokens; a long one alone
-    assert all(padded_tokens(part) <= 24 or len(part) == 1 for part in parts)
-    assert micro_batches(samples, budget=0) == [sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.output_ids))]
+    a = [_sample([1, 1], [5] * n) for n in (3, 1, 2)]  # one prompt, three samples
+    b = [_sample([2, 2, 2], [6] * 20)]
+    c = [_sample([3] * 10, [7] * 4) for _ in range(2)]
+    parts = micro_batches(c + b + a, budget=24)
+    assert [[len(s.output_ids) for s in part] for part in parts] == [[1, 2, 3], [20], [4, 4]]
+    assert [padded_tokens(part) for part in parts] == [2 + 3 * 3, 3 + 20, 10 + 2 * 4]
+    assert padded_tokens(a + b) == 2 * 3 + 4 * 20  # two prompts, padded to the longer; four outputs
+    assert sorted(id(s) for part in micro_batches(a + b + c, 0) for s in part) == sorted(id(s) for s in a + b + c)
+    assert len(micro_batches(a + b + c, 0)) == 1
+
+
+def test_a_shared_prompt_runs_once_and_gives_the_whole_sequence_forward(tiny_llama: Path):
+    """Samples of one prompt (a GRPO group) continue from its keys and values: the logprobs and the
+    gradient are those of running every sequence whole."""
+    trainer = _trainer(tiny_llama)
+    _perturb(trainer, 0.05)
+    group = [_sample([1, 40, 41, 42], out, [-3.0] * len(out), adv)
+             for out, adv in (([50, 51, 52], 1.0), ([60], -1.0), ([70, 71, 72, 73, 74], 0.5))]
+    whole = _plain_logprobs(trainer.model.eval(), group, 1.0)  # each sequence whole through the peft model
+    for x, y in zip(trainer.logprobs(group), whole, strict=True):
+        assert x == pytest.approx(y, abs=1e-5)
+
+    def gradient(logprobs_of) -> list[torch.Tensor]:
+        trainer.model.zero_grad(set_to_none=True)
+        sum(lp.sum() * (i + 1) for i, lp in enumerate(logprobs_of())).backward()
+        return [p.grad.clone() for p in trainer.params]
+
+    from orbit.train.batch import collate
+
+    def shared():
+        batch = collate(group, trainer.pad_id, trainer.version, trainer.device)
+        logp = trainer._logprobs(batch)
+        return [logp[i, : len(s.output_ids)] for i, s in enumerate(group)]
+
+    def each_whole():
+        out = []
+        for s in group:
+            logits = trainer.model(torch.tensor([s.prompt_ids + s.output_ids])).logits[0]
+            logp = torch.log_softmax(logits, dim=-1)
+            first = len(s.prompt_ids) - 1
+            out.append(logp[first + torch.arange(len(s.output_ids)), torch.tensor(s.output_ids)])
+        return out
+
+    for a, b in zip(gradient(shared), gradient(each_whole), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_gradients_are_clipped(tiny_llama: Path):

@@ -118,7 +118,9 @@ class AnswerTagTask:
     checker: MathChecker | None = None
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
-        return answer_score(decode(self.tokenizer, output_ids), prompt.answer, checker=self.checker)
+        # In its own words a model almost always gives some number: no reward for that alone.
+        return answer_score(decode(self.tokenizer, output_ids), prompt.answer, checker=self.checker,
+                            format_reward=FORMAT_REWARD if self.checker is None else 0.0)
 
     def close(self) -> None:
         """Stop what the task started (math-verify's process)."""

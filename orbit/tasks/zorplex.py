@@ -27,7 +27,16 @@ from collections.abc import Iterator
 from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt, Score, Segment
-from orbit.tasks.common import answer_checker, answer_score, check_chat, decode, encode_prompt, in_split, single_token
+from orbit.tasks.common import (
+    FORMAT_REWARD,
+    answer_checker,
+    answer_score,
+    check_chat,
+    decode,
+    encode_prompt,
+    in_split,
+    single_token,
+)
 
 DEFAULT_TEMPLATE = "zorplex({key})?"
 DEFAULT_RESULT = "={value};"
@@ -124,7 +133,8 @@ class ZorplexTask:
         text = decode(self.tokenizer, output_ids)
         calls = len(_CALL.findall(text))
         hops = len(prompt.meta["chain"])
-        return answer_score(text, prompt.answer, tool_calls=calls, spam=calls > hops, checker=self.checker, hops=hops)
+        return answer_score(text, prompt.answer, tool_calls=calls, spam=calls > hops, checker=self.checker,
+                            format_reward=FORMAT_REWARD if self.checker is None else 0.0, hops=hops)
 
     def close(self) -> None:
         if self.checker is not None:

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, set_seed
 from orbit import adapters
 from orbit.config import AdapterConfig, TrainerConfig
 from orbit.rollout.sample import Sample
-from orbit.train.batch import Batch, collate, micro_batches, token_logprobs
+from orbit.train.batch import Batch, collate, micro_batches, output_hidden, token_logprobs
 from orbit.train.loss import LossStats, policy_loss
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
@@ -233,16 +233,14 @@ class Trainer:
             batch = self._collate(chunk)
             logp = self._logprobs(batch)
             for row, s in enumerate(chunk):
-                first = len(s.prompt_ids) - 1 - batch.start
-                out[index[id(s)]] = logp[row, first : first + len(s.output_ids)].tolist()
+                out[index[id(s)]] = logp[row, : len(s.output_ids)].tolist()
         return [out[i] for i in range(len(samples))]
 
     def _logprobs(self, batch: Batch) -> Tensor:
-        """[B, T] logprob of the next token under the sampling distribution, from position `start` on:
-        the decoder runs to its last hidden state, the vocabulary projection a chunk at a time."""
-        hidden = self._decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        return token_logprobs(hidden[:, batch.start:-1], self._head, batch, self.temperature, self.top_p,
-                              self.top_k)
+        """[N, C] logprob of each output token under the sampling distribution (batch.py): each prompt runs
+        once, the decoder to its last hidden state, the vocabulary projection a chunk at a time."""
+        hidden = output_hidden(self._decoder, batch)
+        return token_logprobs(hidden, self._head, batch, self.temperature, self.top_p, self.top_k)
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: Batch) -> Tensor:
