@@ -64,6 +64,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
     ("3/4", "so \\boxed{0.75}", True),
     ("0.75", "the result is \\boxed{\\frac{3}{4}}", True),
     ("42", "17 + 25 = 32 and that is it", False),  # the final number is the answer read
+    ("95", "So, 38 + 57 = ", False),  # the question restated is not an answer (math-verify would evaluate it)
     ("42", "\\boxed{41} ... no wait, 42? Final: \\boxed{41}", False),  # the last boxed one counts
 ])
 def test_answers_are_read_and_compared_by_value(checker, answer, text, correct):

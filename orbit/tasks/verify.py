@@ -1,8 +1,10 @@
 """Math answers checked with math-verify (the checker TRL, AReaL, PipelineRL and tinker-cookbook use), each
 check bounded in time.
 
-math-verify reads the answer a completion gives (the last `\\boxed{}`, a `#### N`, or the final number
-or expression) and compares it with the gold answer by value (`42`, `42.0`, `1,234`, `3/4`, `0.75`).
+The answer a completion gives is its last `\\boxed{}`, else what follows its last `####`, else its final
+number (`answer_text`); math-verify parses it and compares it with the gold answer by value (`42`,
+`42.0`, `1,234`, `3/4`, `0.75`). A final *expression* is not an answer: "so 38 + 57 = " restates the
+question, and math-verify would evaluate it to the right value.
 Its own time limits use SIGALRM, which works only in a process's main thread, while Orbit scores in
 the producer's thread. So the checks run in a small process of Orbit's own, on its main thread, with
 math-verify's limits on; and a check that does not come back within `timeout_s` (a pathological
@@ -13,12 +15,28 @@ started again for the next check. The check counts as wrong, with `timed_out` se
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 _PARENT_POLL_S = 1.0
 START_TIMEOUT_S = 120.0  # importing sympy on a loaded 2-core machine
+
+
+# A number as a completion writes it: sign, digits with thousands commas, decimals, a fraction.
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+
+
+def answer_text(text: str) -> str | None:
+    """What a completion gives as its answer: its last `\\boxed{...}` (the whole LaTeX, for math-verify to
+    read the boxed one), else what follows its last `####`, else its final number; None when it gives none."""
+    if "\\boxed" in text:
+        return text
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip() or None
+    numbers = NUMBER.findall(text)
+    return numbers[-1].rstrip(",") if numbers else None
 
 
 @dataclass(frozen=True)
@@ -45,7 +63,10 @@ class MathChecker:
         return list(value)
 
     def check(self, completion: str, gold: str) -> Verdict:
-        kind, value = self._ask(("check", completion, gold))
+        given = answer_text(completion)
+        if given is None:
+            return Verdict(False, None)
+        kind, value = self._ask(("check", given, gold))
         if kind == "timeout":
             return Verdict(False, None, timed_out=True)
         correct, given = value
@@ -96,7 +117,6 @@ class MathChecker:
 def _serve(conn: Connection, timeout_s: float) -> None:
     """The worker: math-verify on its main thread, with its own time limits (whole seconds)."""
     import logging
-    import re
     import signal
     from multiprocessing import parent_process
 
@@ -106,7 +126,7 @@ def _serve(conn: Connection, timeout_s: float) -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeouts are answers here, not news
     seconds = max(1, int(timeout_s) - 1)
     gold_config = [ExprExtractionConfig(), LatexExtractionConfig()]
-    given_config = [LatexExtractionConfig(), ExprExtractionConfig()]
+    given_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]  # \boxed{} first
     def readable(gold: str) -> bool:
         """A value: a number or an expression (digits, LaTeX), not a word read as a product of symbols."""
         try:
