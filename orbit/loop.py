@@ -104,9 +104,6 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
                 p.pool.resume_memory()
             with p.timeline.span("trainer", "push", p.trainer.version, push=p.push.name):
                 pushed = p.push.push(p.trainer)
-            if p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps:
-                with p.timeline.span("trainer", "save", p.trainer.version):
-                    save_checkpoint(p)
         except Exception as err:  # noqa: BLE001 - re-raised below, after the line
             failure, pushed = err, PushResult(time.time() - t_push, 0.0)
 
@@ -114,6 +111,11 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
                      before, _stats_or(p.pool, before), counts)
         line = m.to_json()
         p.metrics.write(line)
+        # 4. The checkpoint, after the line: a kill between the two leaves a line newer than the newest
+        #    checkpoint, which --resume sets aside; the other order would lose the line of a saved step.
+        if failure is None and (p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps):
+            with p.timeline.span("trainer", "save", p.trainer.version):
+                save_checkpoint(p)
     # Outside the held block: Ctrl-C need not wait for a tracker. The line is written either way,
     # and trackers never raise, so a failed push still reaches `raise failure`.
     if p.trackers is not None:
