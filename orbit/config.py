@@ -63,8 +63,9 @@ class EngineConfig(_Section):
         None, description="sglang-server: attach to these running servers (one engine each) instead of starting any")
     adapter_dir: Path | None = Field(None, description="a directory the servers read too: adapters reach servers "
                                      "on other hosts through it (peft format, written atomically)")
-    adapter_transport: Literal["auto", "tensors", "dir"] = Field(
-        "auto", description="auto: shared-memory tensors for servers on this host, adapter_dir for the others")
+    adapter_transport: Literal["auto", "local", "dir"] = Field(
+        "auto", description="auto: local for servers on this host (adapter files in Orbit's own directory in "
+        "/dev/shm; full weights as shared memory), dir (engine.adapter_dir) for the others")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the name of an "
                                     "environment variable holding the servers' --api-key (never the key itself)")
     mem_fraction: float | None = Field(None, gt=0.0, le=1.0, description="SGLang's --mem-fraction-static; default "
@@ -72,6 +73,8 @@ class EngineConfig(_Section):
     max_context: int | None = Field(None, ge=16, le=1 << 20, description="tokens per request (prompt + output); "
                                     "default min(the model's, 4096), or what a shared GPU's KV budget allows")
     tp: int = Field(1, ge=1, le=64, description="SGLang's --tp-size (GPUs per engine)")
+    host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$", description="sglang-server: the address "
+                      "the servers Orbit starts listen on (this machine only unless set, e.g. 0.0.0.0)")
 
     @model_validator(mode="after")
     def _replicas_and_devices(self) -> EngineConfig:

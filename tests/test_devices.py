@@ -25,7 +25,7 @@ def test_server_launch_args_map_the_device(tiny_llama):
     from orbit.engine.spec import read_spec
 
     spec, _ = read_spec(tiny_llama)
-    args = launch_args(tiny_llama, SGLangOptions(device="cuda:2"), spec, 30000, 0.4, 2, None)
+    args = launch_args(tiny_llama, SGLangOptions(device="cuda:2"), spec, 30000, 0.4, 2)
     joined = " ".join(args)
     assert "--device cuda --base-gpu-id 2 --tp-size 2" in joined and "--mem-fraction-static 0.4" in joined
     assert "cuda:2" not in joined

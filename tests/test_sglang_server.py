@@ -110,7 +110,7 @@ def test_attach_trains_and_leaves_the_server_running(tmp_path, tiny_llama, serve
                                   rollout={"top_p": 0.9}))
     train(recipe, live=False)
     rows = _check(run_dir, 3)
-    assert rows[0]["adapter_transport"] == ["tensors"]  # same host: shared-memory tensors
+    assert rows[0]["adapter_transport"] == ["local"]  # same host: Orbit's own adapter files in /dev/shm
     assert proc.poll() is None and httpx.get(f"{url}/health", timeout=5).status_code == 200  # left running
     for f in run_dir.rglob("*"):  # the key is never written down
         assert not f.is_file() or KEY.encode() not in f.read_bytes(), f

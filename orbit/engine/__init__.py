@@ -69,7 +69,7 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
         return start_server_engine(model, opts, url=server, api_key=key, api_key_env=cfg.api_key_env,
                                    adapter_dir=cfg.adapter_dir, adapter_transport=cfg.adapter_transport,
                                    mem_fraction=cfg.mem_fraction, tp=cfg.tp, timeout_s=call_timeout_s or 600.0,
-                                   truncated=truncated, threads=cfg.threads)
+                                   truncated=truncated, threads=cfg.threads, host=cfg.host)
     raise ValueError(f"engine.backend: {cfg.backend!r} is not available (allowed: 'embedded', 'sglang', "
                      "'sglang-server')")
 

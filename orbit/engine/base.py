@@ -134,7 +134,9 @@ class Engine(Protocol):
 
     info: EngineInfo
     capabilities: Capabilities
-    adapter_transport: str  # how adapters reach it: "shared-memory", "tensors" (same host) or "dir"
+    # how adapters reach it: "shared-memory" (the embedded engine's process), "in-process" (SGLang in this
+    # process), "local" (a server on this host: Orbit's own files in /dev/shm) or "dir" (engine.adapter_dir)
+    adapter_transport: str
 
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE, meta: dict | None = None

@@ -56,7 +56,7 @@ class SGLangEngine:
         # while requests run, an in_place pause included.
         self.capabilities = Capabilities(slots=options.slots, oft_slots=False, loads_while_paused=False,
                                          flush_while_running=False)
-        self.adapter_transport = transport.adapter_transport  # "tensors" (same host) or "dir" (engine.adapter_dir)
+        self.adapter_transport = transport.adapter_transport
         self._hf_config = hf_config
         self._shapes = checkpoint_shapes(model_path)
         self._dtype = DTYPES[options.dtype]

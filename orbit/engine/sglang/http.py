@@ -5,8 +5,7 @@
 | generate / score         | POST /generate (GenerateReqInput as JSON, `lora_path` = the slot's name)  |
 | pause / continue         | POST /pause_generation {mode} / POST /continue_generation                  |
 | flush_cache              | POST /flush_cache (400 while requests run)                                 |
-| load_adapter, same host  | POST /load_lora_adapter_from_tensors (shared-memory handles, base64)      |
-| load_adapter, other host | the adapter written to engine.adapter_dir in peft format, POST /load_lora_adapter |
+| load_adapter             | the adapter written in peft's format, POST /load_lora_adapter {lora_path}  |
 | unload                   | POST /unload_lora_adapter                                                  |
 | update_weights           | POST /begin_weight_update, /update_weights_from_tensor, /end_weight_update |
 | release / resume_memory  | POST /release_memory_occupation, /resume_memory_occupation                 |
@@ -17,55 +16,29 @@ never sent twice (a second `generate` would sample twice, a second load could lo
 key goes in the Authorization header and nowhere else: it is never written to the run directory or
 the log, and messages that quote the server are scrubbed of it.
 
-The shared-memory transport hands the server file-descriptor handles of this process's tensors:
-it works only when the server runs on this host. For servers elsewhere, `engine.adapter_dir` is a
-directory both sides read; each load writes a fresh directory (atomically: written aside, then
-renamed) and the one a slot held before is deleted once the slot is rewritten.
+Adapters travel as files. To a server on this host they go through a directory of Orbit's own in
+/dev/shm (local.py); to servers elsewhere through `engine.adapter_dir`, a directory both sides read.
+Each load writes a fresh directory (atomically: written aside, then renamed), and the one a slot
+held before is deleted once the slot is rewritten. Full weights reach only a server on this host, as
+shared memory (local.py); a pickle is never sent to a server elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import shutil
-import threading
 from pathlib import Path
 
 import httpx
 import torch
 
 from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.sglang import local
 from orbit.engine.sglang.adapters import write_peft_dir
 from orbit.engine.sglang.gate import Outcome
 
 GET_RETRIES = 3
-_SHARING_LOCK = threading.Lock()
 PROBE_TIMEOUT_S = 5.0  # a server that does not answer /health this fast is hung
-
-
-def serialize_for_server(obj) -> str:
-    """What SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)` makes: a pickle with
-    torch's shared-memory reductions (the receiver maps this process's tensors), base64 for JSON.
-
-    With torch's `file_system` sharing strategy: named shared memory that any process on this host
-    can map. The default (file descriptors) hands them over through this process's multiprocessing
-    resource sharer, which refuses a server Orbit did not spawn (its authkey differs)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as shared  # registers torch's reductions with ForkingPickler
-
-    # The strategy is process-wide and one updater thread per server serialises at once: without the
-    # lock, one thread's restore lets another dump with file descriptors (the server then fails to map).
-    with _SHARING_LOCK:
-        previous = shared.get_sharing_strategy()
-        shared.set_sharing_strategy("file_system")
-        try:
-            buf = io.BytesIO()
-            ForkingPickler(buf).dump(obj)
-        finally:
-            shared.set_sharing_strategy(previous)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 class HttpTransport:
@@ -73,11 +46,14 @@ class HttpTransport:
 
     def __init__(self, url: str, api_key: str | None, adapter_dir: Path | None, timeout_s: float,
                  memory_saver: bool = False, label: str = "", server=None, max_connections: int = 256) -> None:
+        """`adapter_dir`: a directory the server reads too (another host); None: a server on this host,
+        reached through a directory of Orbit's own (local.py), removed at close."""
         self.url = url.rstrip("/")
         self.label = label or f"SGLang server {self.url}"
         self._key = api_key
-        self.adapter_dir = adapter_dir
-        self.adapter_transport = "dir" if adapter_dir is not None else "tensors"
+        self.adapter_transport = "dir" if adapter_dir is not None else "local"
+        self._owned = adapter_dir is None
+        self.adapter_dir = adapter_dir if adapter_dir is not None else local.adapter_root()
         self.memory_saver = memory_saver
         self.timeout_s = timeout_s
         self.server = server  # the ServerProcess Orbit started (None: attached, left running)
@@ -158,10 +134,6 @@ class HttpTransport:
         return self._outcome(await self._post("/flush_cache"))
 
     async def load_adapter(self, name: str, tensors: dict, config: dict, version: int) -> Outcome:
-        if self.adapter_dir is None:
-            body = {"lora_name": name, "config_dict": config,
-                    "serialized_named_tensors": [serialize_for_server(tensors)]}
-            return self._outcome(await self._post("/load_lora_adapter_from_tensors", body))
         path = write_peft_dir(self.adapter_dir, f"{name}-v{version}", tensors, config)
         ok, message = self._outcome(await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}))
         if not ok:
@@ -179,11 +151,13 @@ class HttpTransport:
         ok, message = self._outcome(await self._post("/begin_weight_update"))
         if not ok:
             return False, f"begin_weight_update: {message}"
+        payload, segments = local.share(named)
         try:
             ok, message = self._outcome(await self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [serialize_for_server(named)], "load_format": None, "flush_cache": True,
+                "serialized_named_tensors": [payload], "load_format": None, "flush_cache": True,
                 "weight_version": str(version)}))
         finally:
+            local.release(segments)  # answered: the server has copied them (or refused); no name left behind
             end_ok, end_message = self._outcome(await self._post("/end_weight_update"))
         return ok and end_ok, message if not ok else end_message
 
@@ -215,8 +189,11 @@ class HttpTransport:
             self.server.stop()
 
     def close(self) -> None:
-        """Stop the server if Orbit started it (its own process group); an attached one stays."""
+        """Stop the server if Orbit started it (its own process group); an attached one stays. The
+        adapters written for it go (Orbit's own directory whole)."""
         self.stop_server()
         for path in self._dirs.values():
             shutil.rmtree(path, ignore_errors=True)
         self._dirs.clear()
+        if self._owned:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)

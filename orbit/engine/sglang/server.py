@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -69,15 +69,52 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGKILL its process group (the server, its scheduler and detokenizer: nothing there to save;
-        SGLang's server does not stop on SIGTERM within seconds). Only this server's group."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        SGLang's server does not stop on SIGTERM within seconds), all but its multiprocessing resource
+        tracker: that one, its clients gone, unlinks the semaphores they made (/dev/shm/sem.mp-*) and
+        exits; it is waited for, then killed too if it has not. Only this server's group. Its log goes."""
+        import psutil
+
+        group = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == self.popen.pid:
+                    group.append(proc)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        trackers = [p for p in group if _is_tracker(p)]
+        for proc in group:
+            if proc not in trackers:
+                _kill(proc)
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        psutil.wait_procs([p for p in group if p not in trackers], timeout=10)
+        _, left = psutil.wait_procs(trackers, timeout=5)
+        for proc in left:
+            _kill(proc)
+        shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+def _is_tracker(proc) -> bool:
+    try:
+        return "resource_tracker" in " ".join(proc.cmdline())
+    except Exception:  # noqa: BLE001 - already gone
+        return False
+
+
+def _kill(proc) -> None:
+    try:
+        proc.kill()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+# The server reads its API key from the environment, so that it is on no process's command line.
+KEY_ENV = "ORBIT_SGLANG_API_KEY"
+_BOOT = (f"import os, runpy, sys; key = os.environ.pop({KEY_ENV!r}, None); "
+         "sys.argv[1:1] = ['--api-key', key] if key else []; "
+         "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
 
 
 def free_port() -> int:
@@ -87,10 +124,10 @@ def free_port() -> int:
 
 
 def launch_args(model: Path, opts: SGLangOptions, spec: ModelSpec, port: int, mem_fraction: float | None,
-                tp: int, api_key: str | None) -> list[str]:
-    """`python -m sglang.launch_server` arguments for one engine."""
+                tp: int, host: str = "127.0.0.1") -> list[str]:
+    """`python -m sglang.launch_server` arguments for one engine (its API key comes through KEY_ENV)."""
     context = opts.context_length or min(spec.max_position_embeddings, 4096)
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+    args = [sys.executable, "-c", _BOOT, "--model-path", str(model), "--host", host,
             "--port", str(port), "--skip-tokenizer-init", "--dtype", opts.dtype, "--context-length", str(context),
             "--max-running-requests", str(opts.max_running), "--random-seed", str(opts.seed),
             "--sampling-mask-max-tokens", str(spec.vocab_size), "--log-level", "error"]
@@ -108,16 +145,16 @@ def launch_args(model: Path, opts: SGLangOptions, spec: ModelSpec, port: int, me
         args += ["--device", "cuda", "--base-gpu-id", str(gpu), "--tp-size", str(tp)]
         if mem_fraction is not None:
             args += ["--mem-fraction-static", str(mem_fraction)]
-    if api_key:
-        args += ["--api-key", api_key]
     return args
 
 
 def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fraction: float | None, tp: int,
-                  api_key: str | None, threads: int) -> tuple[str, ServerProcess]:
-    """Start one server and wait until it answers /health; returns its URL and process."""
+                  api_key: str | None, threads: int, host: str = "127.0.0.1") -> tuple[str, ServerProcess]:
+    """Start one server (listening on `host`) and wait until it answers /health; its URL and process."""
     port = free_port()
     env = dict(os.environ)
+    if api_key:
+        env[KEY_ENV] = api_key
     if opts.device == "cpu":
         from orbit.engine.sglang_cpu import ENV_FLAG, SHIM_DIR
 
@@ -126,10 +163,10 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
                                                                 if p]])
     log = Path(tempfile.mkdtemp(prefix="orbit-sglang-server-")) / f"server-{port}.log"
     with log.open("w") as out:
-        popen = subprocess.Popen(launch_args(model, opts, spec, port, mem_fraction, tp, api_key), stdout=out,
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        popen = subprocess.Popen(launch_args(model, opts, spec, port, mem_fraction, tp, host), stdout=out,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     server = ServerProcess(popen, log, api_key)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if server.exited() is not None:
@@ -235,7 +272,7 @@ def _check_lora(where: str, server: dict, opts: SGLangOptions) -> None:
 
 
 def is_local(url: str) -> bool:
-    """Whether a server runs on this host (shared-memory tensors can reach it)."""
+    """Whether a server runs on this host (it reads Orbit's own adapter files and shared memory)."""
     host = urlparse(url).hostname or ""
     if host in _LOCAL_HOSTS:
         return True
@@ -248,13 +285,14 @@ def is_local(url: str) -> bool:
 def start_server_engine(model: str | Path, opts: SGLangOptions, url: str | None = None, api_key: str | None = None,
                         api_key_env: str | None = None, adapter_dir: Path | None = None,
                         adapter_transport: str = "auto", mem_fraction: float | None = None, tp: int = 1,
-                        timeout_s: float = 600.0, truncated: bool = False, threads: int = 1) -> SGLangEngine:
-    """One engine on an SGLang server: the one at `url` (attached), or one Orbit starts."""
+                        timeout_s: float = 600.0, truncated: bool = False, threads: int = 1,
+                        host: str = "127.0.0.1") -> SGLangEngine:
+    """One engine on an SGLang server: the one at `url` (attached), or one Orbit starts (on `host`)."""
     model = Path(model)
     spec, hf_config = read_spec(model)
     server = None
     if url is None:
-        url, server = launch_server(model, opts, spec, mem_fraction, tp, api_key, threads)
+        url, server = launch_server(model, opts, spec, mem_fraction, tp, api_key, threads, host)
     try:
         facts = check_server(url, api_key, api_key_env, model, spec, hf_config, opts, truncated)
         use_dir = adapter_transport == "dir" or (adapter_transport == "auto" and not is_local(url))

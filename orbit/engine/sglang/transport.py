@@ -22,7 +22,7 @@ from orbit.engine.sglang.process import close_zmq, kill_sglang, proc_name, sigqu
 
 class Transport(Protocol):
     kind: str  # "in-process" | "http"
-    adapter_transport: str  # "tensors" (shared memory, same host) | "dir" (engine.adapter_dir)
+    adapter_transport: str  # "in-process" | "local" (a server on this host) | "dir" (engine.adapter_dir)
     memory_saver: bool  # release/resume_memory free something
     attached: bool  # a server Orbit did not start: it stays up, with Orbit's adapters taken off it
 
@@ -65,7 +65,7 @@ class InProcessTransport:
     """An `sglang.Engine` in this process (its scheduler and detokenizer in child processes)."""
 
     kind = "in-process"
-    adapter_transport = "tensors"
+    adapter_transport = "in-process"  # tensors handed to SGLang's own processes (file descriptors)
     attached = False
 
     def __init__(self, sgl_engine, memory_saver: bool, previous_sigquit) -> None:
