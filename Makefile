@@ -18,7 +18,7 @@ GGUF_OF_WHEEL := import importlib.metadata as m; \
 SGLANG := $(VENV)/.orbit-sglang-stamp
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install sglang smollm2 demo test test-fast test-gpu lint bench bench-engine bench-sglang clean
+.PHONY: install sglang smollm2 demo test test-fast test-gpu bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -92,8 +92,8 @@ bench: install sglang $(SMALL)/model.safetensors
 	$(BIN)/orbit bench bench/five-panel.yaml --replicas 2 --slow-running 8 --slow-load 0.3 --steps 8 --warmup 1 \
 		--out runs/bench-pool
 
-bench-engine: install
-	$(BIN)/python bench/engine_throughput.py
+bench-engine: install $(if $(MODEL),sglang)
+	$(BIN)/python bench/engine_throughput.py $(if $(MODEL),--model $(MODEL) --sglang)
 
 bench-sglang: install sglang
 	$(BIN)/python bench/sglang_vs_embedded.py

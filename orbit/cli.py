@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from orbit import scratch  # noqa: E402
 from orbit.config import RecipeError, load_recipe  # noqa: E402
 from orbit.modes import MODE_NAMES  # noqa: E402
 from orbit.preflight import preflight  # noqa: E402
@@ -71,6 +72,7 @@ def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"
     Nothing is imported before the block runs: Ctrl-C while torch is still importing must be
     caught here too."""
     _quiet_resource_sharer()
+    scratch.claim()
     try:
         yield
     except KeyboardInterrupt:

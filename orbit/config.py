@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from orbit.modes import MODE_NAMES, MODES
 
@@ -64,8 +64,8 @@ class EngineConfig(_Section):
     adapter_dir: Path | None = Field(None, description="a directory the servers read too: adapters reach servers "
                                      "on other hosts through it (peft format, written atomically)")
     adapter_transport: Literal["auto", "local", "dir"] = Field(
-        "auto", description="auto: local for servers on this host (adapter files in Orbit's own directory in "
-        "/dev/shm; full weights as shared memory), dir (engine.adapter_dir) for the others")
+        "auto", description="auto: local for servers on this host (adapter and weight files in Orbit's own "
+        "directory in /dev/shm), dir (engine.adapter_dir) for the others")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the name of an "
                                     "environment variable holding the servers' --api-key (never the key itself)")
     mem_fraction: float | None = Field(None, gt=0.0, le=1.0, description="SGLang's --mem-fraction-static; default "
@@ -73,6 +73,9 @@ class EngineConfig(_Section):
     max_context: int | None = Field(None, ge=16, le=1 << 20, description="tokens per request (prompt + output); "
                                     "default min(the model's, 4096), or what a shared GPU's KV budget allows")
     tp: int = Field(1, ge=1, le=64, description="SGLang's --tp-size (GPUs per engine)")
+    restarts: int = Field(3, ge=0, le=100, description="times an engine Orbit started is started again after it "
+                          "dies or hangs (waiting 1, 2, 4 ... s); attached servers are taken back once they answer "
+                          "again; 0: an engine that leaves the pool stays out")
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$", description="sglang-server: the address "
                       "the servers Orbit starts listen on (this machine only unless set, e.g. 0.0.0.0)")
 
@@ -195,6 +198,11 @@ class TaskConfig(_Section):
     eval_path: str | None = Field(None, min_length=1, description="jsonl, math: held-out rows (default: every "
                                   "holdout_every-th row)")
     holdout_every: int | None = Field(None, ge=2, description="jsonl, math: hold out every Nth row of path (10)")
+
+    @field_validator("path", "eval_path", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value  # a Path from Python; a hub name is text
     question_field: str | None = Field(None, min_length=1, description="math: the question's field (question)")
     answer_field: str | None = Field(None, min_length=1, description="math: the answer's field (answer; a "
                                      "GSM8K answer's value is what follows its last ####)")

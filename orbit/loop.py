@@ -175,6 +175,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         useful_tok_per_dev_s=trained_tokens / step_s / engines,
         flip_lag_s=lag[1] if lag is not None else None,
         engines_alive=len(p.pool.alive()),
+        rejoined=p.pool.rejoined,
+        pushes_refused=p.push.refusals,
         adapter_transport=p.pool.transports(),
         extra=task_figures(samples),
     )

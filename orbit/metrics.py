@@ -19,7 +19,7 @@ METRIC_FIELDS = (
     "mode", "step", "version", "update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s",
     "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
     "stale_dropped", "ratio_mean", "ratio_max", "clip_frac", "waste_frac", "useful_tok_per_dev_s",
-    "flip_lag_s", "engines_alive", "train_s", "trainer_idle_s", "engine_busy_s",
+    "flip_lag_s", "engines_alive", "rejoined", "pushes_refused", "train_s", "trainer_idle_s", "engine_busy_s",
 )
 
 
@@ -57,6 +57,8 @@ class StepMetrics:
     useful_tok_per_dev_s: float = 0.0  # trained tokens / step_s / engines
     flip_lag_s: float | None = None  # from the push of the newest version every engine serves to its last flip
     engines_alive: int = 1
+    rejoined: int = 0  # engines that came back into the pool so far (restarted, or a server answering again)
+    pushes_refused: int = 0  # pushes an engine refused so far (it kept serving what it had)
     adapter_transport: list[str | None] = field(default_factory=list)  # per engine: how adapters reach it
     extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
 

@@ -1,6 +1,6 @@
 """The five loop modes are two choices (docs/design.md §1): a loop kind and a push strategy.
 
-The loop and the push are separate pieces (orbit/loop.py, orbit/sync.py); a mode only selects.
+The loop and the push are separate pieces (orbit/loop.py, orbit/push/); a mode only selects.
 """
 
 from __future__ import annotations

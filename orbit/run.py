@@ -23,7 +23,7 @@ from rich.console import Console
 from orbit import interrupts
 from orbit.config import Recipe, RecipeError, dump_recipe
 from orbit.devices import colocate
-from orbit.engine import SlowEngine, start_pool
+from orbit.engine import EngineStarter, SlowEngine, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool
 from orbit.interrupts import Interrupted
@@ -32,6 +32,7 @@ from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
 from orbit.preflight import Checked
 from orbit.push.fleet import FleetPush
+from orbit.revive import Revival
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
 from orbit.rollout.producer import Producer
 from orbit.tasks import TaskError, close_task, make_task
@@ -66,6 +67,7 @@ class _Run:
     timeline: Timeline
     pool: EnginePool | None = None
     push: FleetPush | None = None
+    revival: Revival | None = None
     producer: Producer | None = None
     parts: LoopParts | None = None
     start_version: int = 0
@@ -179,16 +181,18 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         # Trackers before the engine: one that cannot start fails the run before any generation.
         run.trackers = open_trackers(recipe, run_dir, tokenizer, _warner(console, run_dir),
                                      resume_step=trainer.version if resume else None)
-        run.pool = pool = start_pool(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
-                                     call_timeout_s=recipe.rollout.stall_timeout_s, timeline=run.timeline,
-                                     on_warning=_warner(console, run_dir),
-                                     truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-                                     and recipe.rollout.temperature > 0, slow=slow)
-        _check_transports(pool, mode.push, recipe.adapter.type)
+        starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
+                                call_timeout_s=recipe.rollout.stall_timeout_s,
+                                truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
+                                and recipe.rollout.temperature > 0, slow=slow)
+        run.pool = pool = start_pool(starter, timeline=run.timeline, on_warning=_warner(console, run_dir))
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
         run.push = push = FleetPush(mode.push, recipe.adapter.type, pool, recipe.engine.flip, wait_all=serial,
                                     timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
         push.initial(trainer)
+        if recipe.engine.restarts:
+            run.revival = Revival(pool, push, starter.start, attached=starter.attached, tries=recipe.engine.restarts,
+                                  wait_s=recipe.rollout.stall_timeout_s)
         batch_groups = recipe.rollout.prompts_per_step
         per_engine = recipe.engine.max_inflight * recipe.engine.engines
         pipeline = Pipeline(
@@ -265,16 +269,6 @@ def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
     return True
 
 
-def _check_transports(pool: EnginePool, push: str, adapter_type: str) -> None:
-    """Full weights reach an SGLang server only through shared memory: not through adapter_dir."""
-    far = [i for i, transport in enumerate(pool.transports()) if transport == "dir"]
-    full = push == "full" or (adapter_type == "oft" and not pool.capabilities.oft_slots)
-    if far and full:
-        raise RecipeError(f"engine.adapter_dir: engine(s) {far} receive adapters through a directory (other hosts), "
-                          "but this mode pushes full weights, which reach a server only from the same host; use an "
-                          "adapter mode (sync-adapter, async-adapter, double-buffer) with LoRA")
-
-
 def _warner(console: Console, run_dir: Path):
     """Warnings (an engine leaving the pool): on the console and in RUN_DIR/run.log."""
     def warn(message: str) -> None:
@@ -313,6 +307,8 @@ def _shutdown(run: _Run) -> None:
             pool.shutdown()
         except Exception:  # noqa: BLE001 - see above
             pass
+    if run.revival is not None:  # after the pool: an engine that comes back now is stopped, not taken in
+        run.revival.stop()
 
 
 def _undo_start(run_dir: Path, created: bool, resume: bool) -> None:

@@ -131,7 +131,8 @@ def test_engine_death_saves_the_newest_adapter_on_the_command_line(tmp_path, tin
     nothing running, and the adapter of its last step is saved with that step's metrics line."""
     run_dir = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, trainer={"steps": 500})))
+    # engine.restarts 0: it is not brought back (tests/test_pool.py has the comeback)
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, engine={"restarts": 0})))
     proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -193,7 +194,8 @@ def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeyp
     pushing), the run stops within about stall_timeout_s, names the engine, saves, and kills it."""
     engines = _capture_engine(monkeypatch)
     run_dir = tmp_path / "run"
-    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 2}))
+    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 2},
+                             engine={"restarts": 0}))
 
     def stop_engine():
         _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2)

@@ -81,7 +81,8 @@ def test_a_slow_engine_holds_nobody_with_independent_flips_and_everybody_with_a_
 def test_an_engine_killed_mid_run_leaves_the_pool_and_the_run_finishes_on_the_other(tmp_path, tiny_llama):
     run_dir = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 40})))
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 40},
+                                             engine={"restarts": 0})))
     proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -102,11 +103,43 @@ def test_an_engine_killed_mid_run_leaves_the_pool_and_the_run_finishes_on_the_ot
     assert later and all(e["engine"] != _lost_engine(run_dir) for e in later)
 
 
+@pytest.mark.timeout(300)
+def test_a_started_engine_that_dies_or_hangs_is_restarted_and_rejoins(tmp_path, tiny_llama):
+    """The only engine is SIGKILLed, then its successor SIGSTOPped: each time the pool holds the
+    requests, the engine is started again, brought to the newest version and rejoins; no step is lost."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 30},
+                                             engine={"replicas": 1})))
+    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3)
+        [first] = _engine_processes(proc.pid)
+        first.send_signal(signal.SIGKILL)
+        _wait(lambda: [e.pid for e in _engine_processes(proc.pid) if e.pid != first.pid] and
+              run_metrics(run_dir)[-1]["rejoined"] == 1)
+        [second] = [e for e in _engine_processes(proc.pid) if e.pid != first.pid]
+        second.send_signal(signal.SIGSTOP)  # hung: alive but silent
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    rows = run_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(30)) and rows[-1]["rejoined"] == 2
+    assert rows[-1]["engines_alive"] == 1
+    log = (run_dir / "run.log").read_text()
+    assert "engine 0 left the pool: engine process" in log and "bringing it back" in log
+    assert "did not answer for 5 s (hung)" in log and log.count("engine 0 rejoined the pool at v") == 2
+    assert _gone(second.pid)  # the hung one was killed, by its id
+
+
 @pytest.mark.timeout(180)
 def test_all_engines_killed_is_a_clear_error_with_the_adapter_saved(tmp_path, tiny_llama):
     run_dir = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 500})))
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 500},
+                                             engine={"restarts": 0})))
     proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -160,6 +193,10 @@ def _wait(predicate, timeout: float = 120.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def _engine_processes(pid: int) -> list[psutil.Process]:

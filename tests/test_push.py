@@ -11,11 +11,12 @@ import time
 import pytest
 from engine_helpers import FakeEngine
 
-from orbit.engine.base import Capabilities, EngineDeadError, EngineError
+from orbit.engine.base import Capabilities, EngineDeadError, EngineError, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.engine.sglang.gate import SlotGate
 from orbit.push.fleet import FleetPush
 from orbit.push.phases import AdapterPush, DoubleBufferPush, FullPush, MergedPush, Target, make_push, run_phases
+from orbit.revive import Revival
 
 
 class Policy:
@@ -137,8 +138,11 @@ def test_an_engine_busy_with_one_version_skips_to_the_newest():
     assert [c[2] for c in engines[0].calls if c[0] == "load_adapter"] == [1, 3]  # 2 was skipped: latest wins
 
 
-def test_a_refused_push_is_reported_at_the_next_push_and_a_dead_engine_leaves_the_pool():
+def test_a_refused_push_is_warned_and_the_run_stops_only_when_refusals_repeat():
+    warnings: list[str] = []
     pool, push, engines = _fleet()
+    pool.on_warning = warnings.append
+    real_load = engines[0].load_adapter
 
     def refuse(*args):
         raise EngineError("bad adapter")
@@ -150,8 +154,31 @@ def test_a_refused_push_is_reported_at_the_next_push_and_a_dead_engine_leaves_th
     push.push(Policy(1))
     _wait(lambda: not pool.members[1].alive and all(u.idle() for u in push.updaters))
     assert "died" in pool.members[1].reason and ("kill",) in engines[1].calls
+    assert pool.versions() == [0, None] and push.refusals == 1  # engine 0 serves what it had
+    assert "engine 0 refused the push of v1 and serves v0: bad adapter" in warnings
+    engines[0].load_adapter = real_load  # a passing fault: the next push goes through
+    push.push(Policy(2))
+    _wait(lambda: pool.versions()[0] == 2)
+    engines[0].load_adapter = refuse
+    for v in (3, 4, 5):
+        push.push(Policy(v))
+        _wait(lambda: push.updaters[0].idle())
+    with pytest.raises(EngineError, match="engine 0 refused 3 pushes in a row; the last: bad adapter"):
+        push.push(Policy(6))
+    push.stop()
+
+
+def test_a_serial_push_an_engine_refuses_stops_at_once():
+    pool, push, engines = _fleet(wait_all=True, wait_s=30)
+
+    def refuse(*args):
+        raise EngineError("bad adapter")
+
+    engines[1].load_adapter = refuse
+    t0 = time.monotonic()
     with pytest.raises(EngineError, match="bad adapter"):
-        push.push(Policy(2))
+        push.push(Policy(1))
+    assert time.monotonic() - t0 < 5
     push.stop()
 
 
@@ -204,3 +231,116 @@ def test_slot_gate_rewrites_a_slot_only_once_its_requests_are_gone():
             await gate.rewrite(0, 3, paused=True, load=ok, unload=unloaded, restore=ok, backup=())
 
     asyncio.run(scenario())
+
+
+# ---- engines that come back (orbit/revive.py) ----------------------------------------------------
+
+
+def _revived(n: int, restart, attached: bool = False, tries: int = 3, wait_s: float = 30.0):
+    pool, push, engines = _fleet(n)
+    revival = Revival(pool, push, restart, attached=attached, tries=tries, wait_s=wait_s, poll_s=0.05,
+                      backoff_s=0.01)
+    return pool, push, engines, revival
+
+
+def test_a_dead_engine_is_restarted_brought_to_the_newest_version_and_rejoins():
+    fresh = FakeEngine()
+    pool, push, engines, revival = _revived(2, lambda i: fresh)
+    push.push(Policy(1))
+    _wait(lambda: pool.versions() == [1, 1])
+    pool.drop(pool.members[1], "engine process 9 died")
+    _wait(lambda: pool.rejoined == 1)
+    assert pool.members[1].engine is fresh and pool.versions() == [1, 1]
+    assert _kinds(fresh)[:2] == [("load", 1), "activate"]  # v1 before it serves anything
+    push.push(Policy(2))  # and it flips with the others from then on
+    _wait(lambda: pool.versions() == [2, 2])
+    revival.stop()
+    push.finish()
+
+
+def test_requests_wait_while_the_only_engine_comes_back():
+    gate = threading.Event()
+    fresh = FakeEngine()
+
+    def restart(i):
+        gate.wait(5)
+        return fresh
+
+    pool, push, engines, revival = _revived(1, restart)
+    pool.drop(pool.members[0], "did not answer for 5 s (hung)")
+    held = pool.generate([1, 2], SamplingParams())
+    pool.require_alive()  # no engine serves, but one is coming back: not the end
+    assert not held.done() and "coming back" in pool.describe()
+    gate.set()
+    _wait(lambda: ("generate", "active") in fresh.calls)  # the held request went to the new engine
+    revival.stop()
+    pool.shutdown()
+
+
+def test_an_engine_that_cannot_be_restarted_is_given_up_after_its_tries():
+    def restart(i):
+        raise RuntimeError("the device is gone")
+
+    pool, push, engines, revival = _revived(1, restart, tries=2)
+    warnings: list[str] = []
+    pool.on_warning = warnings.append
+    pool.drop(pool.members[0], "engine process 9 died")
+    held = pool.generate([1], SamplingParams())
+    with pytest.raises(EngineDeadError, match=r"engine process 9 died; not restarted after 2 tries \(RuntimeError"):
+        held.result(5)
+    assert sum("restart" in w and "failed: RuntimeError: the device is gone" in w for w in warnings) == 2
+    with pytest.raises(EngineDeadError):
+        pool.require_alive()
+    revival.stop()
+
+
+def test_an_attached_server_is_taken_back_once_it_answers_and_given_up_after_the_stall_bound():
+    answers = {"up": False}
+    fresh = FakeEngine()
+
+    def reattach(i):
+        if not answers["up"]:
+            raise RuntimeError("engine.servers: http://127.0.0.1:1: cannot be reached")
+        return fresh
+
+    pool, push, engines, revival = _revived(2, reattach, attached=True)
+    pool.drop(pool.members[0], "did not answer for 5 s (hung)")
+    time.sleep(0.3)  # polled, quietly, while the other engine serves
+    assert pool.rejoined == 0 and pool.members[0].reviving
+    answers["up"] = True
+    _wait(lambda: pool.rejoined == 1)
+    revival.stop()
+    pool.shutdown()
+    # with no engine left, a server that stays down is given up after the stall bound
+    pool, push, engines, revival = _revived(1, lambda i: _down(), attached=True, wait_s=0.3)
+    pool.drop(pool.members[0], "engine died")
+    _wait(lambda: not pool.members[0].reviving)
+    assert "did not answer again within 0.3 s" in pool.members[0].reason
+    revival.stop()
+
+
+def _down():
+    raise RuntimeError("cannot be reached")
+
+
+def test_a_late_failure_of_the_engine_that_left_never_drops_the_one_that_came_back():
+    fresh = FakeEngine()
+    pool, push, engines, revival = _revived(1, lambda i: fresh)
+    old = pool.members[0].engine
+    pool.drop(pool.members[0], "engine process 9 died", old)
+    _wait(lambda: pool.rejoined == 1)
+    pool.drop(pool.members[0], "engine process 9 died", old)  # e.g. its last request failing late
+    assert pool.members[0].alive and pool.members[0].engine is fresh
+    revival.stop()
+    pool.shutdown()
+
+
+def test_an_engine_that_dies_again_soon_after_coming_back_uses_up_its_tries():
+    pool, push, engines, revival = _revived(1, lambda i: FakeEngine(), tries=2)
+    for n in (1, 2):
+        pool.drop(pool.members[0], "engine process 9 died", pool.members[0].engine)
+        _wait(lambda n=n: pool.rejoined == n)
+    pool.drop(pool.members[0], "engine process 9 died", pool.members[0].engine)  # a third death within STEADY_S
+    _wait(lambda: not pool.members[0].reviving)
+    assert not pool.members[0].alive and "not restarted after 2 tries" in pool.members[0].reason
+    revival.stop()

@@ -130,3 +130,40 @@ def test_two_sglang_engines_train(tmp_path, tiny_llama, mode):
     assert {e["engine"] for e in requests} == {0, 1}
     print(f"\n{mode} on two SGLang engines: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "
           f"push {_fmt(r['update_weights_s'] for r in rows)} s, flip lag {_fmt(r['flip_lag_s'] for r in rows)} s")
+
+
+@pytest.mark.timeout(420)
+def test_an_in_process_engine_whose_scheduler_dies_is_restarted_and_rejoins(tmp_path, tiny_llama, monkeypatch):
+    """SGLang's scheduler is SIGKILLed mid-run: the engine leaves the pool, a new in-process engine
+    starts, takes the newest adapter and serves; every step is trained."""
+    import signal
+    import threading
+    import time
+
+    import orbit.run
+
+    pools: list = []
+    real = orbit.run.start_pool
+    monkeypatch.setattr(orbit.run, "start_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
+    path = _recipe_file(tmp_path, tiny_llama, "double-buffer", trainer={"lr": 0.01, "steps": 6, "save_every": 2})
+    run_dir = tmp_path / "run"
+    killed: dict = {}
+
+    def kill_scheduler():
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        killed["pid"], killed["at"] = pools[0].members[0].engine.info.pid, time.time()
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    threading.Thread(target=kill_scheduler, daemon=True).start()
+    train(preflight(load_recipe(path, {"engine.backend": "sglang"})), live=False)
+    rows = run_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6)) and rows[-1]["rejoined"] == 1
+    assert all(r["logprob_diff"] is None or r["logprob_diff"] < LOGPROB_DIFF_MAX for r in rows)
+    events = run_timeline(run_dir)
+    check_no_request_ran_on_a_slot_being_written(events)
+    back = next(e for e in events if e["kind"] == "rejoined")
+    print(f"\nin-process SGLang engine killed: serving again after {back['t0'] - killed['at']:.1f} s")

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,7 +24,7 @@ from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, r
 
 from orbit.config import AdapterConfig, RecipeError, TrainerConfig
 from orbit.engine.base import EngineError, SamplingParams
-from orbit.engine.sglang.server import free_port
+from orbit.engine.sglang.server import free_port, stop_group
 from orbit.engine.sglang_cpu import ENV_FLAG, SHIM_DIR
 from orbit.run import train
 
@@ -44,10 +48,12 @@ def _start_server(model: Path, lora: bool, api_key: str | None = None) -> tuple[
                  "4", "--lora-backend", "torch_native"]
     if api_key:
         args += ["--api-key", api_key]
+    scratch = tempfile.mkdtemp(prefix="orbit-test-server-")  # its socket files: removed with it (_stop)
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", ENV_FLAG: "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(SHIM_DIR)}
+           "PYTHONPATH": str(SHIM_DIR), "TMPDIR": scratch}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    proc.scratch = scratch
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while True:
@@ -62,8 +68,10 @@ def _start_server(model: Path, lora: bool, api_key: str | None = None) -> tuple[
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)  # its own process group: the server and its children, nothing else
-    proc.wait(30)
+    """Its own process group, by its id: the server and its children, nothing else (the way Orbit
+    stops its own servers, so that no semaphore or shared-memory file is left)."""
+    stop_group(proc)
+    shutil.rmtree(proc.scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +97,11 @@ def _recipe(model: Path, out: Path, **patch) -> dict:
         "mode": "double-buffer", "max_staleness": 1}, **patch)
 
 
-def _check(run_dir: Path, steps: int) -> list[dict]:
+def _check(run_dir: Path, steps: int | None) -> list[dict]:
+    """Every step's line (`steps` of them; None: any number), logprobs agreeing, no slot written under a
+    request."""
     rows = run_metrics(run_dir)
-    assert len(rows) == steps
+    assert [r["step"] for r in rows] == list(range(len(rows) if steps is None else steps))
     assert all(r["logprob_diff"] is None or r["logprob_diff"] < 1e-3 for r in rows)  # the in-process bound
     assert any(r["logprob_diff"] is not None for r in rows)
     check_no_request_ran_on_a_slot_being_written(run_timeline(run_dir))
@@ -191,48 +201,190 @@ def test_the_directory_transport_writes_peft_that_peft_loads(tmp_path, tiny_llam
     assert not list((tmp_path / "adapters").rglob("orbit-slot-*"))
 
 
+# ---- nothing outlives Orbit, and the key stays secret -------------------------------------------------
+
+
+@dataclass
+class Piped:
+    code: int
+    output: str
+    eof_after_exit_s: float
+    left: list[str]  # processes it started (seen as its descendants while it ran) that are still there
+    new_shm: set[str]  # /dev/shm entries it left
+    cmdlines_with_key: list[str]
+    listening: set[str]  # addresses its servers listened on
+
+
+def _piped_train(recipe: Path, key: str, during=None) -> Piped:
+    """`orbit train RECIPE | tee`: stdout and stderr into a pipe, read to end-of-file, while the command
+    line of every process Orbit starts is watched for the key and its servers' listening addresses noted.
+    `during(proc)` runs in a thread meanwhile (a fault to inject)."""
+    shm_before, t0 = set(os.listdir("/dev/shm")), time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, KEY_ENV: key})
+    chunks, eof, seen, listening, descendants = [], {}, [], set(), {}
+
+    def read() -> None:
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            chunks.append(chunk)
+        eof["at"] = time.monotonic()
+
+    def watch() -> None:
+        while proc.poll() is None:
+            try:
+                descendants.update({c.pid: c for c in psutil.Process(proc.pid).children(recursive=True)})
+            except psutil.Error:
+                pass
+            for p in psutil.process_iter(["cmdline", "create_time"]):
+                if p.info["create_time"] < t0 - 1:
+                    continue  # not Orbit's (the user's own server has its key on its command line)
+                line = " ".join(p.info["cmdline"] or [])
+                if key in line:
+                    seen.append(line)
+                if "sglang/launch.py" in line:
+                    try:
+                        listening.update(c.laddr.ip for c in p.net_connections("tcp") if c.status == "LISTEN")
+                    except psutil.Error:
+                        pass
+            time.sleep(0.5)
+
+    threads = [threading.Thread(target=read, daemon=True), threading.Thread(target=watch, daemon=True)]
+    if during is not None:
+        threads.append(threading.Thread(target=during, args=(proc,), daemon=True))
+    for t in threads:
+        t.start()
+    try:
+        proc.wait(timeout=400)
+    finally:
+        proc.kill()
+    exited = time.monotonic()
+    threads[0].join(30)
+    time.sleep(1.0)  # anything it left has had time to show
+    left = [f"{p.pid} {p.name()}: {' '.join(p.cmdline())}" for p in descendants.values()
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return Piped(proc.returncode, b"".join(chunks).decode(errors="replace"),
+                 eof.get("at", float("inf")) - exited, left, set(os.listdir("/dev/shm")) - shm_before, seen, listening)
+
+
+def _check_piped(run: Piped, run_dir: Path, key: str, code: int = 0) -> None:
+    assert run.code == code, run.output
+    assert run.eof_after_exit_s < 5.0, f"the pipe stayed open {run.eof_after_exit_s:.1f} s after Orbit exited"
+    assert not run.left, f"left behind: {run.left}"
+    assert not run.new_shm, f"left in /dev/shm: {run.new_shm}"
+    assert not run.cmdlines_with_key, run.cmdlines_with_key
+    assert key not in run.output
+    for f in run_dir.rglob("*"):  # recipe copy, run.log, metrics, samples, checkpoints
+        assert not f.is_file() or key.encode() not in f.read_bytes(), f
+
+
+@pytest.mark.timeout(420)
+def test_attached_full_weight_pushes_through_a_pipe_leave_nothing(tmp_path, tiny_llama, served):
+    """Attached, sync mode: full weights reach the server as safetensors files in Orbit's directory in
+    /dev/shm (`/update_weights_from_disk`), and at the end the server gets the checkpoint's weights back
+    (the next test trains against it and checks logprob agreement). Read through a pipe: end-of-file
+    within seconds of Orbit's exit, no process and no /dev/shm entry left, the key nowhere."""
+    url, _ = served
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps(_recipe(tiny_llama, run_dir, mode="sync", trainer={"steps": 3},
+                                         engine={"servers": [url], "api_key_env": KEY_ENV})))
+    run = _piped_train(recipe, KEY)
+    _check_piped(run, run_dir, KEY)
+    assert all(r["full_push"] for r in run_metrics(run_dir))
+    print(f"\nattached, full weights: end-of-file {run.eof_after_exit_s:.2f} s after exit")
+
+
 # ---- servers Orbit starts ----------------------------------------------------------------------------
 
 
+def _when(predicate, timeout: float = 300.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 @pytest.mark.timeout(420)
-def test_two_started_servers_double_buffer_with_one_killed_mid_run(tmp_path, tiny_llama):
-    """Two servers started by Orbit; one is killed mid-run: noticed within seconds, its requests go to
-    the other, the run finishes; Orbit's servers are all stopped at the end."""
+def test_two_started_servers_one_killed_mid_run_through_a_pipe(tmp_path, tiny_llama):
+    """Two servers Orbit starts, with an API key, read through a pipe: they listen on 127.0.0.1 only and
+    the key is on no command line. One is SIGKILLed mid-run: noticed within seconds, the other serves
+    meanwhile, a new server starts, takes the newest adapter and rejoins; two steps later Ctrl-C. Every
+    step is trained and saved, and nothing Orbit started is left (end-of-file within seconds, no process,
+    no /dev/shm entry)."""
+    key = "orbit-started-key-81d2"
     run_dir = tmp_path / "run"
-    recipe = checked(_recipe(tiny_llama, run_dir, engine={"replicas": 2}, trainer={"steps": 8}))
-    # every process already here, with the module's own servers' schedulers and detokenizers: not Orbit's
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps(_recipe(tiny_llama, run_dir, trainer={"steps": 2000},
+                                         engine={"api_key_env": KEY_ENV, "replicas": 2})))
     killed: dict = {}
 
-    def kill_one():
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.2)
-        servers = [p for p in psutil.Process().children() if p.pid not in before
-                   and "sglang.launch_server" in " ".join(p.cmdline())]
-        killed["at"], killed["pid"] = time.time(), servers[-1].pid
-        servers[-1].send_signal(signal.SIGKILL)
+    def kill_one_then_ctrl_c(proc) -> None:  # whatever happens here, Ctrl-C ends the run
+        try:
+            kill_one(proc)
+        finally:
+            proc.send_signal(signal.SIGINT)
 
-    import threading
+    def kill_one(proc) -> None:
+        if _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2):
+            servers = [p for p in psutil.Process(proc.pid).children() if "sglang/launch.py" in " ".join(p.cmdline())]
+            killed["at"] = time.time()
+            servers[0].send_signal(signal.SIGKILL)
+            log = run_dir / "run.log"
+            _when(lambda: log.exists() and "rejoined the pool" in log.read_text(), timeout=180)
+            steps = len(run_metrics(run_dir))
+            _when(lambda: len(run_metrics(run_dir)) >= steps + 2, timeout=60)
 
-    threading.Thread(target=kill_one, daemon=True).start()
-    train(recipe, live=False)
-    rows = _check(run_dir, 8)
-    assert rows[0]["engines_alive"] == 2 and rows[-1]["engines_alive"] == 1
-    lost = next(e for e in run_timeline(run_dir) if e["kind"] == "lost")
+    run = _piped_train(recipe, key, during=kill_one_then_ctrl_c)
+    _check_piped(run, run_dir, key, code=130)
+    assert run.listening == {"127.0.0.1"}, run.listening
+    rows = _check(run_dir, None)
+    assert rows[-1]["rejoined"] == 1 and rows[-1]["engines_alive"] == 2, rows[-1]
+    events = run_timeline(run_dir)
+    lost = next(e for e in events if e["kind"] == "lost")
     assert lost["t0"] - killed["at"] < 5.0, "a killed server must be noticed within seconds"
-    assert "left the pool" in (run_dir / "run.log").read_text()
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE and "sglang" in " ".join(p.cmdline())]
-    assert not left, "Orbit must stop every server it started"
+    back = next(e for e in events if e["kind"] == "rejoined")
+    assert {e["engine"] for e in events if e["kind"] == "request"} == {0, 1}
+    print(f"\nstarted server killed: noticed in {lost['t0'] - killed['at']:.1f} s, serving again after "
+          f"{back['t0'] - killed['at']:.1f} s; end-of-file {run.eof_after_exit_s:.2f} s after exit, listening on "
+          f"{run.listening}")
 
 
 @pytest.mark.timeout(420)
-def test_two_started_servers_sync(tmp_path, tiny_llama):
+def test_an_attached_server_that_hangs_and_answers_again_is_taken_back(tmp_path, tiny_llama, served, monkeypatch):
+    """The user's server stops answering (SIGSTOP) past the ping bound, then answers again (SIGCONT):
+    it leaves the pool, is checked again once /health answers, brought to the newest adapter, and
+    rejoins; the run trains every step."""
+    url, proc = served
+    monkeypatch.setenv(KEY_ENV, KEY)
     run_dir = tmp_path / "run"
-    train(checked(_recipe(tiny_llama, run_dir, mode="sync", engine={"replicas": 2})), live=False)
-    rows = _check(run_dir, 3)
-    assert all(r["staleness_max"] == 0 and r["full_push"] for r in rows)
-    assert {e["engine"] for e in run_timeline(run_dir) if e["kind"] == "request"} == {0, 1}
+    recipe = checked(_recipe(tiny_llama, run_dir, engine={"servers": [url], "api_key_env": KEY_ENV},
+                             trainer={"steps": 6}))
+    seen: dict = {}
+
+    def hang_then_answer():
+        if _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2):
+            os.killpg(proc.pid, signal.SIGSTOP)  # the server and its scheduler: nothing answers
+            seen["stopped"] = time.time()
+            _when(lambda: (run_dir / "run.log").exists() and "left the pool" in (run_dir / "run.log").read_text(),
+                  timeout=60)
+            os.killpg(proc.pid, signal.SIGCONT)
+            seen["continued"] = time.time()
+
+    thread = threading.Thread(target=hang_then_answer, daemon=True)
+    thread.start()
+    try:
+        train(recipe, live=False)
+    finally:
+        thread.join(90)
+        os.killpg(proc.pid, signal.SIGCONT)  # whatever happened, the module's server answers again
+    rows = _check(run_dir, 6)
+    assert rows[-1]["rejoined"] == 1
+    events = run_timeline(run_dir)
+    lost = next(e for e in events if e["kind"] == "lost")
+    back = next(e for e in events if e["kind"] == "rejoined")
+    assert "hung" in lost["reason"] and back["t0"] > seen["continued"]
+    print(f"\nattached server hung: noticed in {lost['t0'] - seen['stopped']:.1f} s, serving again "
+          f"{back['t0'] - seen['continued']:.1f} s after it answered")
+    assert proc.poll() is None and httpx.get(f"{url}/health", timeout=5).status_code == 200

@@ -49,7 +49,7 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
         lora: dict = {}
     elif adapter.type == "lora":
         lora = {"max_lora_rank": adapter.r, "lora_target_modules": tuple(adapter.target_modules)}
-    else:  # OFT on SGLang goes as merged weights (orbit/sync.py): no LoRA machinery needed
+    else:  # OFT on SGLang goes as merged weights (orbit/push/phases.py): no LoRA machinery needed
         lora = {"lora": False}
     if cfg.backend == "sglang":
         from orbit.engine.sglang import start_sglang_engine
@@ -74,36 +74,50 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
                      "'sglang-server')")
 
 
-def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
-               call_timeout_s: float | None = None, timeline=None, on_warning: Callable[[str], None] | None = None,
-               truncated: bool = False, slow: SlowEngine | None = None) -> EnginePool:
+class EngineStarter:
+    """Starts engine `i` of a recipe's engines (its device, its server, the bench's slowing): at the
+    start of a run, and again when one that died is brought back (orbit/revive.py)."""
+
+    def __init__(self, cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
+                 call_timeout_s: float | None = None, truncated: bool = False, slow: SlowEngine | None = None) -> None:
+        self.cfg, self.model, self.seed, self.adapter = cfg, model, seed, adapter
+        self.call_timeout_s, self.truncated = call_timeout_s, truncated
+        self.servers = cfg.servers or [None] * cfg.engines
+        self.devices = cfg.engine_devices()
+        self.delays = [0.0] * cfg.engines
+        self.configs = [cfg] * cfg.engines
+        if slow is not None:
+            if slow.load_s and cfg.backend != "embedded":
+                raise ValueError(f"a slowed adapter load is an embedded-engine option (engine.backend: {cfg.backend})")
+            self.delays[-1] += slow.load_s
+            self.configs[-1] = cfg.model_copy(update={"max_running": slow.running or cfg.max_running})
+        self.attached = bool(cfg.servers)  # servers someone else runs: re-attached, never restarted
+
+    def start(self, i: int) -> Engine:
+        return start_engine(self.configs[i], self.model, self.seed + i, self.adapter, self.call_timeout_s,
+                            self.devices[i], self.delays[i], self.servers[i], self.truncated)
+
+    def capacities(self) -> list[int]:
+        return [c.max_running for c in self.configs]
+
+
+def start_pool(starter: EngineStarter, timeline=None, on_warning: Callable[[str], None] | None = None) -> EnginePool:
     """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`) as
     one pool. If one fails to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
-    servers = cfg.servers or [None] * cfg.engines
-    delays = [0.0] * cfg.engines
-    configs = [cfg] * cfg.engines
-    if slow is not None:
-        if slow.load_s and cfg.backend != "embedded":
-            raise ValueError(f"a slowed adapter load is an embedded-engine option (engine.backend: {cfg.backend})")
-        delays[-1] += slow.load_s
-        configs[-1] = cfg.model_copy(update={"max_running": slow.running or cfg.max_running})
-    def start(i: int, device: str, server: str | None) -> Engine:
-        return start_engine(configs[i], model, seed + i, adapter, call_timeout_s, device, delays[i], server, truncated)
-
-    places = list(enumerate(zip(cfg.engine_devices(), servers, strict=True)))
+    count = len(starter.configs)
     futures: list[Future] = []
     try:
-        if cfg.backend == "sglang-server" and len(places) > 1:
+        if starter.cfg.backend == "sglang-server" and count > 1:
             # Servers start (or are checked) side by side: N servers take one server's start-up time.
-            with ThreadPoolExecutor(len(places)) as pool:
-                futures = [pool.submit(start, i, d, s) for i, (d, s) in places]
+            with ThreadPoolExecutor(count) as pool:
+                futures = [pool.submit(starter.start, i) for i in range(count)]
             engines.extend(f.result() for f in futures if f.exception() is None)
             if errors := [f.exception() for f in futures if f.exception() is not None]:
                 raise errors[0]
         else:
-            for i, (device, server) in places:
-                engines.append(start(i, device, server))
+            for i in range(count):
+                engines.append(starter.start(i))
     except BaseException:
         # Ctrl-C while servers start: leaving the executor's block waited for each start; stop all
         started = engines or [f.result() for f in futures if f.done() and f.exception() is None]
@@ -113,4 +127,4 @@ def start_pool(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig
             except Exception:  # noqa: BLE001 - the start-up error is the one to report
                 pass
         raise
-    return EnginePool(engines, [c.max_running for c in configs], timeline=timeline, on_warning=on_warning)
+    return EnginePool(engines, starter.capacities(), timeline=timeline, on_warning=on_warning)

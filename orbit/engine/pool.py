@@ -8,8 +8,11 @@ one pool whether it holds one engine or eight; what each member serves is set by
   may start on (admission, §5).
 - Faults: a member whose requests fail with EngineDeadError, or that does not answer a ping within
   `ping_timeout_s`, leaves the pool at once (`drop`): a warning, a timeline event, its engine killed
-  (only its own processes), and its outstanding requests resubmitted to the others. Only when no
-  member is left do requests and calls fail (EngineDeadError naming every member's end).
+  (only its own processes), and its outstanding requests resubmitted to the others.
+- Comebacks: with a reviver (orbit/revive.py) a member that left is `reviving` until the reviver
+  calls `rejoin` (a new engine in its place, serving a given version) or `gave_up`. While no member
+  is alive but one may come back, requests are held and fan-out calls wait; only when none is
+  alive and none is coming back do requests and calls fail (EngineDeadError naming every end).
 - Fan-out: `each(call)` runs a call on every live member in parallel; `stats`, `release_memory` and
   `resume_memory` are the pool-wide calls the loop makes.
 """
@@ -21,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from orbit.engine.base import (
     ACTIVE,
@@ -35,36 +37,9 @@ from orbit.engine.base import (
     Slot,
     resolve,
 )
+from orbit.engine.member import Member, Request, bounded, outcome, quietly, summed
 
 PING_S = 1.0  # liveness check of every member this often
-_SUMMED = ("tokens_generated", "busy_s", "paused_s", "running", "waiting", "prefix_cache_entries",
-           "prefix_cache_hits", "prefill_tokens", "aborted", "aborted_on_load", "retracted")
-
-
-@dataclass
-class Member:
-    index: int
-    engine: Engine
-    capacity: int  # its max_running: routing balances outstanding / capacity
-    alive: bool = True
-    version: int = 0  # the policy version it serves (set by the push: `serves`)
-    outstanding: int = 0  # requests submitted to it and not answered
-    reason: str = ""  # why it left the pool
-
-
-@dataclass
-class _Request:
-    """One caller request; `attempt` changes when it is resubmitted, so a late answer from the
-    engine it left is ignored."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    slot: Slot
-    meta: dict | None
-    future: Future
-    member: int = -1
-    attempt: int = 0
-    rid: int = 0
 
 
 class EnginePool:
@@ -85,7 +60,12 @@ class EnginePool:
         self.on_warning = on_warning or (lambda message: None)
         self._listeners: list[Callable[[], None]] = []
         self._lock = threading.RLock()
-        self._requests: dict[int, _Request] = {}
+        self._changed = threading.Condition(self._lock)  # a member left, came back or was given up
+        self._reviver: Callable[[Member], None] | None = None
+        self._parked: list[Request] = []  # held while no member is alive but one is coming back
+        self.rejoined = 0  # members that came back (a metric)
+        self.empty_since = 0.0  # time.monotonic() when the last live member left
+        self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._closed = False
         self._reapers: list[threading.Thread] = []  # stopping the engines that left the pool
@@ -108,6 +88,11 @@ class EnginePool:
     def transports(self) -> list[str]:
         """Per member: how adapters reach it (reported in the metrics)."""
         return [m.engine.adapter_transport for m in self.members]
+
+    def revive_with(self, reviver: Callable[[Member], None]) -> None:
+        """`reviver(member)` is called for every member that leaves; it later calls `rejoin` or
+        `gave_up` for it."""
+        self._reviver = reviver
 
     def listen(self, callback: Callable[[], None]) -> None:
         """`callback()` after any member's version or liveness changes (admission may open)."""
@@ -133,26 +118,30 @@ class EnginePool:
                  meta: dict | None = None, engine: int | None = None) -> Future[Completion]:
         """Submit to member `engine` (if alive) or to the least-loaded one. Bad input raises here, as
         the member engine would; the future's Completion carries the member's index as `engine`."""
-        req = _Request(list(prompt_ids), sampling, slot, meta, Future(), rid=next(self._ids))
+        req = Request(list(prompt_ids), sampling, slot, meta, Future(), rid=next(self._ids))
         self._dispatch(req, engine, raise_errors=True)
         return req.future
 
-    def _dispatch(self, req: _Request, engine: int | None, raise_errors: bool = False) -> None:
+    def _dispatch(self, req: Request, engine: int | None, raise_errors: bool = False) -> None:
         with self._lock:
             target = engine if engine is not None and self.members[engine].alive else self.pick()
             if target is None:
+                if self._hope():
+                    self._parked.append(req)  # dispatched when a member comes back
+                    return
                 self._finish(req, exc=self._all_dead())
                 return
             member = self.members[target]
+            engine_now = member.engine
             member.outstanding += 1
             req.member, req.attempt = target, req.attempt + 1
             attempt = req.attempt
             self._requests[req.rid] = req
         try:
-            inner = member.engine.generate(req.prompt_ids, req.sampling, req.slot, req.meta)
+            inner = engine_now.generate(req.prompt_ids, req.sampling, req.slot, req.meta)
         except EngineDeadError as err:
             self._settle(member)
-            self.drop(member, str(err))
+            self.drop(member, str(err), engine_now)
             self._redispatch([req])
             return
         except Exception as err:  # bad input: the caller's mistake, on every member alike
@@ -163,15 +152,16 @@ class EnginePool:
                 raise
             self._finish(req, exc=err)
             return
-        inner.add_done_callback(lambda f: self._answered(req, member, attempt, f))
+        inner.add_done_callback(lambda f: self._answered(req, member, engine_now, attempt, f))
 
-    def _answered(self, req: _Request, member: Member, attempt: int, inner: Future) -> None:
-        self._settle(member)
+    def _answered(self, req: Request, member: Member, engine: Engine, attempt: int, inner: Future) -> None:
+        if member.engine is engine:  # not an engine that left and has been replaced since
+            self._settle(member)
         if req.attempt != attempt or req.future.done():
             return  # resubmitted elsewhere meanwhile: this late answer is not the caller's
         err = inner.exception()
         if isinstance(err, EngineDeadError) and not self._closed:
-            self.drop(member, str(err))
+            self.drop(member, str(err), engine)
             if req.slot == ACTIVE:  # any engine's active slot will do; a named slot is that engine's
                 self._redispatch([req])
                 return
@@ -186,42 +176,96 @@ class EnginePool:
         with self._lock:
             member.outstanding -= 1
 
-    def _finish(self, req: _Request, result=None, exc: BaseException | None = None) -> None:
+    def _finish(self, req: Request, result=None, exc: BaseException | None = None) -> None:
         with self._lock:
             self._requests.pop(req.rid, None)
         resolve(req.future, result, exc)
 
-    def _redispatch(self, requests: list[_Request]) -> None:
+    def _redispatch(self, requests: list[Request]) -> None:
         for req in requests:
             if not req.future.done():
                 self._dispatch(req, None)
 
     # ---- faults --------------------------------------------------------------------------------
 
-    def drop(self, member: Member, reason: str) -> None:
+    def drop(self, member: Member, reason: str, engine: Engine | None = None) -> None:
         """`member` died or stopped answering: out of the pool, its engine killed, its requests to the
-        others. A member already gone stays as it was."""
+        others. A member already gone stays as it was; so does one whose `engine` (the one that
+        failed) has been replaced since by one that came back."""
         with self._lock:
-            if not member.alive or self._closed:
+            if not member.alive or self._closed or (engine is not None and engine is not member.engine):
                 return
             member.alive, member.reason = False, reason
+            member.reviving = self._reviver is not None
             left = sum(m.alive for m in self.members)
+            if not left:
+                self.empty_since = time.monotonic()
             orphans = [r for r in self._requests.values() if r.member == member.index and r.slot == ACTIVE]
+            self._changed.notify_all()
         self.on_warning(f"engine {member.index} left the pool: {reason}; {left} engine(s) left"
-                        + (f", its {len(orphans)} request(s) resubmitted to them" if orphans and left else ""))
+                        + (f", its {len(orphans)} request(s) resubmitted to them" if orphans and left else "")
+                        + ("; bringing it back" if member.reviving else ""))
         if self.timeline is not None:
             now = time.time()
             self.timeline.event("engine", "lost", now, now, member.version, engine=member.index, reason=reason)
-        reaper = threading.Thread(target=_quietly, args=(member.engine.kill,), daemon=True)
+        reaper = threading.Thread(target=quietly, args=(member.engine.kill,), daemon=True)
         reaper.start()
         self._reapers.append(reaper)
         self._redispatch(orphans)
+        if member.reviving:
+            self._reviver(member)
+        self._notify()
+
+    def rejoin(self, member: Member, engine: Engine, version: int) -> bool:
+        """`engine` (a restarted engine, or the re-checked server) takes `member`'s place, serving
+        `version`; the requests held meanwhile go to the pool again. False once the pool is shut down
+        (the caller stops the engine)."""
+        with self._lock:
+            if self._closed:
+                return False
+            member.engine, member.version, member.outstanding = engine, version, 0
+            member.alive, member.reviving, member.reason = True, False, ""
+            member.joined_at = time.monotonic()
+            self.rejoined += 1
+            parked, self._parked = self._parked, []
+            self._changed.notify_all()
+        self.on_warning(f"engine {member.index} rejoined the pool at v{version}; "
+                        f"{len(self.alive())} engine(s) serving")
+        if self.timeline is not None:
+            now = time.time()
+            self.timeline.event("engine", "rejoined", now, now, version, engine=member.index)
+        self._redispatch(parked)
+        self._notify()
+        return True
+
+    def gave_up(self, member: Member, why: str) -> None:
+        """`member` will not come back; with no member alive and none coming back, what was held fails."""
+        with self._lock:
+            member.reviving = False
+            member.reason = f"{member.reason}; {why}"
+            parked = [] if self._hope() or self.alive() else self._parked
+            if parked:
+                self._parked = []
+            self._changed.notify_all()
+        for req in parked:
+            self._finish(req, exc=self._all_dead())
         self._notify()
 
     def require_alive(self) -> None:
-        """EngineDeadError, naming every member's end, when no member is left."""
-        if not self.alive():
+        """EngineDeadError, naming every member's end, when no member is alive and none is coming back."""
+        if not self.alive() and not self._hope():
             raise self._all_dead()
+
+    def _hope(self) -> bool:
+        return not self._closed and any(m.reviving for m in self.members)
+
+    def _await_member(self) -> list[Member]:
+        """The live members; while there are none but one is coming back, wait for it (the reviver's
+        own tries and deadline bound the wait)."""
+        with self._changed:
+            while not self.alive() and self._hope():
+                self._changed.wait(1.0)
+            return self.alive()
 
     def _all_dead(self) -> EngineDeadError:
         ends = "; ".join(f"engine {m.index}: {m.reason}" for m in self.members)
@@ -232,13 +276,14 @@ class EnginePool:
         """Ping every live member; one that does not answer within ping_timeout_s is hung."""
         while not self._stop.wait(PING_S):
             for member in self.alive():
-                answer = bounded(member.engine.stats, self.ping_timeout_s)
+                engine = member.engine
+                answer = bounded(engine.stats, self.ping_timeout_s)
                 if self._stop.is_set():
                     return
                 if isinstance(answer, TimeoutError):
-                    self.drop(member, f"did not answer for {self.ping_timeout_s:g} s (hung)")
+                    self.drop(member, f"did not answer for {self.ping_timeout_s:g} s (hung)", engine)
                 elif isinstance(answer, EngineDeadError):
-                    self.drop(member, str(answer))
+                    self.drop(member, str(answer), engine)
 
     def _notify(self) -> None:
         for callback in list(self._listeners):
@@ -248,25 +293,28 @@ class EnginePool:
 
     def each(self, call: Callable[[Member], object]) -> list:
         """`call(member)` on every live member, in parallel; a member that dies meanwhile leaves the
-        pool (the others go on); EngineDeadError only when none is left."""
-        members = self.alive()
+        pool (the others go on); EngineDeadError only when none is left (or coming back)."""
+        members = self._await_member()
         if not members:
             raise self._all_dead()
+        engines = [m.engine for m in members]
         if len(members) == 1:
-            outcomes = [_outcome(call, members[0])]
+            outcomes = [outcome(call, members[0])]
         else:
             with ThreadPoolExecutor(len(members)) as ex:
-                outcomes = list(ex.map(lambda m: _outcome(call, m), members))
+                outcomes = list(ex.map(lambda m: outcome(call, m), members))
         results = []
-        for member, (value, err) in zip(members, outcomes, strict=True):
+        for member, engine, (value, err) in zip(members, engines, outcomes, strict=True):
             if isinstance(err, EngineDeadError):
-                self.drop(member, str(err))
+                self.drop(member, str(err), engine)
             elif err is not None:
                 raise err
             else:
                 results.append(value)
-        if not self.alive():
-            raise self._all_dead()
+        if not results:  # every member it ran on left meanwhile
+            if not self._await_member():
+                raise self._all_dead()
+            return self.each(call)
         return results
 
     def release_memory(self) -> None:
@@ -278,13 +326,7 @@ class EnginePool:
     def stats(self) -> EngineStats:
         """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""
         parts = self.each(lambda m: m.engine.stats())
-        first = parts[0]
-        total = EngineStats(active_slot=first.active_slot, slot_versions=first.slot_versions,
-                            slot_requests=first.slot_requests, base_version=first.base_version,
-                            paused=any(p.paused for p in parts))
-        for name in _SUMMED:
-            setattr(total, name, sum(getattr(p, name) for p in parts))
-        return total
+        return summed(parts)
 
     def states(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
         """(index, its stats or why there are none) for every member, each live one waited for at most
@@ -294,7 +336,7 @@ class EnginePool:
         for m in self.members:
             answer = bounded(m.engine.stats, seconds) if m.alive else None
             if not m.alive:
-                answer = EngineDeadError(f"left the pool: {m.reason}")
+                answer = EngineDeadError(f"left the pool: {m.reason}" + ("; coming back" if m.reviving else ""))
             out.append((m.index, answer))
         return out
 
@@ -302,7 +344,7 @@ class EnginePool:
         with self._lock:
             return "; ".join(
                 f"engine {m.index}: v{m.version}, {m.outstanding} in flight" if m.alive
-                else f"engine {m.index}: gone ({m.reason})" for m in self.members)
+                else f"engine {m.index}: {'coming back' if m.reviving else 'gone'} ({m.reason})" for m in self.members)
 
     def shutdown(self) -> None:
         """Stop every member (each aborts what is in flight); fail what is still outstanding."""
@@ -310,12 +352,14 @@ class EnginePool:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._requests.values())
+            pending = list(self._requests.values()) + self._parked
+            self._parked = []
+            self._changed.notify_all()
         self._stop.set()
         members = [m for m in self.members if m.alive]
         if members:
             with ThreadPoolExecutor(len(members)) as ex:
-                list(ex.map(lambda m: _quietly(m.engine.shutdown), members))
+                list(ex.map(lambda m: quietly(m.engine.shutdown), members))
         for req in pending:
             self._finish(req, exc=EngineDeadError("engine was shut down"))
         for reaper in self._reapers:
@@ -328,34 +372,3 @@ class EnginePool:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def bounded(call, seconds: float):
-    """`call()`'s result, or the exception it raised, or TimeoutError after `seconds` (the call is
-    left running in a daemon thread: for asking a possibly hung engine, never for control)."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(call())
-        except BaseException as err:  # noqa: BLE001 - handed back as a value
-            box.append(err)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return box[0] if box else TimeoutError(f"no answer within {seconds:g} s")
-
-
-def _outcome(call, member):
-    try:
-        return call(member), None
-    except BaseException as err:  # noqa: BLE001 - sorted out by the caller
-        return None, err
-
-
-def _quietly(call) -> None:
-    try:
-        call()
-    except Exception:  # noqa: BLE001 - stopping something already gone
-        pass

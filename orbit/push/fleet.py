@@ -10,6 +10,11 @@ A push freezes the policy into a `Snapshot` (one copy, in the trainer's thread),
 Serial modes stay on-policy: the trainer waits until every live engine serves the new version
 before the next batch is granted, whichever the flip.
 
+A push an engine refuses (a bad adapter) leaves that engine serving what it had: with independent
+flips the run warns and goes on, and stops only when one engine refuses REFUSALS_IN_A_ROW pushes in
+a row; serial modes and the barrier stop at once (they need every engine on the new version).
+An engine that comes back (orbit/revive.py) is `bring_up`-ed to the newest snapshot first.
+
 `update_weights_s` is the time the trainer was held: the snapshot alone for independent flips.
 The flip clock (when each version was pushed and when the last engine served it) lives here, where
 the flips happen.
@@ -21,12 +26,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from orbit.engine.base import EngineDeadError
+from orbit.engine.base import Engine, EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool, Member
 from orbit.metrics import Timeline
 from orbit.push.phases import PolicySource, Push, PushResult, Target, make_push, run_phases
 
 FLIPS = ("independent", "barrier")
+REFUSALS_IN_A_ROW = 3  # an engine refusing this many pushes running is not a passing fault
 
 
 @dataclass
@@ -91,7 +97,8 @@ class Updater:
 
     def __init__(self, fleet: FleetPush, member: Member, push: Push, timeline: Timeline | None) -> None:
         self.fleet, self.member, self.push, self.timeline = fleet, member, push, timeline
-        self.error: Exception | None = None  # a push the engine refused: reported at the next push
+        self.error: Exception | None = None  # the last push the engine refused
+        self.refused_in_a_row = 0
         self._next: Snapshot | None = None
         self._busy = False
         self._stop = False
@@ -108,6 +115,10 @@ class Updater:
         with self._cond:
             return self._next is None and not self._busy
 
+    def wait_idle(self, seconds: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._busy, seconds)
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -121,18 +132,23 @@ class Updater:
                 if self._stop:
                     return
                 snapshot, self._next, self._busy = self._next, None, True
+            engine = self.member.engine
             try:
-                if self.member.alive:
+                # One that came back may already hold it (brought up to the newest snapshot).
+                if self.member.alive and snapshot.version > self.member.version:
                     t0 = time.time()
-                    run_phases([Target(self.push, self.member.engine)], snapshot, self.timeline)
+                    run_phases([Target(self.push, engine)], snapshot, self.timeline)
                     self.fleet.served(self.member, snapshot.version)
+                    self.refused_in_a_row = 0
                     if self.timeline is not None:  # this engine's own update, load to flip
                         self.timeline.event("engine", "update", t0, time.time(), snapshot.version,
                                             engine=self.member.index)
             except EngineDeadError as err:
-                self.fleet.pool.drop(self.member, str(err))
-            except Exception as err:  # noqa: BLE001 - the engine refused it: the trainer hears of it next push
-                self.error = err
+                if engine is self.member.engine:  # not the one that has taken its place since
+                    self.fleet.pool.drop(self.member, str(err))
+            except Exception as err:  # noqa: BLE001 - the engine refused it and serves what it had
+                self.error, self.refused_in_a_row = err, self.refused_in_a_row + 1
+                self.fleet.refused(self.member, snapshot.version, err)
             finally:
                 with self._cond:
                     self._busy = False
@@ -152,6 +168,17 @@ class FleetPush:
         self.clock = FlipClock()
         self.updaters = [Updater(self, m, p, timeline) for m, p in zip(pool.members, self.pushes, strict=True)] \
             if flip == "independent" else []
+        self.latest: Snapshot | None = None  # the newest version pushed: what an engine that comes back gets
+        self.refusals = 0  # pushes an engine refused (a metric)
+
+    def refused(self, member: Member, version: int, err: Exception) -> None:
+        """An engine refused `version` (its updater's report): warned, counted, on the timeline."""
+        self.refusals += 1
+        self.pool.on_warning(f"engine {member.index} refused the push of v{version} and serves v{member.version}: "
+                             f"{err}")
+        if self.timeline is not None:
+            now = time.time()
+            self.timeline.event("engine", "refused", now, now, version, engine=member.index, reason=str(err))
 
     def served(self, member: Member, version: int, at: float | None = None) -> None:
         """`member` finished its push of `version`: routing and the flip clock hear of it."""
@@ -160,15 +187,28 @@ class FleetPush:
 
     def initial(self, policy: PolicySource) -> None:
         """The starting policy on every engine, before any generation."""
-        snapshot = Snapshot.of(policy, self.pushes[0])
+        snapshot = self.latest = Snapshot.of(policy, self.pushes[0])
         self.pool.each(lambda m: self.pushes[m.index].initial(m.engine, snapshot))
         for m in self.pool.alive():
             self.served(m, policy.version)
 
+    def bring_up(self, member: Member, engine: Engine) -> int:
+        """The newest snapshot onto `engine`, which is to take `member`'s place; returns its version."""
+        if self.updaters:
+            self.updaters[member.index].wait_idle(self.wait_s)  # done with the engine that left
+        snapshot = self.latest
+        self.pushes[member.index].initial(engine, snapshot, self.timeline)
+        return snapshot.version
+
+    def rejoined(self, member: Member) -> None:
+        """`member` is back: a version pushed while it was brought up follows at once."""
+        if self.updaters and self.latest.version > member.version:
+            self.updaters[member.index].offer(self.latest)
+
     def push(self, policy: PolicySource) -> PushResult:
         t0 = time.time()
         self._raise_refusal()
-        snapshot = Snapshot.of(policy, self.pushes[0])
+        snapshot = self.latest = Snapshot.of(policy, self.pushes[0])
         self.clock.pushed(snapshot.version, t0)
         paused = 0.0
         if self.flip == "barrier":
@@ -179,13 +219,16 @@ class FleetPush:
                     updater.offer(snapshot)
             if self.wait_all:
                 self.wait_served(snapshot.version)
-                self._raise_refusal()
         return self.pushes[0].result(time.time() - t0, paused)
 
     def wait_served(self, version: int) -> None:
         """Block until every live engine serves `version` (serial modes stay on-policy)."""
         deadline = time.monotonic() + self.wait_s
         while late := [m for m in self.pool.alive() if m.version < version]:
+            for m in late:  # on-policy needs every engine on the new version: a refusal stops the run
+                if self.updaters and self.updaters[m.index].idle() and self.updaters[m.index].error is not None:
+                    err, self.updaters[m.index].error = self.updaters[m.index].error, None
+                    raise err
             if time.monotonic() > deadline:
                 names = ", ".join(f"engine {m.index} at v{m.version}" for m in late)
                 raise EngineDeadError(f"engines did not take version {version} within {self.wait_s:g} s: {names}")
@@ -201,17 +244,17 @@ class FleetPush:
         while not all(u.idle() or not u.member.alive for u in self.updaters) and time.monotonic() < deadline:
             time.sleep(0.01)
         self.stop()
-        self._raise_refusal()
 
     def stop(self) -> None:
         for updater in self.updaters:
             updater.stop()
 
     def _raise_refusal(self) -> None:
+        """An engine that refused REFUSALS_IN_A_ROW pushes running stops the run, with the last refusal."""
         for updater in self.updaters:
-            if updater.error is not None:
-                err, updater.error = updater.error, None
-                raise err
+            if updater.refused_in_a_row >= REFUSALS_IN_A_ROW and updater.member.alive:
+                raise EngineError(f"engine {updater.member.index} refused {updater.refused_in_a_row} pushes in a "
+                                  f"row; the last: {updater.error}")
 
     def _barrier(self, snapshot: Snapshot) -> float:
         """The phases on every engine at once. Returns the paused seconds."""

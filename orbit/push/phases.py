@@ -80,8 +80,9 @@ class Push:
     def __init__(self, engine_index: int = 0) -> None:
         self.engine_index = engine_index  # tags this engine's timeline events
 
-    def initial(self, engine: Engine, policy: PolicySource) -> None:
-        """Put the starting policy into the engine before any generation."""
+    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
+        """Put the policy into an engine before it generates anything (at the start, or an engine that
+        came back: its load is then on the timeline)."""
         raise NotImplementedError
 
     def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
@@ -137,7 +138,7 @@ class FullPush(Push):
     full = True
     only_adapted = False  # all of the model's weights
 
-    def initial(self, engine: Engine, policy: PolicySource) -> None:
+    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
         engine.update_weights(policy.merged_weights(only_adapted=self.only_adapted), policy.version)
         engine.activate(None)
 
@@ -171,8 +172,8 @@ class AdapterPush(Push):
         # requests on it finish on the old adapter, new ones wait for the new one (no pause, no recompute).
         self.pause_mode = "retract" if load_while_paused else None
 
-    def initial(self, engine: Engine, policy: PolicySource) -> None:
-        engine.load_adapter(self.slot, policy.adapter_tensors(), policy.adapter_config(), policy.version)
+    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
+        self._load(engine, self.slot, policy, timeline)
         engine.activate(self.slot)
 
     def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
@@ -195,8 +196,8 @@ class DoubleBufferPush(Push):
         self._deactivated = [0] * slots  # the flip count at which each slot last stopped being active
         self._flips = 0
 
-    def initial(self, engine: Engine, policy: PolicySource) -> None:
-        engine.load_adapter(self.active, policy.adapter_tensors(), policy.adapter_config(), policy.version)
+    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
+        self._load(engine, self.active, policy, timeline)
         engine.activate(self.active)
 
     def choose_slot(self, slot_requests: tuple[int, ...]) -> int:

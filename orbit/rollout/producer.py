@@ -4,7 +4,7 @@ It starts every group the pipeline admits (pipeline.py), on the engine the pool 
 `group_size` requests on that engine's active slot (the samples share the prompt's prefix cache), so
 up to `max_inflight` requests stay in flight. When one is answered it resubmits a sample the engine
 aborted (at most `rollout.max_attempts` times), runs the next turn of a multi-turn episode
-(episode.py), and once every sample of a group is done scores the group (groups.py) and hands it to
+(episode.py), and once every sample of a group is done scores the group (pipeline.py) and hands it to
 the pipeline. The two loop kinds differ only in grants: serial grants one batch per step, overlapped
 grants the whole run at start (and each dropped group is granted again).
 """

@@ -6,7 +6,7 @@
 
 A save writes every file into a temporary directory beside the others, flushes them to disk, and
 renames the directory to `step-N`: a kill at any point leaves either the whole new checkpoint or
-none of it (a leftover temporary directory is removed at the next start). Then `adapter` is pointed
+none of it (a leftover temporary directory is removed by the next `--resume`). Then `adapter` is pointed
 at it, again by one rename, and all but the newest `keep_last` are deleted. A save that fails (a full
 disk, a directory that cannot be written) removes what it wrote and says so in one line; the previous
 checkpoint stays current. `latest` finds the newest complete one for `--resume`.

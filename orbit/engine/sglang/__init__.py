@@ -12,6 +12,9 @@ servers Orbit starts or attaches to).
 | `http.py`      | ... or a server's routes                                                     |
 | `process.py`   | starting and stopping the in-process engine (CPU shims, signals, ZeroMQ)     |
 | `server.py`    | starting, attaching to and checking servers                                 |
+| `launch.py`    | a started server's entry point: it stops with the Orbit that started it      |
+| `local.py`     | files of this host's servers: the adapter directory in /dev/shm, clean-up     |
+| `loop.py`      | the event loop every call to SGLang runs on, and its liveness watchdog       |
 | `install.py`   | whether sglang 0.5.23 is installed here, and how to install it               |
 """
 

@@ -50,20 +50,32 @@ def prepare_adapter(tensors: dict, adapter_config: dict, spec: ModelSpec, hf_con
         tensors, config = to_sglang_lora({k: v.detach() for k, v in tensors.items()}, config, hf_config)
     except ValueError as e:
         raise EngineError(str(e)) from None
-    # fresh CPU copies: serialization moves their storage into shared memory in place
+    # fresh CPU copies: the in-process transport's serialization moves their storage into shared memory
     return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in tensors.items()}, config
 
 
 def write_peft_dir(root: Path, name: str, tensors: dict, config: dict) -> Path:
     """`root/name` holding the adapter in peft's format, written atomically (temporary directory,
     then rename). An existing `root/name` is replaced."""
+    return _write_dir(root, name, {"adapter_model.safetensors": tensors}, {"adapter_config.json": config})
+
+
+def write_weights_dir(root: Path, name: str, named: list[tuple[str, torch.Tensor]]) -> Path:
+    """`root/name` holding weights as one safetensors file (what SGLang's update_weights_from_disk
+    reads: any subset of the model's weights, by their checkpoint names), written atomically."""
+    return _write_dir(root, name, {"model.safetensors": dict(named)}, {})
+
+
+def _write_dir(root: Path, name: str, tensor_files: dict[str, dict], json_files: dict[str, dict]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     target = root / name
     tmp = root / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir()
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        for file, tensors in tensor_files.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file))
+        for file, data in json_files.items():
+            (tmp / file).write_text(json.dumps(data, indent=2))
         if target.exists():
             shutil.rmtree(target)
         os.rename(tmp, target)

@@ -45,6 +45,7 @@ class SGLangEngine:
                  hf_config: dict, options: SGLangOptions, max_context: int, pid: int, label: str,
                  liveness_s: float = POLL_S) -> None:
         self.transport = transport
+        self._killed = False  # kill(): dead or hung, nothing orderly to do on its server
         self.model_path = model_path
         self.spec = spec
         self.options = options
@@ -284,8 +285,12 @@ class SGLangEngine:
         atexit.unregister(self.shutdown)
 
         async def release() -> None:
-            if self.transport.attached:  # a server that stays up: take our adapters off it
+            # A server that stays up: take our adapters off it. Not after `kill`: a hung server that
+            # answers again is re-attached (orbit/revive.py), and a late unload would hit the new slots.
+            if self.transport.attached and not self._killed:
                 await self._release_slots([s for s, v in enumerate(self.gate.version) if v is not None])
+                if self._base_version:  # full pushes replaced its weights: the checkpoint's again
+                    await self.transport.restore_weights(str(self.model_path))
             await self.transport.aclose()
 
         if self.loop.close(release):
@@ -295,6 +300,7 @@ class SGLangEngine:
         """A dead or hung engine: stop the server Orbit started first (nothing there to save; the orderly
         part of shutdown can take seconds against a dead server), then shut down. In-process, shutting
         down kills only SGLang's own processes anyway."""
+        self._killed = True
         self.transport.stop_server()
         self.shutdown()
 

@@ -7,7 +7,7 @@
 | flush_cache              | POST /flush_cache (400 while requests run)                                 |
 | load_adapter             | the adapter written in peft's format, POST /load_lora_adapter {lora_path}  |
 | unload                   | POST /unload_lora_adapter                                                  |
-| update_weights           | POST /begin_weight_update, /update_weights_from_tensor, /end_weight_update |
+| update_weights           | the weights written as safetensors, POST /update_weights_from_disk         |
 | release / resume_memory  | POST /release_memory_occupation, /resume_memory_occupation                 |
 | liveness, start-up checks| GET /health, /model_info, /server_info; POST /get_weights_by_name          |
 
@@ -19,8 +19,9 @@ the log, and messages that quote the server are scrubbed of it.
 Adapters travel as files. To a server on this host they go through a directory of Orbit's own in
 /dev/shm (local.py); to servers elsewhere through `engine.adapter_dir`, a directory both sides read.
 Each load writes a fresh directory (atomically: written aside, then renamed), and the one a slot
-held before is deleted once the slot is rewritten. Full weights reach only a server on this host, as
-shared memory (local.py); a pickle is never sent to a server elsewhere.
+held before is deleted once the slot is rewritten. Full weights go the same way (one safetensors file
+of the weights to replace, deleted once the server has read it). No pickle and no shared-memory
+handle is ever sent to a server, on this host or elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.sglang import local
-from orbit.engine.sglang.adapters import write_peft_dir
+from orbit.engine.sglang.adapters import write_peft_dir, write_weights_dir
 from orbit.engine.sglang.gate import Outcome
 
 GET_RETRIES = 3
@@ -148,18 +149,17 @@ class HttpTransport:
         return self._outcome(await self._post("/unload_lora_adapter", {"lora_name": name}))
 
     async def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> Outcome:
-        ok, message = self._outcome(await self._post("/begin_weight_update"))
-        if not ok:
-            return False, f"begin_weight_update: {message}"
-        payload, segments = local.share(named)
+        path = write_weights_dir(self.adapter_dir, f"weights-v{version}", named)
         try:
-            ok, message = self._outcome(await self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload], "load_format": None, "flush_cache": True,
+            return self._outcome(await self._post("/update_weights_from_disk", {
+                "model_path": str(path), "load_format": "safetensors", "flush_cache": True,
                 "weight_version": str(version)}))
         finally:
-            local.release(segments)  # answered: the server has copied them (or refused); no name left behind
-            end_ok, end_message = self._outcome(await self._post("/end_weight_update"))
-        return ok and end_ok, message if not ok else end_message
+            shutil.rmtree(path, ignore_errors=True)  # answered: the server has read it (or refused)
+
+    async def restore_weights(self, model_path: str) -> Outcome:
+        return self._outcome(await self._post("/update_weights_from_disk", {
+            "model_path": model_path, "flush_cache": True, "weight_version": "0"}))
 
     async def release_memory(self) -> None:
         await self._must("/release_memory_occupation")

@@ -1,7 +1,8 @@
 """SGLang servers as engines (`engine.backend: sglang-server`): started by Orbit, or attached to.
 
-Started: `python -m sglang.launch_server` on 127.0.0.1 and a free port, with LoRA on and the same
-settings the in-process backend uses (on CPU: Orbit's shims, the torch_native backends, no CUDA
+Started: SGLang's server through `launch.py` (which stops it when the Orbit that started it is gone) on
+`engine.host` (default 127.0.0.1) and a free port, with LoRA on and the same settings the in-process
+backend uses (on CPU: Orbit's shims, the torch_native backends, no CUDA
 graphs; on GPU: `--base-gpu-id` from the engine's device, `--mem-fraction-static` from
 engine.mem_fraction, `--tp-size` from engine.tp). Each server runs in a process group of its own,
 and Orbit stops exactly that group (by its id), never anything by name. Attached servers
@@ -38,6 +39,7 @@ from orbit.devices import sglang_device
 from orbit.engine.sglang.engine import SGLangEngine
 from orbit.engine.sglang.http import PROBE_TIMEOUT_S, HttpTransport
 from orbit.engine.sglang.install import SGLANG_VERSION
+from orbit.engine.sglang.local import remove, sglang_shm_files
 from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import ModelSpec, checkpoint_file_of, read_spec
@@ -51,6 +53,7 @@ class ServerProcess:
 
     def __init__(self, popen: subprocess.Popen, log: Path, api_key: str | None) -> None:
         self.popen, self.log, self._key = popen, log, api_key
+        self.files: list[Path] = []  # what its schedulers hold in /dev/shm, noted once it answers
 
     @property
     def pid(self) -> int:
@@ -65,35 +68,52 @@ class ServerProcess:
         except OSError:
             return ""
         text = text.replace(self._key, "***") if self._key else text
-        return f"its log ({self.log}) ends:\n{text}" if text else ""
+        return f"its log ends:\n{text}" if text else ""  # quoted: the log goes with the server at stop
 
     def stop(self) -> None:
-        """SIGKILL its process group (the server, its scheduler and detokenizer: nothing there to save;
-        SGLang's server does not stop on SIGTERM within seconds), all but its multiprocessing resource
-        tracker: that one, its clients gone, unlinks the semaphores they made (/dev/shm/sem.mp-*) and
-        exits; it is waited for, then killed too if it has not. Only this server's group. Its log goes."""
-        import psutil
-
-        group = []
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == self.popen.pid:
-                    group.append(proc)
-            except (ProcessLookupError, psutil.Error):
-                pass
-        trackers = [p for p in group if _is_tracker(p)]
-        for proc in group:
-            if proc not in trackers:
-                _kill(proc)
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        psutil.wait_procs([p for p in group if p not in trackers], timeout=10)
-        _, left = psutil.wait_procs(trackers, timeout=5)
-        for proc in left:
-            _kill(proc)
+        """Its process group stopped (`stop_group`), its directory (log, temporary files) removed."""
+        stop_group(self.popen)
+        remove(self.files)
         shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+def group_of(leader: subprocess.Popen) -> list:
+    """The processes of the group `leader` leads."""
+    import psutil
+
+    group = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == leader.pid:
+                group.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return group
+
+
+def stop_group(leader: subprocess.Popen) -> None:
+    """SIGKILL the process group `leader` leads (a server, its scheduler and detokenizer: nothing there
+    to save; SGLang's server does not stop on SIGTERM within seconds), all but its multiprocessing
+    resource tracker: that one, its clients gone, unlinks the semaphores they made (/dev/shm/sem.mp-*)
+    and exits; it is waited for, then killed too if it has not. The load-snapshot files its schedulers
+    held in /dev/shm go too. Only this group, by its id."""
+    import psutil
+
+    group = group_of(leader)
+    trackers = [p for p in group if _is_tracker(p)]
+    files = sglang_shm_files([p.pid for p in group])
+    for proc in group:
+        if proc not in trackers:
+            _kill(proc)
+    try:
+        leader.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    psutil.wait_procs([p for p in group if p not in trackers], timeout=10)
+    _, left = psutil.wait_procs(trackers, timeout=5)
+    for proc in left:
+        _kill(proc)
+    remove(files)
 
 
 def _is_tracker(proc) -> bool:
@@ -110,11 +130,10 @@ def _kill(proc) -> None:
         pass
 
 
-# The server reads its API key from the environment, so that it is on no process's command line.
+# How Orbit starts a server: its API key through the environment, and a watch on Orbit (launch.py).
+LAUNCH = Path(__file__).with_name("launch.py")
 KEY_ENV = "ORBIT_SGLANG_API_KEY"
-_BOOT = (f"import os, runpy, sys; key = os.environ.pop({KEY_ENV!r}, None); "
-         "sys.argv[1:1] = ['--api-key', key] if key else []; "
-         "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+PARENT_ENV = "ORBIT_PARENT_PID"
 
 
 def free_port() -> int:
@@ -127,7 +146,7 @@ def launch_args(model: Path, opts: SGLangOptions, spec: ModelSpec, port: int, me
                 tp: int, host: str = "127.0.0.1") -> list[str]:
     """`python -m sglang.launch_server` arguments for one engine (its API key comes through KEY_ENV)."""
     context = opts.context_length or min(spec.max_position_embeddings, 4096)
-    args = [sys.executable, "-c", _BOOT, "--model-path", str(model), "--host", host,
+    args = [sys.executable, "-P", str(LAUNCH), "--model-path", str(model), "--host", host,
             "--port", str(port), "--skip-tokenizer-init", "--dtype", opts.dtype, "--context-length", str(context),
             "--max-running-requests", str(opts.max_running), "--random-seed", str(opts.seed),
             "--sampling-mask-max-tokens", str(spec.vocab_size), "--log-level", "error"]
@@ -152,7 +171,7 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
                   api_key: str | None, threads: int, host: str = "127.0.0.1") -> tuple[str, ServerProcess]:
     """Start one server (listening on `host`) and wait until it answers /health; its URL and process."""
     port = free_port()
-    env = dict(os.environ)
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
     if api_key:
         env[KEY_ENV] = api_key
     if opts.device == "cpu":
@@ -161,7 +180,9 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
         env.update({"SGLANG_USE_CPU_ENGINE": "1", ENV_FLAG: "1", "OMP_NUM_THREADS": str(threads)})
         env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                 if p]])
+    # Its own directory: its log, and its temporary files (SGLang's socket files), all removed at stop.
     log = Path(tempfile.mkdtemp(prefix="orbit-sglang-server-")) / f"server-{port}.log"
+    env["TMPDIR"] = str(log.parent)
     with log.open("w") as out:
         popen = subprocess.Popen(launch_args(model, opts, spec, port, mem_fraction, tp, host), stdout=out,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -170,17 +191,21 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if server.exited() is not None:
+            tail = server.log_tail()
+            server.stop()
             raise RecipeError(f"engine.backend 'sglang-server': the server Orbit started for {url} exited (code "
-                              f"{server.exited()}) before answering; {server.log_tail()}")
+                              f"{server.exited()}) before answering; {tail}")
         try:
             if httpx.get(f"{url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200:
+                server.files = sglang_shm_files([p.pid for p in group_of(popen)])
                 return url, server
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
+            tail = server.log_tail()
             server.stop()
             raise RecipeError(f"engine.backend 'sglang-server': {url} did not become healthy within "
-                              f"{START_TIMEOUT_S:g} s; {server.log_tail()}")
+                              f"{START_TIMEOUT_S:g} s; {tail}")
         time.sleep(0.5)
 
 

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from orbit.engine.sglang.gate import Outcome
+from orbit.engine.sglang.local import ipc_files, remove, sglang_shm_files
 from orbit.engine.sglang.process import close_zmq, kill_sglang, proc_name, sigquits
 
 
@@ -39,6 +40,10 @@ class Transport(Protocol):
     async def unload_adapter(self, name: str) -> Outcome: ...
 
     async def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> Outcome: ...
+
+    async def restore_weights(self, model_path: str) -> Outcome:
+        """An attached server whose weights full pushes replaced: the checkpoint's again."""
+        ...
 
     async def release_memory(self) -> None: ...
 
@@ -80,6 +85,8 @@ class InProcessTransport:
         self._processes = list(getattr(watchdog, "_processes", []) or [])  # SGLang's mp.Process children
         self.child_pids = list(sgl_engine.get_all_child_pids())
         self._procs = [psutil.Process(pid) for pid in self.child_pids]
+        # Files SGLang leaves behind, noted now: a scheduler that dies takes the list of its own along.
+        self._files = sglang_shm_files(self.child_pids) + ipc_files(sgl_engine.port_args)
 
     async def generate(self, body: dict) -> dict:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -136,6 +143,9 @@ class InProcessTransport:
             end_ok, end_msg = await self._tm.end_weight_update(EndWeightUpdateReqInput(), None)
         return (ok and end_ok), str(msg if not ok else end_msg)
 
+    async def restore_weights(self, model_path: str) -> Outcome:  # noqa: ARG002 - never attached
+        return True, ""
+
     async def release_memory(self) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
@@ -174,6 +184,7 @@ class InProcessTransport:
         if watchdog is not None:
             watchdog.stop()  # it would SIGQUIT this process when it sees the children go
         kill_sglang(self.child_pids, self._processes)
+        remove(self._files)
         # SGLang's ZeroMQ sockets default to an infinite linger: with a message still queued for a
         # dead peer, garbage-collecting their context would block this process forever.
         close_zmq(self._sgl, self._tm)
