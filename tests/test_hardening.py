@@ -138,7 +138,7 @@ def test_engine_death_saves_the_newest_adapter_on_the_command_line(tmp_path, tin
     try:
         _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3, timeout=120)
         engines = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if "spawn_main" in " ".join(c.cmdline())]
+                   if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline())]
         assert engines, "no engine process found"
         killed = time.monotonic()
         for e in engines:

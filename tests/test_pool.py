@@ -200,7 +200,15 @@ def _gone(pid: int) -> bool:
 
 
 def _engine_processes(pid: int) -> list[psutil.Process]:
-    return [c for c in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    return [c for c in psutil.Process(pid).children(recursive=True) if "spawn_main" in _cmdline(c)]
+
+
+def _cmdline(p: psutil.Process) -> str:
+    """Its command line; empty for one already gone or a zombie not yet reaped (an engine just killed)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _lost(run_dir: Path) -> dict:

@@ -328,7 +328,8 @@ def test_two_started_servers_one_killed_mid_run_through_a_pipe(tmp_path, tiny_ll
 
     def kill_one(proc) -> None:
         if _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2):
-            servers = [p for p in psutil.Process(proc.pid).children() if "sglang/launch.py" in " ".join(p.cmdline())]
+            servers = [p for p in psutil.Process(proc.pid).children()
+                       if p.status() != psutil.STATUS_ZOMBIE and "sglang/launch.py" in " ".join(p.cmdline())]
             killed["at"] = time.time()
             servers[0].send_signal(signal.SIGKILL)
             log = run_dir / "run.log"
