@@ -299,7 +299,6 @@ def restart_fault(orbit: Orbit, out: Path, fault: Fault, recipe_path: Path, repo
     """Ctrl-C (the group, as a terminal) or SIGKILL of Orbit mid-save; then --resume."""
     control = out / "control"
     started = orbit.descendants()
-    done_before = steps(out)
     if fault.kind == "kill-save":
         (control / "slow-save").write_text("")
         saving = until(lambda: (control / "saving").exists() or None, 180)
@@ -323,7 +322,6 @@ def restart_fault(orbit: Orbit, out: Path, fault: Fault, recipe_path: Path, repo
     report.starts += 1
     resumed = until(lambda: _resumed_at(out), 120)
     if resumed is not None:
-        report.steps_redone += max(0, len(done_before) - resumed)
         if until(lambda: len(steps(out)) > resumed or None, 300):
             fault.recovered_s = time.time() - fault.t
     fault.detail += f" exit {code}"
@@ -387,6 +385,8 @@ def soak(backend: str, minutes: float, out: Path, model: Path) -> Report:
     report.steps = len(done)
     report.steps_lost = len(set(range(max(done, default=-1) + 1)) - set(done))
     report.steps_repeated = len(done) - len(set(done))
+    discarded = out / "run" / "metrics.discarded.jsonl"  # lines past the checkpoint a resume went back to
+    report.steps_redone = len(discarded.read_text().splitlines()) if discarded.exists() else 0
     time.sleep(1)
     report.shm_left = sorted(set(os.listdir("/dev/shm")) - shm_before)
     if report.rss_mb:
