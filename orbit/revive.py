@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from orbit.engine.base import Engine
+from orbit.engine.member import quietly
 from orbit.engine.pool import EnginePool, Member
 from orbit.push.fleet import FleetPush
 
@@ -93,16 +94,10 @@ class Revival:
                 raise RuntimeError("the run ended")
             self.push.rejoined(member)
         except BaseException:
-            _quietly(engine.kill)  # it never served: only its own processes go
+            quietly(engine.kill)  # it never served: only its own processes go
             raise
 
     def _nobody_serving_for(self) -> float:
         """Seconds since the pool last had a live member (0 while one serves)."""
         return 0.0 if self.pool.alive() else time.monotonic() - self.pool.empty_since
 
-
-def _quietly(call: Callable[[], None]) -> None:
-    try:
-        call()
-    except Exception:  # noqa: BLE001 - stopping an engine that failed to come back
-        pass

@@ -79,12 +79,7 @@ def test_a_slow_engine_holds_nobody_with_independent_flips_and_everybody_with_a_
 
 @pytest.mark.timeout(300)
 def test_an_engine_killed_mid_run_leaves_the_pool_and_the_run_finishes_on_the_other(tmp_path, tiny_llama):
-    run_dir = tmp_path / "run"
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 40},
-                                             engine={"restarts": 0})))
-    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir, proc = _train_on_the_command_line(tmp_path, tiny_llama, steps=40, engine={"restarts": 0})
     try:
         _wait(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3)
         engines = _engine_processes(proc.pid)
@@ -107,12 +102,7 @@ def test_an_engine_killed_mid_run_leaves_the_pool_and_the_run_finishes_on_the_ot
 def test_a_started_engine_that_dies_or_hangs_is_restarted_and_rejoins(tmp_path, tiny_llama):
     """The only engine is SIGKILLed, then its successor SIGSTOPped: each time the pool holds the
     requests, the engine is started again, brought to the newest version and rejoins; no step is lost."""
-    run_dir = tmp_path / "run"
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, mode="double-buffer", trainer={"steps": 30},
-                                             engine={"replicas": 1})))
-    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir, proc = _train_on_the_command_line(tmp_path, tiny_llama, steps=30, engine={"replicas": 1})
     try:
         _wait(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3)
         [first] = _engine_processes(proc.pid)
@@ -201,6 +191,18 @@ def _gone(pid: int) -> bool:
 
 def _engine_processes(pid: int) -> list[psutil.Process]:
     return [c for c in psutil.Process(pid).children(recursive=True) if "spawn_main" in _cmdline(c)]
+
+
+def _train_on_the_command_line(tmp_path: Path, model: Path, steps: int, engine: dict
+                               ) -> tuple[Path, subprocess.Popen]:
+    """`orbit train` of a double-buffer recipe in a process of its own: its run directory and the process."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(model, run_dir, mode="double-buffer", trainer={"steps": steps},
+                                             engine=engine)))
+    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return run_dir, proc
 
 
 def _cmdline(p: psutil.Process) -> str:
