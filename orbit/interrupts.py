@@ -38,15 +38,10 @@ def _exit_now(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
 
 
 def exit_while_importing() -> None:
-    """Until `done_importing`, Ctrl-C exits at once: nothing has started, there is nothing to undo.
+    """Until `catch_ctrl_c`, Ctrl-C exits at once: nothing has started, there is nothing to undo.
     A Ctrl-C that the shell told us to ignore (a background job) stays ignored."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _exit_now)
-
-
-def done_importing() -> None:
-    if signal.getsignal(signal.SIGINT) is _exit_now:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _remember(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
@@ -64,6 +59,16 @@ def catch_ctrl_c() -> None:
     if sys.unraisablehook is not _quiet_about_ctrl_c:
         _quiet_about_ctrl_c.previous = sys.unraisablehook
         sys.unraisablehook = _quiet_about_ctrl_c
+
+
+def catch_term() -> None:
+    """SIGTERM too (a launcher stopping this rank 0 because another rank failed): the same as Ctrl-C."""
+    signal.signal(signal.SIGTERM, _remember)
+
+
+def stops_the_run(signum: int) -> bool:
+    """Whether this signal stops a run here the way Ctrl-C does (so a step in progress holds it)."""
+    return signum == signal.SIGINT or signal.getsignal(signum) is _remember
 
 
 def _quiet_about_ctrl_c(unraisable) -> None:

@@ -25,6 +25,7 @@ from statistics import fmean
 
 from rich.console import Console
 
+from orbit import interrupts
 from orbit.engine.base import EngineStats
 from orbit.engine.pool import EnginePool
 from orbit.metrics import JsonlWriter, LiveView, StepMetrics, Timeline
@@ -209,26 +210,30 @@ def _finite(x: float | None) -> float | None:
 
 
 class HeldInterrupt:
-    """Hold Ctrl-C (SIGINT) for the duration of the block, then raise it.
+    """Hold Ctrl-C (SIGINT, and SIGTERM where it stops a run the same way) for the duration of the block,
+    then raise it.
 
     An optimizer step must not be cut between the update and its metrics line. Only the main
-    thread can hold signals; elsewhere this does nothing. A second Ctrl-C is held too.
+    thread can hold signals; elsewhere this does nothing. A second one is held too.
     """
 
     def __enter__(self) -> HeldInterrupt:
         self.pending = False
-        self._previous = None
+        self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._hold)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                if interrupts.stops_the_run(signum):
+                    self._previous[signum] = signal.signal(signum, self._hold)
         return self
 
     def _hold(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if not self.pending:
-            sys.stderr.write("\nCtrl-C: finishing this step first (its adapter and metrics line must agree)\n")
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            sys.stderr.write(f"\n{what}: finishing this step first (its adapter and metrics line must agree)\n")
         self.pending = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
         if self.pending and exc_type is None:
             raise KeyboardInterrupt

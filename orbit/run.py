@@ -12,8 +12,10 @@ A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl`, `samples
 
 from __future__ import annotations
 
+import _thread
 import json
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,8 @@ from orbit.tasks import TaskError, close_task, make_task
 from orbit.tracking import Trackers, open_trackers
 from orbit.train import checkpoint
 from orbit.train.checkpoint import CheckpointError
+from orbit.train.launcher import launched
+from orbit.train.ranks import RankLost, Ranks
 from orbit.train.trainer import Trainer
 from orbit.truncation import truncates
 
@@ -56,6 +60,7 @@ class RunResult:
     run_dir: Path
     steps_done: int
     seconds: float
+    leader: bool = True  # False on trainer ranks other than 0, which only followed rank 0's steps
 
 
 @dataclass
@@ -120,10 +125,50 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
     the pool's last engine."""
     console = console or Console()
     recipe = checked.recipe
+    t0 = time.time()
+    ranks = _join_ranks(recipe)
+    if ranks is not None and not ranks.leader:
+        return _follow(recipe, ranks, t0)
+    try:
+        return _lead(checked, resume, live, console, slow, ranks, t0)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _join_ranks(recipe: Recipe) -> Ranks | None:
+    """This process's place among the trainer ranks, when a launcher started several (ranks.py)."""
+    info, cfg = launched(), recipe.trainer
+    if info is None or (info.world == 1 and len(cfg.rank_devices()) == 1):
+        return None  # one process (torchrun with one rank included)
+    return Ranks(info, cfg.rank_devices(), cfg.rank_timeout_s)
+
+
+def _follow(recipe: Recipe, ranks: Ranks, t0: float) -> RunResult:
+    """A trainer rank other than 0: train each step's share until rank 0 says stop. Ctrl-C is rank 0's
+    to handle (it needs this rank to finish the step it saves)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
+                          top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k, ranks=ranks)
+        trainer.follow()
+    finally:
+        ranks.close()
+    return RunResult(Path(recipe.out), trainer.version, time.time() - t0, leader=False)
+
+
+def _lead(checked: Checked, resume: bool, live: bool, console: Console, slow: SlowEngine | None,
+          ranks: Ranks | None, t0: float) -> RunResult:
+    """The run itself (rank 0 of several, or the one process)."""
+    recipe = checked.recipe
     for note in checked.notes:
         console.print(note, highlight=False)
     run_dir = Path(recipe.out)
-    t0 = time.time()
+    if ranks is not None:
+        # The launcher stops rank 0 with SIGTERM when another rank fails: save, as for Ctrl-C. So does a
+        # rank lost to the heartbeat (ranks.py), which says which one.
+        interrupts.catch_term()
+        ranks.on_lost = lambda: _thread.interrupt_main(signal.SIGTERM)
     # The task first: a bad task (import path, dataset row, option) fails before any compute.
     from transformers import AutoTokenizer
 
@@ -134,7 +179,7 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
         interrupts.raise_if_dropped()
         created = prepare_run_dir(run_dir, resume)
         try:
-            run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer)
+            run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer, ranks=ranks)
         except BaseException as err:
             _undo_start(run_dir, created, resume)
             if isinstance(err, KeyboardInterrupt):
@@ -145,6 +190,7 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
         try:
             _loop(run, recipe, run_dir, created, resume)
         finally:
+            run.trainer.close()
             run.close_files()
     finally:
         close_task(task)  # after the producer stopped: nothing scores any more
@@ -152,15 +198,16 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
 
 
 def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int, ...], console: Console,
-           live: bool, slow: SlowEngine | None = None, tokenizer=None) -> _Run:
+           live: bool, slow: SlowEngine | None = None, tokenizer=None, ranks: Ranks | None = None) -> _Run:
     """Trainer, engine, the starting adapter on the engine, the producer: everything but the loop."""
     mode = MODES[recipe.mode]
     serial = mode.loop == "serial"
-    engine_cfg, shared = colocate(recipe)  # before the trainer takes its part of a shared GPU
+    shards = ranks.world if ranks is not None and recipe.trainer.shard == "fsdp" else 1
+    engine_cfg, shared = colocate(recipe, shards)  # before the trainer takes its part of a shared GPU
     if shared:
         console.print(shared, highlight=False)
     trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
-                      top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
+                      top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k, ranks=ranks)
     run_state = {}
     if resume:
         source = checkpoint.latest(run_dir)
@@ -212,6 +259,7 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
         interrupts.raise_if_dropped()
     except BaseException:
         _shutdown(run)
+        trainer.close()
         run.close_files()
         raise
     run.parts = LoopParts(
@@ -233,6 +281,11 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
         run.push.finish(recipe.rollout.stall_timeout_s)  # the last version reaches the engines; refusals surface
     except KeyboardInterrupt:
         interrupts.handled()
+        lost = trainer.ranks.lost if trainer.ranks is not None else None
+        if lost is not None:  # the heartbeat interrupted the run: a rank is gone
+            stepped = _stop(run, run_dir, created, resume)
+            saved = _saved(run_dir, trainer.version) if stepped else f"nothing was trained{_left(run_dir, resume)}"
+            raise RunStopped(f"{_sentence(f'a trainer rank was lost: {lost}')}\n{saved}") from None
         if not _stop(run, run_dir, created, resume):
             raise Interrupted(f"interrupted before the first step: nothing was trained{_left(run_dir, resume)}") \
                 from None
@@ -248,9 +301,9 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
         saved = _saved(run_dir, trainer.version) if stepped else f"nothing was trained{_left(run_dir, resume)}"
         if isinstance(cause, TaskError):
             raise TaskError(f"{cause}\nthe run stopped after step {trainer.version}; {saved}") from cause
-        if isinstance(cause, EngineError | RolloutError | FloatingPointError):
-            what = {EngineDeadError: "the engine died", FloatingPointError: "training cannot go on"}.get(
-                type(cause), "rollouts cannot go on")
+        if isinstance(cause, EngineError | RolloutError | FloatingPointError | RankLost):
+            what = {EngineDeadError: "the engine died", FloatingPointError: "training cannot go on",
+                    RankLost: "a trainer rank was lost"}.get(type(cause), "rollouts cannot go on")
             raise RunStopped(f"{_sentence(f'{what}: {cause}')}\n{saved}") from cause
         raise
     _shutdown(run)

@@ -51,17 +51,23 @@ def test_auto_backend_resolves_at_load_and_says_why(tiny_llama):
 
 
 def test_impossible_device_combinations_name_the_field():
-    assert device_problems("cuda:0", ["cuda:1"], 1, "sglang", gpu_count=2) == []
-    assert device_problems("cuda:0", ["cuda:0"], 1, "sglang", gpu_count=1) == []  # colocated: allowed
-    [p] = device_problems("cpu", ["cuda:3"], 1, "sglang", gpu_count=2)
+    assert device_problems(["cuda:0"], ["cuda:1"], 1, "sglang", gpu_count=2) == []
+    assert device_problems(["cuda:0"], ["cuda:0"], 1, "sglang", gpu_count=1) == []  # colocated: allowed
+    [p] = device_problems(["cpu"], ["cuda:3"], 1, "sglang", gpu_count=2)
     assert p.startswith("engine.device: cuda:3 does not exist") and "cuda:0..cuda:1" in p
-    [p] = device_problems("cuda:0", ["cpu"], 1, "embedded", gpu_count=0)
+    [p] = device_problems(["cuda:0"], ["cpu"], 1, "embedded", gpu_count=0)
     assert p.startswith("trainer.device: cuda:0 does not exist") and "no CUDA GPU" in p
-    [p] = device_problems("cuda:1", ["cuda:0"], 2, "sglang", gpu_count=2)
+    [p] = device_problems(["cuda:1"], ["cuda:0"], 2, "sglang", gpu_count=2)
     assert p.startswith("trainer.device: cuda:1 is one of engine 0's tensor-parallel GPUs")
-    problems = device_problems("cuda:0", ["cuda:1"], 2, "embedded", gpu_count=2)
+    problems = device_problems(["cuda:0"], ["cuda:1"], 2, "embedded", gpu_count=2)
     assert any(p.startswith("engine.tp: 2 needs an SGLang backend") for p in problems)
-    assert any("engine.devices" in p for p in device_problems("cpu", ["cuda:0", "cuda:5"], 1, "sglang", 2))
+    assert any("engine.devices" in p for p in device_problems(["cpu"], ["cuda:0", "cuda:5"], 1, "sglang", 2))
+    # trainer ranks: a world the GPUs cannot give, a rank inside an engine's tensor-parallel group
+    [p] = device_problems(["cuda:0", "cuda:1", "cuda:2"], ["cuda:0"], 1, "sglang", gpu_count=2)
+    assert p.startswith("trainer.devices: cuda:2 does not exist")
+    problems = device_problems(["cuda:2", "cuda:3"], ["cuda:0"], 4, "sglang", gpu_count=4)
+    assert [p.split(" is one of engine 0's tensor-parallel GPUs")[0] for p in problems] == [
+        "trainer.devices: cuda:2", "trainer.devices: cuda:3"]
 
 
 def test_recipe_on_a_missing_gpu_fails_at_load(tiny_llama):
@@ -85,6 +91,15 @@ def test_colocated_plan_on_an_80_gib_card():
     per_token = 2 * 24 * 2 * 64 * 2
     assert plan.max_context == plan.kv // (per_token * 64)
     assert plan.mem_fraction * 80 * GiB + trainer_room <= 79 * GiB + 0.001 * 80 * GiB
+
+
+def test_colocated_plan_counts_a_rank_share_of_a_sharded_base():
+    args = dict(total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16", tokens=8 * 1536,
+                seq=1536, max_running=64)
+    whole, sharded = plan_colocated(QWEN_05B, **args), plan_colocated(QWEN_05B, **args, shards=4)
+    gathered = 2 * 494_000_000 // 24 + 151_936 * 896  # two layers at once and the whole output projection
+    assert sharded.trainer_weights == (494_000_000 // 4 + gathered) * 2 < whole.trainer_weights
+    assert sharded.kv > whole.kv  # what the trainer rank no longer holds goes to the engine
 
 
 def test_colocated_plan_that_cannot_fit_says_the_numbers():

@@ -72,7 +72,7 @@ def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
     """SIGINT at random moments: the saved adapter's version always equals the last metrics line's,
     and --resume carries on from exactly there (no step trained without a line)."""
     rng = random.Random(0)
-    for trial in range(6):
+    for trial in range(4):
         run_dir = tmp_path / f"t{trial}"
         recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 200}))
         started = time.monotonic()

@@ -13,9 +13,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from orbit import adapters
+from orbit.adapters import adapter_tensors
 from orbit.config import AdapterConfig, LossConfig, TrainerConfig
 from orbit.rollout.sample import Sample
-from orbit.train.trainer import Trainer, adapter_tensors
+from orbit.train.trainer import Trainer
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = AdapterConfig(type="lora", r=4, alpha=8.0)

@@ -25,6 +25,7 @@ from orbit.rollout.sample import Sample
 from orbit.train.batch import Batch, collate, micro_batches, output_hidden, token_logprobs
 from orbit.train.checkpoint import STATE_FILE
 from orbit.train.loss import LossStats, policy_loss
+from orbit.train.ranks import RankLost, Ranks, padded_micro_batches
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
 RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
@@ -76,20 +77,25 @@ class _Totals:
             self.diff[i] += float(abs_diff[mask].sum())
             self.diff_tokens[i] += int(mask.sum())
 
+    def sum_over(self, ranks: Ranks) -> None:
+        """The whole batch's sums, from every rank's share."""
+        sums = torch.tensor([self.loss, self.tokens, self.ratio_sum, self.clipped, self.kl_sum, *self.diff,
+                             *self.diff_tokens], dtype=torch.float64)
+        most = torch.tensor([self.ratio_max], dtype=torch.float64)
+        ranks.all_reduce(sums)
+        ranks.all_reduce(most, torch.distributed.ReduceOp.MAX)
+        (self.loss, tokens, self.ratio_sum, self.clipped, self.kl_sum, d0, d1, t0, t1) = sums.tolist()
+        self.tokens, self.diff, self.diff_tokens = int(tokens), [d0, d1], [int(t0), int(t1)]
+        self.ratio_max = float(most)
 
-def adapter_tensors(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's weights under peft's names, as detached contiguous CPU copies."""
-    state = peft.get_peft_model_state_dict(peft_model)
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
 
+@dataclass
+class SavedState:
+    """What a checkpoint holds for the trainer, as read from its directory (rank 0 reads, every rank restores)."""
 
-def adapter_config_dict(peft_model: peft.PeftModel) -> dict:
-    """The active adapter's peft config as plain JSON types (the adapter_config.json contents)."""
-    config = peft_model.peft_config[peft_model.active_adapter].to_dict()
-    for key, value in config.items():
-        if isinstance(value, set):  # save_pretrained turns sets into lists too; sort for stable output
-            config[key] = sorted(value)
-    return json.loads(json.dumps(config))  # enums -> str, tuples -> lists
+    weights: dict[str, Tensor]
+    optimizer: dict
+    state: dict
 
 
 def _mean(total: float, count: int) -> float:
@@ -109,18 +115,21 @@ def spread_over_groups(samples: list[Sample], n: int) -> list[Sample]:
 
 
 class Trainer:
-    """Trains a LoRA or OFT adapter on scored samples (see `step`)."""
+    """Trains a LoRA or OFT adapter on scored samples (see `step`). With `ranks`, one of several trainer
+    ranks (ranks.py): rank 0's `step`, `logprobs` and `load` make the other ranks, in `follow`, do the same."""
 
     def __init__(
         self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int,
-        top_p: float = 1.0, top_k: int = 0,
+        top_p: float = 1.0, top_k: int = 0, ranks: Ranks | None = None,
     ) -> None:
         # The engine runs in its own process with its own threads; don't let torch take every core.
         torch.set_num_threads(cfg.threads)
         set_seed(seed)  # python, numpy, torch: the adapter's init is random (LoRA A)
         self.cfg = cfg
         self.adapter = adapter
-        self.device = torch.device(cfg.device)
+        self.ranks = ranks
+        self._closed = False
+        self.device = ranks.device if ranks is not None else torch.device(cfg.device)
         # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated logprobs.
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p, self.top_k = (top_p, top_k) if temperature > 0 else (1.0, 0)
@@ -129,13 +138,20 @@ class Trainer:
         for p in self.model.parameters():  # adapter weights train in float32 whatever the base's dtype
             if p.requires_grad:
                 p.data = p.data.float()
-        self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.pad_id = base.config.pad_token_id or 0
         # The decoder stack (with its final norm) and the output projection, run apart (batch.py).
         self._decoder = base.model
         self._head = base.get_output_embeddings().weight
+        self._sharded = ranks is not None and cfg.shard == "fsdp"
+        if self._sharded:
+            # The head is frozen and often tied to the (sharded) embedding: every rank keeps it whole.
+            self._head = self._head.detach().clone().to(self.device)
+            ranks.shard_base(self._decoder, self.params)
+        self.model.to(self.device)
+        if ranks is not None:
+            ranks.broadcast_params(self.params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.pad_id = base.config.pad_token_id or 0
         self.version = 0
         self._snapshots: dict[int, list[Tensor]] = {}
         self._snapshot()
@@ -144,26 +160,38 @@ class Trainer:
 
     def step(self, samples: list[Sample]) -> StepResult:
         """One optimizer step on the batch, in micro-batches of at most `cfg.micro_batch_tokens` padded
-        tokens (batch.py)."""
+        tokens (batch.py); with ranks, each on its share and the gradients summed."""
         if not samples:
             raise ValueError("step needs at least one sample")
+        if self.ranks is not None:
+            self.ranks.send("step", samples)
+        return self._step(samples)
+
+    def _step(self, samples: list[Sample]) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = sum(sum(1 for m in s.loss_mask if m) for s in samples)
+        num_tokens = sum(sum(1 for m in s.loss_mask if m) for s in samples)  # the whole batch's, on every rank
         totals = _Totals()
-        for chunk in micro_batches(samples, self.cfg.micro_batch_tokens):
+        for chunk, counts in self._micro_batches(samples):
             batch = self._collate(chunk)
             logp = self._logprobs(batch)
             ref = self._ref_logprobs(batch) if self.cfg.loss.kl_coef > 0 else None
             loss, stats = policy_loss(
                 logp, batch.behaviour, batch.advantages, batch.loss_mask, self.cfg.loss, ref, num_tokens
             )
+            if not counts:  # a pad (FSDP): its forward and backward are collectives, its loss is not ours
+                (loss * 0.0).backward()
+                continue
             loss.backward()
             totals.add(loss, stats, (logp.detach() - batch.behaviour).abs(), batch)
+        if self.ranks is not None:
+            self.ranks.sum_grads(self.params)
+            totals.sum_over(self.ranks)
         if totals.diff_tokens[0] == 0 or self.adapter.dropout > 0:
             # No fresh token, or the training forward ran with dropout: measure agreement apart.
             totals.diff[0], totals.diff_tokens[0] = 0.0, 0
             self._rescore(samples, totals)
+        self._reshard()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             # An update now would put NaN into the adapter that the engine serves next.
@@ -173,6 +201,13 @@ class Trainer:
         self.version += 1
         self._snapshot()
         return self._result(totals, grad_norm, len(samples))
+
+    def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
+        """(micro-batch, whether it counts): all of them, or with ranks this rank's share's (ranks.py)."""
+        if self.ranks is None:
+            return [(chunk, True) for chunk in micro_batches(samples, self.cfg.micro_batch_tokens)]
+        return padded_micro_batches(samples, self.ranks.world, self.ranks.rank, self.cfg.micro_batch_tokens,
+                                    pad=self._sharded)
 
     def _snapshot(self) -> None:
         """Keep a copy of the adapter at this version (adapters are small)."""
@@ -223,9 +258,14 @@ class Trainer:
 
     # -- logprobs ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Trainer logprobs of each sample's output tokens under the current adapter (eval mode)."""
+        if self.ranks is not None:  # every rank runs the same forwards (they are collectives under FSDP)
+            self.ranks.send("logprobs", samples)
+        return self._sample_logprobs(samples)
+
+    @torch.no_grad()
+    def _sample_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         self.model.eval()
         out: dict[int, list[float]] = {}
         index = {id(s): i for i, s in enumerate(samples)}
@@ -234,7 +274,15 @@ class Trainer:
             logp = self._logprobs(batch)
             for row, s in enumerate(chunk):
                 out[index[id(s)]] = logp[row, : len(s.output_ids)].tolist()
+        self._reshard()
         return [out[i] for i in range(len(samples))]
+
+    def _reshard(self) -> None:
+        """Under FSDP, leave every rank's base sharded after a command. FSDP keeps the root's weights
+        gathered after a forward without backward, and rank 0 alone then reads the model's state (a
+        push, a save), which reshards them there only: the next forward would all-gather on rank 0 alone."""
+        if self._sharded:
+            self._decoder.reshard()
 
     def _logprobs(self, batch: Batch) -> Tensor:
         """[N, C] logprob of each output token under the sampling distribution (batch.py): each prompt runs
@@ -253,10 +301,10 @@ class Trainer:
     # -- export -----------------------------------------------------------------------------
 
     def adapter_tensors(self) -> dict[str, Tensor]:
-        return adapter_tensors(self.model)
+        return adapters.adapter_tensors(self.model)
 
     def adapter_config(self) -> dict:
-        return adapter_config_dict(self.model)
+        return adapters.adapter_config_dict(self.model)
 
     def merged_weights(self, only_adapted: bool = False) -> dict[str, Tensor]:
         """Base weights with the adapter merged in; `only_adapted`: just the adapted modules' weights."""
@@ -285,26 +333,53 @@ class Trainer:
         return directory
 
     def load(self, directory: str | Path) -> dict:
-        """Restore what `save` wrote, so training continues exactly where it stopped; returns the
-        saved `run_state`."""
+        """Restore what `save` wrote, so training continues exactly where it stopped (with ranks: on
+        every rank, however many ranks wrote it); returns the saved `run_state`."""
         directory = Path(directory)
-        weights = peft.utils.load_peft_weights(str(directory), device=str(self.device))
+        weights = peft.utils.load_peft_weights(str(directory), device="cpu")
         expected = set(peft.get_peft_model_state_dict(self.model))
         if set(weights) != expected:
             raise ValueError(
                 f"{directory}: adapter does not match this trainer's adapter config "
                 f"(missing {sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})"
             )
-        peft.set_peft_model_state_dict(self.model, weights)
-        self.optimizer.load_state_dict(
-            torch.load(directory / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
-        )
-        state = json.loads((directory / STATE_FILE).read_text())
-        self.version = int(state["version"])
+        saved = SavedState(weights, torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
+                           json.loads((directory / STATE_FILE).read_text()))
+        if self.ranks is not None:
+            self.ranks.send("load", saved)
+        self._restore(saved)
+        return saved.state.get("run", {})
+
+    def _restore(self, saved: SavedState) -> None:
+        peft.set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in saved.weights.items()})
+        self.optimizer.load_state_dict(saved.optimizer)  # moves the state to the parameters' device
+        self.version = int(saved.state["version"])
         self._snapshots.clear()
         self._snapshot()
-        self._set_rng(state["rng"])
-        return state.get("run", {})
+        self._set_rng(saved.state["rng"])
+
+    # -- ranks other than 0 -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Rank 0: the other ranks stop following (when they can still hear it). Idempotent."""
+        if self.ranks is not None and self.ranks.leader and self.ranks.lost is None and not self._closed:
+            self._closed = True
+            try:
+                self.ranks.send("stop")
+            except RankLost:
+                pass  # they are gone already
+
+    def follow(self) -> None:
+        """Do what rank 0's trainer does, on this rank, until it says stop."""
+        actions = {"step": self._step, "logprobs": self._sample_logprobs, "load": self._restore}
+        while True:
+            what, payload = self.ranks.receive()
+            if what == "stop":
+                return
+            try:
+                actions[what](payload)
+            except FloatingPointError:
+                pass  # rank 0 computed the same gradient norm: it stops the run and says so
 
     @staticmethod
     def _set_rng(rng: dict) -> None:

@@ -282,8 +282,10 @@ _IDLE_POLL_S = 0.5
 
 def engine_main(model_path: str, options: EngineOptions, threads: int, commands, out: Connection) -> None:
     """Process entry point (spawned)."""
-    # Ctrl-C reaches the whole process group: the trainer handles it and shuts us down cleanly.
+    # The trainer stops the engine itself, after what a Ctrl-C or a launcher's SIGTERM to its process group
+    # makes it save; the engine leaves that group (and ignores a Ctrl-C sent to it before it has).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgid(0, 0)
     torch.set_num_threads(threads)  # before any op: generation and training share the cores
     try:
         core = EngineCore(model_path, options)
