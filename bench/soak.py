@@ -372,7 +372,7 @@ def soak(backend: str, minutes: float, out: Path, model: Path) -> Report:
         print(f"  {backend}: {fault.kind:9s} noticed {_s(fault.noticed_s)} recovered {_s(fault.recovered_s)} "
               f"{fault.detail[:70]}", flush=True)
         i += 1
-        until(lambda: None, 3 if minutes < 10 else 15)  # let it run a while between faults
+        until(lambda: None, 1 if minutes < 2 else 3 if minutes < 10 else 15)  # let it run a while between faults
     started = orbit.descendants()
     os.killpg(orbit.popen.pid, signal.SIGINT)  # the end: Ctrl-C saves the last step
     if orbit.wait(120) is None:

@@ -31,7 +31,12 @@ def claim() -> Path:
     current = os.environ.get("TMPDIR", "")
     if Path(current).name.startswith(f"{SCRATCH}{os.getpid()}-"):
         return Path(current)
-    path = own_dir(SCRATCH, Path(tempfile.gettempdir()))
+    # Next to the scratch directory of the Orbit that started this one (a trainer rank's launcher), not in
+    # it: socket paths in here (multiprocessing's, ZeroMQ's) must stay under AF_UNIX's 108 bytes.
+    base = Path(tempfile.gettempdir())
+    while base.name.startswith(SCRATCH):
+        base = base.parent
+    path = own_dir(SCRATCH, base)
     os.environ["TMPDIR"] = tempfile.tempdir = str(path)
     # Removed after multiprocessing's own exit clean-up, which removes its pymp-* directory in here and
     # fails when it is gone: as one of its finalizers, ranked after that one (exitpriority -100).

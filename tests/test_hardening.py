@@ -72,7 +72,7 @@ def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
     """SIGINT at random moments: the saved adapter's version always equals the last metrics line's,
     and --resume carries on from exactly there (no step trained without a line)."""
     rng = random.Random(0)
-    for trial in range(4):
+    for trial in range(3):
         run_dir = tmp_path / f"t{trial}"
         recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 200}))
         started = time.monotonic()
@@ -108,7 +108,7 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama,
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("after_s", [0.5, 1.5, 3.0])  # importing Orbit, torch/transformers, loading
+@pytest.mark.parametrize("after_s", [0.5, 1.5])  # importing Orbit and torch; typer parsing, loading (later: above)
 def test_ctrl_c_during_start_up_on_the_command_line(tmp_path, tiny_llama, after_s):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, tmp_path / "run")))

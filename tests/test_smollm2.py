@@ -72,7 +72,7 @@ def _recipe(tmp_path: Path, model: Path, backend: str) -> Path:
     data = yaml.safe_load((ROOT / "recipes" / "smollm2-math.yaml").read_text())
     data.update(model=str(model), out=str(tmp_path / "run"), max_staleness=1)
     data["engine"].update(backend=backend, max_inflight=16, max_running=16)
-    data["rollout"].update(group_size=4, prompts_per_step=2, max_new_tokens=24)
+    data["rollout"].update(group_size=4, prompts_per_step=2, max_new_tokens=12)
     data["trainer"].update(steps=2, save_every=1000)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
