@@ -249,7 +249,14 @@ class Ranks:
         if threading.current_thread() is not self._watch:
             # No store call in flight when the process exits: C++ aborts on a store thread torn down mid-call.
             self._watch.join(timeout=self.timeout_s)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a group with a lost rank may not come down cleanly; we exit anyway
-            pass
+        # Taking the group down waits on every rank; a hung one would hold this rank for ever. Bounded.
+        down = threading.Thread(target=_destroy_group, name="orbit-ranks-down", daemon=True)
+        down.start()
+        down.join(timeout=self.timeout_s if self.lost is None else 2 * BEAT_S)
+
+
+def _destroy_group() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a group with a lost rank may not come down cleanly; we exit anyway
+        pass
