@@ -76,13 +76,9 @@ def rank_main(args: argparse.Namespace, shard: str) -> list[float]:
 
 
 def two_ranks(args: argparse.Namespace, shard: str) -> list[float]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from orbit.train.launcher import call_on_ranks
 
-    from orbit.train.launcher import free_port
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, run_id=f"bench-{shard}")
-    return elastic_launch(config, rank_main)(args, shard)[0]
+    return call_on_ranks(2, rank_main, args, shard, run_id=f"bench-{shard}")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from run_helpers import run_metrics
 
 from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe
 from orbit.rollout.sample import Sample
-from orbit.train.launcher import free_port
+from orbit.train.launcher import call_on_ranks
 from orbit.train.ranks import padded_micro_batches, split_by_tokens
 from orbit.train.trainer import Trainer
 
@@ -130,11 +130,7 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path, tiny_llama):
     """Same batches, same seed, 3 steps: loss, gradient norm and the adapter agree within 1e-5 (fp32), for
     DDP and FSDP, LoRA and OFT. Under FSDP the base really is sharded. A checkpoint two ranks wrote after
     step 2, resumed by one rank, ends step 3 with the same adapter."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, run_id="test-ranks")
-    two = elastic_launch(config, _rank_main)(str(tiny_llama), tmp_path)[0]
+    two = call_on_ranks(2, _rank_main, str(tiny_llama), tmp_path, run_id="test-ranks")
     torch.set_num_threads(1)
     for adapter, shard in CONFIGS:
         got, want = two[f"{adapter}-{shard}"], _train(str(tiny_llama), adapter, "none")

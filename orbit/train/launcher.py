@@ -46,29 +46,39 @@ def launched() -> RankInfo | None:
                     int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_ranks(n: int, args: list[str]) -> RanksEnded:
     """Run `python -m orbit.cli ARGS` as `n` ranks on this host; returns how they ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # Orbit says it in one line
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"orbit-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.5, shutdown_timeout=SHUTDOWN_S)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "orbit.cli", *args)
+        elastic_launch(_local_ranks(n, f"orbit-{uuid.uuid4().hex[:8]}"), entrypoint=sys.executable)(
+            "-m", "orbit.cli", *args)
     except ChildFailedError as err:
         return _failed(err)
     except SignalException as err:  # Ctrl-C or a kill of this launcher: forwarded to the ranks, which stopped
         return RanksEnded(128 + err.sigval, None)
     return RanksEnded(0, None)
+
+
+def call_on_ranks(n: int, fn, *args, run_id: str):
+    """`fn(*args)` as `n` ranks on this host (a function, for tests and benches); rank 0's return value."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    return elastic_launch(_local_ranks(n, run_id), fn)(*args)[0]
+
+
+def _local_ranks(n: int, run_id: str):
+    """The launcher's settings for `n` ranks on this host, meeting on a free loopback port."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from orbit.engine.sglang.server import free_port
+
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=run_id, rdzv_backend="c10d",
+                        rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.5,
+                        shutdown_timeout=SHUTDOWN_S)
 
 
 def _failed(err) -> RanksEnded:
