@@ -130,15 +130,16 @@ def _merged_weight(layer: BaseTunerLayer) -> torch.Tensor:
     return weight
 
 
-def adapter_tensors(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's weights under peft's names, as detached contiguous CPU copies."""
-    state = peft.get_peft_model_state_dict(peft_model)
+def adapter_tensors(peft_model: peft.PeftModel, name: str = "default") -> dict[str, torch.Tensor]:
+    """Adapter `name`'s weights under peft's names (as for a model's one adapter), as detached contiguous CPU
+    copies."""
+    state = peft.get_peft_model_state_dict(peft_model, adapter_name=name)
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
 
 
-def adapter_config_dict(peft_model: peft.PeftModel) -> dict:
-    """The active adapter's peft config as plain JSON types (the adapter_config.json contents)."""
-    config = peft_model.peft_config[peft_model.active_adapter].to_dict()
+def adapter_config_dict(peft_model: peft.PeftModel, name: str = "default") -> dict:
+    """Adapter `name`'s peft config as plain JSON types (the adapter_config.json contents)."""
+    config = peft_model.peft_config[name].to_dict()
     for key, value in config.items():
         if isinstance(value, set):  # save_pretrained turns sets into lists too; sort for stable output
             config[key] = sorted(value)

@@ -1,4 +1,4 @@
-"""The `orbit` command line: train, eval, bench, recipe check, model tiny."""
+"""The `orbit` command line: train, sweep, eval, bench, recipe check, model tiny."""
 
 from __future__ import annotations
 
@@ -145,6 +145,45 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
     if result.leader:
         console.print(f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
                       f"(metrics.jsonl, timeline.jsonl, adapter/)")
+
+
+@app.command()
+def sweep(
+    recipe: Path = typer.Argument(..., help="recipe YAML: the runs' shared settings (and their runs: list)"),
+    vary: list[str] = typer.Option([], help="KEY=V1,V2,...: a run per value; repeated, a run per combination"),
+    steps: int | None = typer.Option(None, help="train steps of every run (overrides trainer.steps)"),
+    out: Path | None = typer.Option(None, help="the sweep's directory, a run directory in it per run (overrides out)"),
+    engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
+    resume: bool = typer.Option(False, help="continue the sweep in its directory, each run from its checkpoint"),
+    quiet: bool = typer.Option(False, help="no live table"),
+) -> None:
+    """Train several adapters at once on one base and one set of engines:
+    `orbit sweep recipes/tiny.yaml --vary trainer.lr=1e-4,3e-4,1e-3`."""
+    with _run_errors("the sweep"):
+        _sweep(recipe, vary, steps, out, engine, resume, quiet)
+
+
+def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quiet: bool) -> None:
+    from orbit.sweep.plan import plan_sweep, preflight_sweep
+    from orbit.sweep.run import sweep as run_sweep
+
+    overrides = {"trainer.steps": steps, "out": str(out) if out else None,
+                 "engine.backend": engine.value if engine else None}
+    try:
+        plan, notes = preflight_sweep(plan_sweep(recipe, vary, overrides))
+    except RecipeError as err:
+        _fail(f"bad sweep {recipe}:\n{err}")
+    for note in notes:
+        console.print(note, highlight=False)
+    result = run_sweep(plan, resume=resume, live=not quiet and sys.stdout.isatty(), console=console)
+    again = f"continue with `orbit sweep {' '.join(sys.argv[2:])}{'' if resume else ' --resume'}`"
+    if result.interrupted:
+        _interrupted(f"interrupted: every run saved its last step; {again}")
+    if result.failed:
+        _fail(f"{len(result.failed)} of {len(result.statuses)} runs stopped (the others finished): "
+              + "; ".join(f"{s.name}: {s.reason.splitlines()[0]}" for s in result.failed), code=1)
+    console.print(f"done: {len(result.statuses)} runs in {result.seconds:.1f}s → {result.out} "
+                  f"(summary.json, reward.png, a run directory per run)")
 
 
 @app.command()

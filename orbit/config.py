@@ -142,7 +142,7 @@ class LossConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    lr: float = Field(1e-3, ge=0.0, le=1.0)  # 0: the adapter stays as initialised (a sweep's control run)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     steps: int = Field(20, ge=1)
@@ -336,6 +336,8 @@ def _explain(err: ValidationError) -> str:
         value = e.get("input")
         if not e["loc"]:  # a cross-field rule: its message names the fields itself
             lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden" and loc == "runs":
+            lines.append("runs: this recipe lists the runs of a sweep; start it with `orbit sweep RECIPE`")
         elif e["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown key (value {value!r})")
         elif e["type"] == "missing":

@@ -60,6 +60,7 @@ class LoopParts:
     stall_s: float | None = None  # rollout.stall_timeout_s
     run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
     trackers: Trackers | None = None  # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
+    on_step: Callable[[StepMetrics], None] | None = None  # a sweep's live table (orbit/sweep/watch.py)
 
 
 def run_steps(p: LoopParts) -> None:
@@ -69,6 +70,8 @@ def run_steps(p: LoopParts) -> None:
         while p.trainer.version < p.steps:
             m, flipped = one_step(p, serial)
             view.update(m, flipped, p.pool.versions())
+            if p.on_step is not None:
+                p.on_step(m)
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
                     f"[bold red]WARNING[/] step {m.step}: engine and trainer logprobs differ by "
@@ -158,7 +161,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         reward_mean=fmean(s.reward for s in samples),
         loss=result.loss,
         stale_dropped=batch.stale_dropped,
-        train_s=train_s,
+        train_s=train_s - result.queue_s,
+        trainer_queue_s=result.queue_s,
         trainer_idle_s=wait_s + pushed.seconds,
         engine_busy_s=after.busy_s - before.busy_s,
         tokens_generated=tokens,

@@ -40,6 +40,7 @@ class StepMetrics:
     loss: float
     stale_dropped: int
     train_s: float = 0.0
+    trainer_queue_s: float = 0.0  # a sweep's run waiting for the shared trainer while other runs trained
     trainer_idle_s: float = 0.0  # train_wait_s + the part of the push that held the trainer
     engine_busy_s: float = 0.0  # the engines' own busy time in the step (generating), summed over engines
     tokens_generated: int = 0

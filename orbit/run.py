@@ -13,17 +13,17 @@ A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl`, `samples
 from __future__ import annotations
 
 import _thread
-import json
-import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rich.console import Console
 
 from orbit import interrupts
-from orbit.config import Recipe, RecipeError, dump_recipe
+from orbit.config import EngineConfig, Recipe, RecipeError, dump_recipe
 from orbit.devices import colocate
 from orbit.engine import EngineStarter, SlowEngine, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
@@ -37,6 +37,7 @@ from orbit.push.fleet import FleetPush
 from orbit.revive import Revival
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
 from orbit.rollout.producer import Producer
+from orbit.run_dir import drop_lines_after, left, prepare_run_dir, saved_line, undo_start, warner
 from orbit.tasks import TaskError, close_task, make_task
 from orbit.tracking import Trackers, open_trackers
 from orbit.train import checkpoint
@@ -45,9 +46,6 @@ from orbit.train.launcher import launched
 from orbit.train.ranks import RankLost, Ranks
 from orbit.train.trainer import Trainer
 from orbit.truncation import truncates
-
-RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log", "samples.jsonl")
-RUN_DIRS = ("tensorboard", "wandb")  # the trackers' own files (recipe `logging`)
 
 
 class RunStopped(RuntimeError):
@@ -64,7 +62,7 @@ class RunResult:
 
 
 @dataclass
-class _Run:
+class StartedRun:
     """What a started run holds, for stopping it cleanly."""
 
     trainer: Trainer
@@ -84,27 +82,6 @@ class _Run:
         self.timeline.close()
         if self.trackers is not None:
             self.trackers.close()
-
-
-def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
-    """Refuse to mix two runs in one directory; resuming needs a checkpoint. Returns whether the
-    directory was created here (a failed start removes it again)."""
-    metrics = run_dir / "metrics.jsonl"
-    stepped = metrics.exists() and metrics.stat().st_size > 0
-    if resume:
-        checkpoint.clean_partial(run_dir)  # what a save killed part-way left
-        if checkpoint.latest(run_dir) is None and not stepped:
-            if run_dir.is_dir():
-                raise RecipeError(f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
-                                  f"start it again without --resume")
-            raise RecipeError(f"--resume: {run_dir} has no checkpoint (expected {run_dir}/checkpoints/step-N/)")
-    elif stepped or (run_dir / checkpoint.LATEST).exists() or (run_dir / checkpoint.CHECKPOINTS).exists():
-        raise RecipeError(
-            f"out: {run_dir} already holds a run; pass --resume {run_dir} to continue it or choose another --out"
-        )
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return created
 
 
 def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
@@ -179,16 +156,23 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console, slow: Sl
         interrupts.raise_if_dropped()
         created = prepare_run_dir(run_dir, resume)
         try:
-            run = _start(recipe, run_dir, resume, task, stop_ids, console, live, slow, tokenizer=tokenizer, ranks=ranks)
+            shards = ranks.world if ranks is not None and recipe.trainer.shard == "fsdp" else 1
+            engine_cfg, shared = colocate(recipe, shards)  # before the trainer takes its part of a shared GPU
+            if shared:
+                console.print(shared, highlight=False)
+            trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
+                              top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k, ranks=ranks)
+            run = start(recipe, run_dir, resume, task, stop_ids, console, live, trainer,
+                        StartedEngines(recipe, engine_cfg, slow), tokenizer)
         except BaseException as err:
-            _undo_start(run_dir, created, resume)
+            undo_start(run_dir, created, resume)
             if isinstance(err, KeyboardInterrupt):
                 interrupts.handled()
-                raise Interrupted(f"interrupted during start-up: nothing was trained{_left(run_dir, resume)}") \
+                raise Interrupted(f"interrupted during start-up: nothing was trained{left(run_dir, resume)}") \
                     from None
             raise
         try:
-            _loop(run, recipe, run_dir, created, resume)
+            finish(run, recipe, run_dir, created, resume)
         finally:
             run.trainer.close()
             run.close_files()
@@ -197,49 +181,63 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console, slow: Sl
     return RunResult(run_dir, run.trainer.version - run.start_version, time.time() - t0)
 
 
-def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int, ...], console: Console,
-           live: bool, slow: SlowEngine | None = None, tokenizer=None, ranks: Ranks | None = None) -> _Run:
-    """Trainer, engine, the starting adapter on the engine, the producer: everything but the loop."""
+class Engines(Protocol):
+    """Where a run's engines come from: started for it (`StartedEngines`), or shared with the other runs of a
+    sweep (orbit/sweep/lanes.py)."""
+
+    def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool: ...
+
+    def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None: ...
+
+
+class StartedEngines:
+    """A run's own engines: `engine.replicas` of them, started now, brought back when they die (revive.py)."""
+
+    def __init__(self, recipe: Recipe, engine_cfg: EngineConfig, slow: SlowEngine | None = None) -> None:
+        self.recipe = recipe
+        self.starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
+                                     call_timeout_s=recipe.rollout.stall_timeout_s,
+                                     truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
+                                     and recipe.rollout.temperature > 0, slow=slow)
+
+    def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool:
+        return start_pool(self.starter, timeline=timeline, on_warning=warn)
+
+    def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None:
+        if not self.recipe.engine.restarts:
+            return None
+        return Revival(pool, push, self.starter.start, attached=self.starter.attached,
+                       tries=self.recipe.engine.restarts, wait_s=self.recipe.rollout.stall_timeout_s)
+
+
+def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int, ...], console: Console,
+          live: bool, trainer: Trainer, engines: Engines, tokenizer, name: str | None = None,
+          group: str | None = None) -> StartedRun:
+    """The starting adapter on the engines, the producer: everything but the loop. `name`: a sweep's run, which
+    its console lines and timeline say; `group`: the sweep (its trackers' group)."""
     mode = MODES[recipe.mode]
     serial = mode.loop == "serial"
-    shards = ranks.world if ranks is not None and recipe.trainer.shard == "fsdp" else 1
-    engine_cfg, shared = colocate(recipe, shards)  # before the trainer takes its part of a shared GPU
-    if shared:
-        console.print(shared, highlight=False)
-    trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
-                      top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k, ranks=ranks)
+    prefix = f"{name}: " if name else ""
     run_state = {}
-    if resume:
-        source = checkpoint.latest(run_dir)
-        if source is None:  # it stepped, but was stopped before its first checkpoint was complete
-            console.print(f"resuming {run_dir} from the start: no checkpoint of it was complete", highlight=False)
-        else:
-            run_state = trainer.load(source)
-            console.print(f"resuming {run_dir} from its newest complete checkpoint, {source.relative_to(run_dir)} "
-                          f"(step {trainer.version})", highlight=False)
-    if resume:
-        _drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
-        # samples.jsonl likewise, so that no step's samples appear twice after the resumed run's own.
-        _drop_lines_after(run_dir / "samples.jsonl", trainer.version, by_step=True)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
-    run = _Run(trainer, JsonlWriter(run_dir / "metrics.jsonl"), Timeline(run_dir / "timeline.jsonl"),
+    try:
+        if resume:
+            run_state = _resume(trainer, run_dir, console)
+        (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    except BaseException:
+        trainer.close()
+        raise
+    run = StartedRun(trainer, JsonlWriter(run_dir / "metrics.jsonl"), Timeline(run_dir / "timeline.jsonl"),
                start_version=trainer.version)
     try:
         # Trackers before the engine: one that cannot start fails the run before any generation.
-        run.trackers = open_trackers(recipe, run_dir, tokenizer, _warner(console, run_dir),
-                                     resume_step=trainer.version if resume else None)
-        starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
-                                call_timeout_s=recipe.rollout.stall_timeout_s,
-                                truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-                                and recipe.rollout.temperature > 0, slow=slow)
-        run.pool = pool = start_pool(starter, timeline=run.timeline, on_warning=_warner(console, run_dir))
+        run.trackers = open_trackers(recipe, run_dir, tokenizer, warner(console, run_dir, prefix),
+                                     resume_step=trainer.version if resume else None, group=group)
+        run.pool = pool = engines.pool(run.timeline, warner(console, run_dir, prefix))
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
         run.push = push = FleetPush(mode.push, recipe.adapter.type, pool, recipe.engine.flip, wait_all=serial,
                                     timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
         push.initial(trainer)
-        if recipe.engine.restarts:
-            run.revival = Revival(pool, push, starter.start, attached=starter.attached, tries=recipe.engine.restarts,
-                                  wait_s=recipe.rollout.stall_timeout_s)
+        run.revival = engines.revival(pool, push)
         batch_groups = recipe.rollout.prompts_per_step
         per_engine = recipe.engine.max_inflight * recipe.engine.engines
         pipeline = Pipeline(
@@ -252,13 +250,13 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
             start_version=trainer.version)
         run.producer = producer = Producer(pipeline, pool, task, sampling_params(recipe.rollout, stop_ids),
                                            recipe.seed, timeline=run.timeline,
-                                           max_attempts=recipe.rollout.max_attempts)
+                                           max_attempts=recipe.rollout.max_attempts, adapter=name)
         if not serial:
             pipeline.grant((recipe.trainer.steps - trainer.version) * batch_groups)
         producer.start()
         interrupts.raise_if_dropped()
     except BaseException:
-        _shutdown(run)
+        shut_down(run)
         trainer.close()
         run.close_files()
         raise
@@ -273,7 +271,24 @@ def _start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[in
     return run
 
 
-def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool) -> None:
+def _resume(trainer: Trainer, run_dir: Path, console: Console) -> dict:
+    """The trainer as its newest complete checkpoint left it; metrics and samples of later steps set aside.
+    Returns the run's saved state (where the prompt stream stands)."""
+    run_state = {}
+    source = checkpoint.latest(run_dir)
+    if source is None:  # it stepped, but was stopped before its first checkpoint was complete
+        console.print(f"resuming {run_dir} from the start: no checkpoint of it was complete", highlight=False)
+    else:
+        run_state = trainer.load(source)
+        console.print(f"resuming {run_dir} from its newest complete checkpoint, {source.relative_to(run_dir)} "
+                      f"(step {trainer.version})", highlight=False)
+    drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
+    # samples.jsonl likewise, so that no step's samples appear twice after the resumed run's own.
+    drop_lines_after(run_dir / "samples.jsonl", trainer.version, by_step=True)
+    return run_state
+
+
+def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume: bool) -> None:
     """Run the steps; however they end, stop the engine and leave a run that agrees with itself."""
     trainer = run.trainer
     try:
@@ -284,21 +299,21 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
         lost = trainer.ranks.lost if trainer.ranks is not None else None
         if lost is not None:  # the heartbeat interrupted the run: a rank is gone
             stepped = _stop(run, run_dir, created, resume)
-            saved = _saved(run_dir, trainer.version) if stepped else f"nothing was trained{_left(run_dir, resume)}"
+            saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
             raise RunStopped(f"{_sentence(f'a trainer rank was lost: {lost}')}\n{saved}") from None
         if not _stop(run, run_dir, created, resume):
-            raise Interrupted(f"interrupted before the first step: nothing was trained{_left(run_dir, resume)}") \
+            raise Interrupted(f"interrupted before the first step: nothing was trained{left(run_dir, resume)}") \
                 from None
-        raise Interrupted(f"interrupted at step {trainer.version}: {_saved(run_dir, trainer.version)}",
+        raise Interrupted(f"interrupted at step {trainer.version}: {saved_line(run_dir, trainer.version)}",
                           trainer.version) from None
     except Exception as err:
         cause = err.__cause__ if isinstance(err, RolloutError) and err.__cause__ is not None else err
         if isinstance(cause, CheckpointError):  # saving again would fail again: the previous one stands
-            _shutdown(run)
+            shut_down(run)
             raise RunStopped(f"{_sentence(str(cause))}\ncontinue with `orbit train RECIPE --resume {run_dir}` once "
                              "the directory can be written") from cause
         stepped = _stop(run, run_dir, created, resume)
-        saved = _saved(run_dir, trainer.version) if stepped else f"nothing was trained{_left(run_dir, resume)}"
+        saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
         if isinstance(cause, TaskError):
             raise TaskError(f"{cause}\nthe run stopped after step {trainer.version}; {saved}") from cause
         if isinstance(cause, EngineError | RolloutError | FloatingPointError | RankLost):
@@ -306,35 +321,20 @@ def _loop(run: _Run, recipe: Recipe, run_dir: Path, created: bool, resume: bool)
                     RankLost: "a trainer rank was lost"}.get(type(cause), "rollouts cannot go on")
             raise RunStopped(f"{_sentence(f'{what}: {cause}')}\n{saved}") from cause
         raise
-    _shutdown(run)
+    shut_down(run)
 
 
-def _stop(run: _Run, run_dir: Path, created: bool, resume: bool) -> bool:
+def _stop(run: StartedRun, run_dir: Path, created: bool, resume: bool) -> bool:
     """Stop generation; checkpoint what was trained. Returns False (and removes the run's files,
     unless resumed) when this run never completed a step."""
-    _shutdown(run)
+    shut_down(run)
     if run.trainer.version == run.start_version:
         run.close_files()  # before the trackers' directories go
-        _undo_start(run_dir, created, resume)
+        undo_start(run_dir, created, resume)
         return False
     if run.parts is not None:
         save_checkpoint(run.parts)
     return True
-
-
-def _warner(console: Console, run_dir: Path):
-    """Warnings (an engine leaving the pool): on the console and in RUN_DIR/run.log."""
-    def warn(message: str) -> None:
-        console.print(f"[bold yellow]WARNING[/] {message}", highlight=False)
-        with (run_dir / "run.log").open("a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING {message}\n")
-    return warn
-
-
-def _saved(run_dir: Path, version: int) -> str:
-    return (f"the adapter of step {version} is saved in {run_dir / checkpoint.LATEST}, metrics.jsonl ends at that "
-            f"step; "
-            f"continue with `orbit train RECIPE --resume {run_dir}`")
 
 
 def _sentence(text: str) -> str:
@@ -342,11 +342,7 @@ def _sentence(text: str) -> str:
     return text if text.rstrip().endswith((".", "!", "?")) else text.rstrip() + "."
 
 
-def _left(run_dir: Path, resume: bool) -> str:
-    return f" ({run_dir} is as it was)" if resume else f" (nothing left in {run_dir})"
-
-
-def _shutdown(run: _Run) -> None:
+def shut_down(run: StartedRun) -> None:
     """Stop submitting and updating, then stop the engines (which abort what is in flight). Never
     raises: a dead engine must not hide the real outcome."""
     if run.producer is not None:
@@ -364,34 +360,3 @@ def _shutdown(run: _Run) -> None:
         run.revival.stop()
 
 
-def _undo_start(run_dir: Path, created: bool, resume: bool) -> None:
-    """A fresh run that never stepped leaves nothing in the way of running it again."""
-    if resume:
-        return
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
-    for name in RUN_DIRS:  # a fresh run's directory held no run (prepare_run_dir), so these are its own
-        shutil.rmtree(run_dir / name, ignore_errors=True)
-    if created:
-        try:
-            run_dir.rmdir()
-        except OSError:
-            pass  # something else lives there now: leave it
-
-
-def _drop_lines_after(path: Path, version: int, by_step: bool = False) -> None:
-    """Resuming from the checkpoint of `version`: metrics lines of later steps describe updates the
-    checkpoint does not hold (the run died between checkpoints). They move to metrics.discarded.jsonl.
-    `by_step`: lines that say their step, not the version it made (samples.jsonl, whose `version` is
-    the sample's own): step s made version s + 1. They move to samples.discarded.jsonl."""
-    if not path.exists():
-        return
-    keep, drop = [], []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        kept = row["step"] < version if by_step else row.get("version", 0) <= version
-        (keep if kept else drop).append(line)
-    if drop:
-        with path.with_name(f"{path.stem}.discarded.jsonl").open("a") as f:
-            f.write("\n".join(drop) + "\n")
-        path.write_text("".join(x + "\n" for x in keep))

@@ -126,13 +126,14 @@ class _TensorBoard:
 class _WandB:
     name = "wandb"
 
-    def __init__(self, run_dir: Path, name: str, config: dict) -> None:
+    def __init__(self, run_dir: Path, name: str, config: dict, group: str | None = None) -> None:
         import wandb
 
         self.wandb = wandb
-        # No key and no mode here: login, WANDB_API_KEY and WANDB_MODE=offline are the user's.
+        # No key and no mode here: login, WANDB_API_KEY and WANDB_MODE=offline are the user's. A sweep's runs
+        # are W&B runs of one group, open side by side in this process ("create_new": none ends another).
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "orbit"), name=name, dir=str(run_dir),
-                              config=config)
+                              config=config, group=group, reinit="create_new")
 
     def log(self, step: int, values: dict[str, float], rows: list[dict]) -> None:
         data: dict = dict(values)
@@ -149,7 +150,7 @@ class _WandB:
 
 
 def open_backends(names: Iterable[str], run_dir: Path, config: dict, name: str | None = None,
-                  purge_step: int | None = None) -> list:
+                  purge_step: int | None = None, group: str | None = None) -> list:
     """Start each tracker the recipe names; one that cannot start stops the others and raises."""
     backends: list = []
     try:
@@ -157,7 +158,7 @@ def open_backends(names: Iterable[str], run_dir: Path, config: dict, name: str |
             if tracker == "tensorboard":
                 backends.append(_TensorBoard(run_dir, purge_step))
             else:
-                backends.append(_WandB(run_dir, name or run_dir.name, config))
+                backends.append(_WandB(run_dir, name or run_dir.name, config, group))
     except Exception as err:
         for backend in backends:
             with suppress(Exception):  # already failing: the start error is the one to report
@@ -209,14 +210,16 @@ class Trackers:
 
 
 def open_trackers(recipe: Recipe, run_dir: Path, tokenizer, warn: Callable[[str], None],
-                  resume_step: int | None = None) -> Trackers:
+                  resume_step: int | None = None, group: str | None = None) -> Trackers:
     """The run's trackers. `tokenizer` decodes the samples (the recipe model's when None);
-    `resume_step`: the first step a resumed run will log."""
+    `resume_step`: the first step a resumed run will log; `group`: the sweep it is a run of (W&B groups it;
+    TensorBoard shows a sweep's runs together from `--logdir SWEEP_DIR`)."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(recipe.model)
-    backends = open_backends(recipe.logging, run_dir, recipe.model_dump(mode="json"), purge_step=resume_step)
+    backends = open_backends(recipe.logging, run_dir, recipe.model_dump(mode="json"), purge_step=resume_step,
+                             group=group)
     return Trackers(run_dir, tokenizer, backends, warn)
 
 

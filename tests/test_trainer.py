@@ -166,7 +166,8 @@ def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
     """With adapter dropout, the training forward is noisy: logprob_diff is measured in eval mode
     (engine logprobs equal to the eval-mode ones read 0, not the dropout noise). Re-scored stale samples
     are spread over the step's groups, not the first few samples of the first group."""
-    from orbit.train.trainer import RESCORE_SAMPLES, spread_over_groups
+    from orbit.train.batch import spread_over_groups
+    from orbit.train.trainer import RESCORE_SAMPLES
 
     trainer = _trainer(tiny_llama, adapter=AdapterConfig(type="lora", r=4, alpha=8.0, dropout=0.5), seed=3)
     _perturb(trainer, 0.3)

@@ -102,8 +102,13 @@ class EngineStarter:
 
 
 def start_pool(starter: EngineStarter, timeline=None, on_warning: Callable[[str], None] | None = None) -> EnginePool:
-    """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`) as
-    one pool. If one fails to start, the ones already started are stopped and the error goes on."""
+    """Start the recipe's engines as one pool."""
+    return EnginePool(start_engines(starter), starter.capacities(), timeline=timeline, on_warning=on_warning)
+
+
+def start_engines(starter: EngineStarter) -> list[Engine]:
+    """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`). If one fails
+    to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
     count = len(starter.configs)
     futures: list[Future] = []
@@ -127,4 +132,4 @@ def start_pool(starter: EngineStarter, timeline=None, on_warning: Callable[[str]
             except Exception:  # noqa: BLE001 - the start-up error is the one to report
                 pass
         raise
-    return EnginePool(engines, starter.capacities(), timeline=timeline, on_warning=on_warning)
+    return engines

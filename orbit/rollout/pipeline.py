@@ -209,6 +209,7 @@ class Pipeline:
         self._requests = 0  # requests in flight
         self._complete: list[Group] = []
         self._error: BaseException | None = None
+        self._interrupted = False
         self._last_progress = time.monotonic()
         self._events: queue.Queue = queue.Queue()  # the producer's: answered requests, and wake-ups
         pool.listen(self.wake)  # a version or liveness change may open admission
@@ -265,6 +266,13 @@ class Pipeline:
             self._error = error
             self._cond.notify_all()
 
+    def interrupt(self) -> None:
+        """Ctrl-C for a loop that is not on the main thread (a sweep's run): its next `take`, or the one it
+        waits in, raises KeyboardInterrupt."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
+
     def post(self, event: tuple | None) -> None:
         self._events.put(event)
 
@@ -294,6 +302,8 @@ class Pipeline:
         stalled = ""
         with self._cond:
             while not taken and not stalled:
+                if self._interrupted:
+                    raise KeyboardInterrupt
                 if self._error is not None:
                     raise RolloutError(f"rollout producer failed: {self._error}") from self._error
                 dropped += self._drop_stale(version)

@@ -25,11 +25,12 @@ from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 
 class Producer:
     def __init__(self, pipeline: Pipeline, pool: EnginePool, task: Task, sampling: SamplingParams, seed: int,
-                 timeline: Timeline | None = None, max_attempts: int = 8) -> None:
+                 timeline: Timeline | None = None, max_attempts: int = 8, adapter: str | None = None) -> None:
         self.pipeline, self.pool, self.task, self.seed, self.timeline = pipeline, pool, task, seed, timeline
         self.sampling = with_task_stops(sampling, task)  # + the task's own (a tool call's end)
         self.multi_turn = is_multi_turn(task)
         self.max_attempts = max_attempts
+        self.adapter = adapter  # a sweep's run: its requests' timeline events name it
         self._prompts = task.prompts(seed)
         for _ in range(pipeline.next_group):  # a resumed run continues the prompt stream where it stopped
             self._next_prompt()
@@ -135,4 +136,5 @@ class Producer:
             self.timeline.event(
                 "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,
                 slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
+                **({"adapter": self.adapter} if self.adapter else {}),
             )

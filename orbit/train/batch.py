@@ -160,3 +160,15 @@ def _chunk_logprobs(h: Tensor, head: Tensor, targets: Tensor, temperature: float
     logits = torch.nn.functional.linear(h, head).float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return truncated_logprobs(logp, targets, top_p, top_k)
+
+
+def spread_over_groups(samples: list[Sample], n: int) -> list[Sample]:
+    """Up to `n` samples taken round-robin over their groups (the first of each group, then the
+    second, ...), so a measurement on a few samples sees every group rather than the first one."""
+    by_group: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    out: list[Sample] = []
+    for rank in range(max((len(g) for g in by_group.values()), default=0)):
+        out += [g[rank] for g in by_group.values() if rank < len(g)]
+    return out[:n]

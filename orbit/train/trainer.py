@@ -17,19 +17,21 @@ from pathlib import Path
 import peft
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, set_seed
+from transformers import set_seed
 
 from orbit import adapters
 from orbit.config import AdapterConfig, TrainerConfig
 from orbit.rollout.sample import Sample
-from orbit.train.batch import Batch, collate, micro_batches, output_hidden, token_logprobs
+from orbit.train.batch import Batch, collate, micro_batches, output_hidden, spread_over_groups, token_logprobs
 from orbit.train.checkpoint import STATE_FILE
 from orbit.train.loss import LossStats, policy_loss
 from orbit.train.ranks import RankLost, Ranks, padded_micro_batches
+from orbit.train.shared import SharedBase
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
 RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
 OPTIMIZER_FILE = "optimizer.pt"
+DEFAULT_ADAPTER = "default"  # peft's name for a model's one adapter
 
 
 @dataclass
@@ -49,6 +51,7 @@ class StepResult:
     logprob_diff_tokens: int
     policy_drift: float  # the same mean on the stale samples
     policy_drift_tokens: int
+    queue_s: float = 0.0  # waiting for the shared base while other adapters of a sweep trained (shared.py)
 
 
 @dataclass
@@ -102,29 +105,17 @@ def _mean(total: float, count: int) -> float:
     return total / count if count else math.nan
 
 
-def spread_over_groups(samples: list[Sample], n: int) -> list[Sample]:
-    """Up to `n` samples taken round-robin over their groups (the first of each group, then the
-    second, ...), so a measurement on a few samples sees every group rather than the first one."""
-    by_group: dict[int, list[Sample]] = {}
-    for s in samples:
-        by_group.setdefault(s.group_id, []).append(s)
-    out: list[Sample] = []
-    for rank in range(max((len(g) for g in by_group.values()), default=0)):
-        out += [g[rank] for g in by_group.values() if rank < len(g)]
-    return out[:n]
-
-
 class Trainer:
     """Trains a LoRA or OFT adapter on scored samples (see `step`). With `ranks`, one of several trainer
     ranks (ranks.py): rank 0's `step`, `logprobs` and `load` make the other ranks, in `follow`, do the same."""
 
     def __init__(
         self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int,
-        top_p: float = 1.0, top_k: int = 0, ranks: Ranks | None = None,
+        top_p: float = 1.0, top_k: int = 0, ranks: Ranks | None = None, shared: SharedBase | None = None,
+        name: str = DEFAULT_ADAPTER,
     ) -> None:
         # The engine runs in its own process with its own threads; don't let torch take every core.
         torch.set_num_threads(cfg.threads)
-        set_seed(seed)  # python, numpy, torch: the adapter's init is random (LoRA A)
         self.cfg = cfg
         self.adapter = adapter
         self.ranks = ranks
@@ -133,12 +124,13 @@ class Trainer:
         # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated logprobs.
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p, self.top_k = (top_p, top_k) if temperature > 0 else (1.0, 0)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.dtype))
-        self.model: peft.PeftModel = peft.get_peft_model(base, adapters.peft_config(adapter, base))
-        for p in self.model.parameters():  # adapter weights train in float32 whatever the base's dtype
-            if p.requires_grad:
-                p.data = p.data.float()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # A sweep's runs share one base (shared.py); a single run has one of its own.
+        self.shared = shared or SharedBase(model_path, cfg.dtype)
+        self.name = name
+        base = self.shared.base
+        set_seed(seed)  # python, numpy, torch: the adapter's init is random (LoRA A), the same in a sweep or alone
+        self.params = self.shared.add(name, adapters.peft_config(adapter, base))
+        self.model: peft.PeftModel = self.shared.model
         # The decoder stack (with its final norm) and the output projection, run apart (batch.py).
         self._decoder = base.model
         self._head = base.get_output_embeddings().weight
@@ -165,7 +157,10 @@ class Trainer:
             raise ValueError("step needs at least one sample")
         if self.ranks is not None:
             self.ranks.send("step", samples)
-        return self._step(samples)
+        with self.shared.turn(self.name) as waited:  # after the adapters (of a sweep) that asked first
+            result = self._step(samples)
+        result.queue_s = waited
+        return result
 
     def _step(self, samples: list[Sample]) -> StepResult:
         self.model.train()
@@ -262,7 +257,8 @@ class Trainer:
         """Trainer logprobs of each sample's output tokens under the current adapter (eval mode)."""
         if self.ranks is not None:  # every rank runs the same forwards (they are collectives under FSDP)
             self.ranks.send("logprobs", samples)
-        return self._sample_logprobs(samples)
+        with self.shared.turn(self.name):
+            return self._sample_logprobs(samples)
 
     @torch.no_grad()
     def _sample_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -300,15 +296,17 @@ class Trainer:
 
     # -- export -----------------------------------------------------------------------------
 
+    # Reading this adapter needs no turn of the base: another adapter's step never writes it.
     def adapter_tensors(self) -> dict[str, Tensor]:
-        return adapters.adapter_tensors(self.model)
+        return adapters.adapter_tensors(self.model, self.name)
 
     def adapter_config(self) -> dict:
-        return adapters.adapter_config_dict(self.model)
+        return adapters.adapter_config_dict(self.model, self.name)
 
     def merged_weights(self, only_adapted: bool = False) -> dict[str, Tensor]:
         """Base weights with the adapter merged in; `only_adapted`: just the adapted modules' weights."""
-        return adapters.merged_weights(self.model, only_adapted)
+        with self.shared.turn(self.name):  # merging reads the active adapter
+            return adapters.merged_weights(self.model, only_adapted)
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -318,7 +316,11 @@ class Trainer:
         last (a checkpoint is complete when it is there: orbit/train/checkpoint.py)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory)
+        self.model.save_pretrained(directory, selected_adapters=[self.name])
+        if self.name != DEFAULT_ADAPTER:  # peft puts any other adapter in a directory of its name: one format
+            for path in (directory / self.name).iterdir():
+                path.replace(directory / path.name)
+            (directory / self.name).rmdir()
         torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
         state = {
             "version": self.version,
@@ -337,7 +339,7 @@ class Trainer:
         every rank, however many ranks wrote it); returns the saved `run_state`."""
         directory = Path(directory)
         weights = peft.utils.load_peft_weights(str(directory), device="cpu")
-        expected = set(peft.get_peft_model_state_dict(self.model))
+        expected = set(peft.get_peft_model_state_dict(self.model, adapter_name=self.name))
         if set(weights) != expected:
             raise ValueError(
                 f"{directory}: adapter does not match this trainer's adapter config "
@@ -351,7 +353,8 @@ class Trainer:
         return saved.state.get("run", {})
 
     def _restore(self, saved: SavedState) -> None:
-        peft.set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in saved.weights.items()})
+        peft.set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in saved.weights.items()},
+                                       adapter_name=self.name)
         self.optimizer.load_state_dict(saved.optimizer)  # moves the state to the parameters' device
         self.version = int(saved.state["version"])
         self._snapshots.clear()

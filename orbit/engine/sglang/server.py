@@ -294,6 +294,11 @@ def _check_lora(where: str, server: dict, opts: SGLangOptions) -> None:
         raise RecipeError(f"{where}: the server's max_loras_per_batch is {server.get('max_loras_per_batch')}; "
                           f"{opts.slots} slots and the base model need {opts.slots + 1}: start it with "
                           f"--max-loras-per-batch {opts.slots + 1}")
+    loaded = server.get("max_loaded_loras")
+    if loaded is not None and int(loaded) < opts.slots:  # SGLang would evict a slot's adapter mid-run
+        raise RecipeError(f"{where}: the server keeps at most {loaded} LoRA adapters loaded (max_loaded_loras), "
+                          f"fewer than the {opts.slots} slots it must hold; start it without --max-loaded-loras "
+                          f"or with --max-loaded-loras {opts.slots}")
 
 
 def is_local(url: str) -> bool:

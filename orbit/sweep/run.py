@@ -1,0 +1,220 @@
+"""`orbit sweep`: K runs of one recipe trained at once, on one base, one set of engines and one trainer.
+
+- **Shared**: the trainer holds the base once with the K adapters side by side (orbit/train/shared.py); the
+  engines are started once with K rings of slots, and every run's requests are batched together on them.
+- **Each run is a single run** (orbit/run.py's `start` and `finish`, on its own thread): its own directory
+  (recipe.yaml, metrics.jsonl, samples.jsonl, timeline.jsonl, checkpoints: `orbit train --resume` and
+  `orbit eval` take it as they take any run's), optimizer, version, staleness bound, admission and
+  double-buffered slots (orbit/sweep/lanes.py), flipped on its own.
+- **Isolation**: a run that fails (a NaN loss, a refused push, its task) stops alone, saved, with its reason
+  on the console and in its run.log; the others go on. An engine's death stops every run, each saved.
+- **Ctrl-C** stops every run: each finishes the step it is in, writes its line and saves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from orbit import interrupts
+from orbit.config import Recipe, RecipeError
+from orbit.devices import colocate
+from orbit.engine import EngineStarter, start_engines
+from orbit.engine.base import Engine
+from orbit.interrupts import Interrupted
+from orbit.run import RunStopped, StartedRun, finish, shut_down, start, stop_token_ids
+from orbit.run_dir import prepare_run_dir, undo_start
+from orbit.sweep.lanes import SharedEngines
+from orbit.sweep.plan import SWEEP_FILE, SweepPlan, dump_sweep
+from orbit.sweep.watch import RunStatus, SweepTable, print_summary, summarize
+from orbit.tasks import TaskError, close_task, make_task
+from orbit.train import checkpoint
+from orbit.train.shared import SharedBase
+from orbit.train.trainer import Trainer
+from orbit.truncation import truncates
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    statuses: list[RunStatus]
+    seconds: float
+    engine_busy_frac: float  # the engines' busy time over the sweep's wall time, per engine
+    interrupted: bool = False
+
+    @property
+    def failed(self) -> list[RunStatus]:
+        return [s for s in self.statuses if s.state == "stopped"]
+
+
+@dataclass
+class _Lane:
+    status: RunStatus
+    recipe: Recipe
+    run: StartedRun
+    created: bool
+    resume: bool
+
+
+def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Console | None = None) -> SweepResult:
+    """Train every run of the plan to its last step (or until it fails, or Ctrl-C)."""
+    console = console or Console()
+    t0 = time.time()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(plan.recipe.model)
+    tasks = []
+    try:
+        for run in plan.runs:  # every task first: a bad one fails before any compute, naming its run
+            tasks.append(_named(run.name, lambda r=run: make_task(r.recipe.task, tokenizer)))
+        stops = [_named(r.name, lambda r=r: stop_token_ids(tokenizer, r.recipe.rollout.stop)) for r in plan.runs]
+        interrupts.raise_if_dropped()
+        resumes = [resume and _stepped(r.run_dir) for r in plan.runs]
+        plan.out.mkdir(parents=True, exist_ok=True)
+        created = [prepare_run_dir(r.run_dir, again) for r, again in zip(plan.runs, resumes, strict=True)]
+        (plan.out / SWEEP_FILE).write_text(dump_sweep(plan))
+        lanes, engines = _start(plan, tasks, stops, resumes, created, console, tokenizer)
+        try:
+            busy0, t_run = _busy(engines), time.time()
+            interrupted = _run_lanes(lanes, live, console)
+            busy = (_busy(engines) - busy0) / max(time.time() - t_run, 1e-9) / len(engines)
+        finally:
+            _stop_engines(engines)
+    finally:
+        for task in tasks:
+            close_task(task)
+    statuses = [lane.status for lane in lanes]
+    ranked = summarize(plan.out, statuses, {"engine_busy_frac": busy, "seconds": time.time() - t0})
+    print_summary(console, ranked, plan.out)
+    return SweepResult(plan.out, statuses, time.time() - t0, busy, interrupted)
+
+
+def _named(name: str, make):
+    """`make()`, its error naming the run it was for."""
+    try:
+        return make()
+    except TaskError as err:
+        raise TaskError(f"{name}: {err}") from None
+    except RecipeError as err:
+        raise RecipeError(f"{name}: {err}") from None
+
+
+def _stepped(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return checkpoint.latest(run_dir) is not None or (metrics.exists() and metrics.stat().st_size > 0)
+
+
+def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], created: list[bool], console: Console,
+           tokenizer) -> tuple[list[_Lane], list[Engine]]:
+    """The engines (K rings of slots), the shared base and each run started on them. A failure stops what
+    started and leaves the run directories as they were."""
+    recipe, k = plan.recipe, len(plan.runs)
+    engine_cfg, note = colocate(recipe, 1)
+    if note:
+        console.print(note, highlight=False)
+    engine_cfg = engine_cfg.model_copy(update={"slots": k * recipe.engine.slots})
+    starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, _widest(plan),
+                            call_timeout_s=recipe.rollout.stall_timeout_s,
+                            truncated=any(truncates(r.recipe.rollout.top_p, r.recipe.rollout.top_k)
+                                          and r.recipe.rollout.temperature > 0 for r in plan.runs))
+    lanes: list[_Lane] = []
+    engines: list[Engine] = []
+    try:
+        base = SharedBase(recipe.model, recipe.trainer.dtype)
+        engines = start_engines(starter)
+        for i, (planned, task, stop_ids) in enumerate(zip(plan.runs, tasks, stops, strict=True)):
+            r = planned.recipe
+            trainer = Trainer(r.model, r.adapter, r.trainer, r.rollout.temperature, r.seed, top_p=r.rollout.top_p,
+                              top_k=r.rollout.top_k, shared=base, name=f"run{i}")
+            shared = SharedEngines(engines, starter.capacities(), i, recipe.engine.slots)
+            run = start(r, planned.run_dir, resumes[i], task, stop_ids, console, False, trainer, shared, tokenizer,
+                        name=planned.name, group=plan.out.name)
+            status = RunStatus(planned.name, planned.run_dir, r.trainer.steps)
+            run.parts.on_step = status.stepped
+            lanes.append(_Lane(status, r, run, created[i], resumes[i]))
+    except BaseException:
+        for lane in lanes:
+            shut_down(lane.run)
+            lane.run.close_files()
+        _stop_engines(engines)
+        for planned, made, again in zip(plan.runs, created, resumes, strict=True):
+            undo_start(planned.run_dir, made, again)
+        raise
+    return lanes, engines
+
+
+def _widest(plan: SweepPlan):
+    """The adapter the engines must make room for: every run's rank and target modules (SGLang fixes them at
+    start)."""
+    adapters = [r.recipe.adapter for r in plan.runs]
+    targets = sorted({m for a in adapters for m in a.target_modules})
+    return adapters[0].model_copy(update={"r": max(a.r for a in adapters), "target_modules": targets})
+
+
+def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
+    """Each run's loop on a thread of its own, the live table on this one; Ctrl-C here stops every run after
+    its step. Returns whether Ctrl-C stopped them."""
+    threads = [threading.Thread(target=_lane_main, args=(lane, console), name=f"orbit-sweep-{i}", daemon=True)
+               for i, lane in enumerate(lanes)]
+    interrupted = False
+    with SweepTable([lane.status for lane in lanes], enabled=live) as table:
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads):
+            try:
+                threads[0].join(0.25) if threads[0].is_alive() else time.sleep(0.25)
+                table.refresh()
+            except KeyboardInterrupt:
+                interrupts.handled()
+                if not interrupted:
+                    console.print("\nCtrl-C: every run finishes its step and saves", highlight=False)
+                interrupted = True
+                for lane in lanes:
+                    lane.run.parts.pipeline.interrupt()
+    return interrupted
+
+
+def _lane_main(lane: _Lane, console: Console) -> None:
+    """One run's loop (orbit/run.py's `finish`); however it ends, its status says how and why."""
+    status, run = lane.status, lane.run
+    try:
+        finish(run, lane.recipe, status.run_dir, lane.created, lane.resume)
+        status.end("done")
+    except Interrupted as err:
+        status.end("interrupted", str(err))
+    except (RunStopped, TaskError) as err:
+        status.end("stopped", str(err))
+    except BaseException as err:  # noqa: BLE001 - one run's failure is that run's alone
+        status.end("stopped", f"{type(err).__name__}: {err}")
+        with (status.run_dir / "run.log").open("a") as f:
+            f.write(traceback.format_exc())
+    finally:
+        run.trainer.close()
+        run.close_files()
+    if status.state == "stopped":
+        console.print(f"[bold red]{status.name} stopped[/] (the other runs go on): {status.reason}", highlight=False)
+        with (status.run_dir / "run.log").open("a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} STOPPED {status.reason}\n")
+
+
+def _busy(engines: list[Engine]) -> float:
+    total = 0.0
+    for engine in engines:
+        try:
+            total += engine.stats().busy_s
+        except Exception:  # noqa: BLE001 - a dead engine's time is not counted
+            pass
+    return total
+
+
+def _stop_engines(engines: list[Engine]) -> None:
+    for engine in engines:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - stopping is best effort; each run is saved already
+            pass
