@@ -75,23 +75,28 @@ def _saved(run_dir: Path) -> int:
     return int((run_dir / "adapter").resolve().name.removeprefix("step-"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sweep_trains_each_adapter_on_its_own_slots_and_a_failing_run_stops_alone(tmp_path, tiny_llama):
     runs = [{"name": "control", "trainer": {"lr": 0.0}},
             {"name": "learns", "trainer": {"lr": 0.02}},
-            {"name": "breaks", "task": {"name": "tests/user_tasks.py:broken_scorer", "fail_after": 40}}]
+            {"name": "breaks", "task": {"name": "tests/user_tasks.py:broken_scorer", "fail_after": 40}},
+            {"name": "nan", "task": {"name": "tests/user_tasks.py:nan_reward", "fail_after": 56}}]
     plan = _plan(tmp_path, tiny_llama, runs, trainer={"steps": 8, "save_every": 1, "keep_last": 100})
     result = sweep(plan, live=False)
     state = {s.name: (s.state, s.reason) for s in result.statuses}
     assert state["control"] == ("done", "") and state["learns"] == ("done", "")
-    # the failing run stopped alone, saved, and its directory and the console say why
+    # each failing run (its task raising; its reward NaN, so its loss) stopped alone, saved, and its directory and
+    # the console say why
     assert state["breaks"][0] == "stopped" and "verifier crashed" in state["breaks"][1], state
-    broken = tmp_path / "sweep" / "breaks"
-    assert "STOPPED" in (broken / "run.log").read_text()
-    rows = run_metrics(broken)
-    assert 0 < len(rows) < 8 and _saved(broken) == rows[-1]["version"]
+    assert state["nan"][0] == "stopped" and "non-finite gradient norm" in state["nan"][1], state
+    for name, why in (("breaks", "verifier crashed"), ("nan", "non-finite gradient norm")):
+        broken = tmp_path / "sweep" / name
+        assert why in (broken / "run.log").read_text()
+        rows = run_metrics(broken)
+        assert 0 < len(rows) < 8 and _saved(broken) == rows[-1]["version"], name
 
-    for i, name in enumerate(("control", "learns", "breaks")):
+    for i, name in enumerate(("control", "learns", "breaks", "nan")):
         run_dir = tmp_path / "sweep" / name
         rows = run_metrics(run_dir)
         assert all(r["logprob_diff"] is not None and r["logprob_diff"] < 1e-4 for r in rows), name
@@ -131,6 +136,7 @@ def test_a_sweep_trains_each_adapter_on_its_own_slots_and_a_failing_run_stops_al
     assert [r["step"] for r in run_metrics(learns)] == list(range(10))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_run_saved_and_the_sweep_resumes(tmp_path, tiny_llama):
     plan = _plan(tmp_path, tiny_llama, vary=["trainer.lr=0.01,0.02"], trainer={"steps": 500, "save_every": 1000})
@@ -163,3 +169,28 @@ def test_ctrl_c_stops_every_run_saved_and_the_sweep_resumes(tmp_path, tiny_llama
 def _lines(run_dir: Path) -> list[str]:
     path = run_dir / "metrics.jsonl"
     return path.read_text().splitlines() if path.exists() else []
+
+
+def test_resuming_a_sweep_that_never_stepped_says_so(tmp_path, tiny_llama):
+    plan = _plan(tmp_path, tiny_llama, vary=["seed=1,2"])
+    with pytest.raises(RecipeError, match="no run of this sweep in .* completed a step"):
+        sweep(plan, resume=True, live=False)
+
+
+def test_the_live_table_shows_each_run_and_why_one_stopped(tmp_path):
+    from rich.console import Console
+
+    from orbit.metrics import StepMetrics
+    from orbit.sweep.watch import RunStatus, SweepTable
+
+    statuses = [RunStatus("lr=0.01", tmp_path, 10), RunStatus("lr=0.02", tmp_path, 10)]
+    statuses[0].stepped(StepMetrics(
+        mode="double-buffer", step=2, version=3, update_weights_s=0.0, train_wait_s=0.1, rollout_tok_per_dev_s=1.0,
+        step_s=0.5, staleness_mean=0.75, staleness_max=1, engine_paused_s=0.0, logprob_diff=1e-7, reward_mean=0.25,
+        loss=0.1, stale_dropped=0, trained_tokens=100, trainer_queue_s=0.2))
+    statuses[1].end("stopped", "the task failed: verifier crashed\nthe run stopped after step 4")
+    console = Console(record=True, width=200)
+    console.print(SweepTable(statuses, enabled=False)._render())
+    text = console.export_text()
+    assert "lr=0.01" in text and "3/10" in text and "0.250" in text and "200" in text  # 100 tokens / 0.5 s
+    assert "stopped: the task failed: verifier crashed" in text and "after step 4" not in text

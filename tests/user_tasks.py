@@ -104,3 +104,20 @@ class BrokenScorer(CountWord):
 
 def broken_scorer(tokenizer, fail_after: int = 10) -> BrokenScorer:
     return BrokenScorer(tokenizer, fail_after)
+
+
+class NanReward(CountWord):
+    """A reward function with a bug: NaN after `fail_after` scores (the loss, then the gradient, is NaN)."""
+
+    def __init__(self, tokenizer, fail_after: int = 10) -> None:
+        super().__init__(tokenizer)
+        self.fail_after, self.calls = fail_after, 0
+
+    def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
+        self.calls += 1
+        score = super().score(prompt, output_ids)
+        return Score(float("nan"), score.info) if self.calls > self.fail_after else score
+
+
+def nan_reward(tokenizer, fail_after: int = 10) -> NanReward:
+    return NanReward(tokenizer, fail_after)

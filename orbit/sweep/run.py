@@ -75,8 +75,10 @@ def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Con
         stops = [_named(r.name, lambda r=r: stop_token_ids(tokenizer, r.recipe.rollout.stop)) for r in plan.runs]
         interrupts.raise_if_dropped()
         resumes = [resume and _stepped(r.run_dir) for r in plan.runs]
-        plan.out.mkdir(parents=True, exist_ok=True)
-        created = [prepare_run_dir(r.run_dir, again) for r, again in zip(plan.runs, resumes, strict=True)]
+        if resume and not any(resumes):
+            raise RecipeError(f"--resume: no run of this sweep in {plan.out} completed a step; start it without "
+                              "--resume")
+        created = _prepare(plan, resumes)
         (plan.out / SWEEP_FILE).write_text(dump_sweep(plan))
         lanes, engines = _start(plan, tasks, stops, resumes, created, console, tokenizer)
         try:
@@ -102,6 +104,20 @@ def _named(name: str, make):
         raise TaskError(f"{name}: {err}") from None
     except RecipeError as err:
         raise RecipeError(f"{name}: {err}") from None
+
+
+def _prepare(plan: SweepPlan, resumes: list[bool]) -> list[bool]:
+    """Each run's directory, as `orbit train` prepares one; if one holds another run, none is left created."""
+    created: list[bool] = []
+    try:
+        plan.out.mkdir(parents=True, exist_ok=True)
+        for run, again in zip(plan.runs, resumes, strict=True):
+            created.append(prepare_run_dir(run.run_dir, again))
+    except RecipeError as err:
+        for run, made in zip(plan.runs, created, strict=False):
+            undo_start(run.run_dir, made, False)
+        raise RecipeError(f"{err}\n(a sweep continues with `orbit sweep ... --resume`)") from None
+    return created
 
 
 def _stepped(run_dir: Path) -> bool:
