@@ -178,7 +178,7 @@ def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quie
     result = run_sweep(plan, resume=resume, live=not quiet and sys.stdout.isatty(), console=console)
     again = f"continue with `orbit sweep {' '.join(sys.argv[2:])}{'' if resume else ' --resume'}`"
     if result.interrupted:
-        _interrupted(f"interrupted: every run saved its last step; {again}")
+        _interrupted(f"interrupted: every run that was training saved its last step; {again}")
     if result.failed:
         _fail(f"{len(result.failed)} of {len(result.statuses)} runs stopped (the others finished): "
               + "; ".join(f"{s.name}: {s.reason.splitlines()[0]}" for s in result.failed), code=1)

@@ -61,6 +61,7 @@ class LoopParts:
     run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
     trackers: Trackers | None = None  # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
     on_step: Callable[[StepMetrics], None] | None = None  # a sweep's live table (orbit/sweep/watch.py)
+    label: str = ""  # a sweep's run, "NAME: ", before its console lines
 
 
 def run_steps(p: LoopParts) -> None:
@@ -74,7 +75,7 @@ def run_steps(p: LoopParts) -> None:
                 p.on_step(m)
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
-                    f"[bold red]WARNING[/] step {m.step}: engine and trainer logprobs differ by "
+                    f"[bold red]WARNING[/] {p.label}step {m.step}: engine and trainer logprobs differ by "
                     f"{m.logprob_diff:.3g} (> {LOGPROB_WARN}) on the same tokens"
                 )
 

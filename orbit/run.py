@@ -266,7 +266,7 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, keep_last=recipe.trainer.keep_last,
         console=console, live=live,
         stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": pipeline.next_group},
-        trackers=run.trackers,
+        trackers=run.trackers, label=prefix,
     )
     return run
 

@@ -105,6 +105,10 @@ def test_a_sweep_trains_each_adapter_on_its_own_slots_and_a_failing_run_stops_al
         assert requests and {e["adapter"] for e in requests} == {name}
         assert {e["slot"] for e in requests} <= {2 * i, 2 * i + 1}, name
     assert len(run_metrics(tmp_path / "sweep" / "learns")) == 8
+    # one engine batches every run's requests: requests of different runs ran at the same time
+    spans = {name: [(e["t0"], e["t1"]) for e in run_timeline(tmp_path / "sweep" / name) if e["kind"] == "request"]
+             for name in ("control", "learns")}
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in spans["control"] for b0, b1 in spans["learns"])
 
     # lr 0: the adapter never moves (LoRA's B stays 0), step after step ...
     control = tmp_path / "sweep" / "control"
@@ -164,6 +168,24 @@ def test_ctrl_c_stops_every_run_saved_and_the_sweep_resumes(tmp_path, tiny_llama
     assert {s.state for s in result.statuses} == {"done"}
     for run_dir in dirs:
         assert [r["step"] for r in run_metrics(run_dir)] == list(range(max(saved) + 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_slow_task_does_not_hold_back_a_fast_one(tmp_path, tiny_llama):
+    """The trainer takes whichever run's batch is complete first: a run whose verifier takes 0.25 s a sample
+    (2 s a batch of 8) does not hold back the run beside it."""
+    runs = [{"name": "slow", "trainer": {"steps": 3}, "task": {"name": "tests/user_tasks.py:slow_scorer",
+                                                               "delay_s": 0.25}},
+            {"name": "fast", "trainer": {"steps": 6}}]
+    sweep(_plan(tmp_path, tiny_llama, runs), live=False)
+    trained = {name: [e["t1"] for e in run_timeline(tmp_path / "sweep" / name) if e["kind"] == "train"]
+               for name in ("slow", "fast")}
+    assert len(trained["slow"]) == 3 and len(trained["fast"]) == 6
+    # the fast run finished its 6 steps before the slow one finished its second (>= 4 s of scoring)
+    assert trained["fast"][-1] < trained["slow"][1], trained
+    fast = run_metrics(tmp_path / "sweep" / "fast")
+    assert max(r["trainer_queue_s"] for r in fast) < 1.0  # it never waited long for the trainer
 
 
 def _lines(run_dir: Path) -> list[str]:

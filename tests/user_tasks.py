@@ -121,3 +121,21 @@ class NanReward(CountWord):
 
 def nan_reward(tokenizer, fail_after: int = 10) -> NanReward:
     return NanReward(tokenizer, fail_after)
+
+
+class SlowScorer(CountWord):
+    """A task whose verifier takes `delay_s` per sample (a slow sandbox, say)."""
+
+    def __init__(self, tokenizer, delay_s: float = 0.1) -> None:
+        super().__init__(tokenizer)
+        self.delay_s = delay_s
+
+    def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
+        import time
+
+        time.sleep(self.delay_s)
+        return super().score(prompt, output_ids)
+
+
+def slow_scorer(tokenizer, delay_s: float = 0.1) -> SlowScorer:
+    return SlowScorer(tokenizer, delay_s)

@@ -35,6 +35,7 @@ class LaneEngine:
         self.capabilities = dataclasses.replace(engine.capabilities, slots=slots, flush_while_running=False)
         self.adapter_transport = engine.adapter_transport
         self._active: int | None = None
+        self._tokens = 0  # generated for this run: its finished requests' output tokens
         self._lock = threading.Lock()
 
     def _engine_slot(self, slot: int | None) -> int | None:
@@ -48,7 +49,14 @@ class LaneEngine:
                  meta: dict | None = None) -> Future[Completion]:
         with self._lock:  # bound at submission, as an engine binds ACTIVE
             bound = self._active if slot == ACTIVE else slot
-        return self.engine.generate(prompt_ids, sampling, self._engine_slot(bound), meta)
+        future = self.engine.generate(prompt_ids, sampling, self._engine_slot(bound), meta)
+        future.add_done_callback(self._count)
+        return future
+
+    def _count(self, future: Future[Completion]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            with self._lock:
+                self._tokens += len(future.result().output_ids)
 
     def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
         return self.engine.load_adapter(self._engine_slot(slot), tensors, adapter_config, version)
@@ -78,16 +86,19 @@ class LaneEngine:
         raise EngineError("a sweep's engines serve every run at once: one run cannot release their memory")
 
     def stats(self) -> EngineStats:
-        """The engine's counters (shared by every run), with this run's slots and active slot."""
+        """This run's slots, active slot and generated tokens; the engine's time (busy, paused) and queues are
+        every run's."""
         s = self.engine.stats()
         lane = slice(self.first, self.first + self.slots)
         with self._lock:
-            active = self._active
+            active, tokens = self._active, self._tokens
         return dataclasses.replace(s, active_slot=active, slot_versions=tuple(s.slot_versions[lane]),
-                                   slot_requests=tuple(s.slot_requests[lane]))
+                                   slot_requests=tuple(s.slot_requests[lane]), tokens_generated=tokens)
 
     def shutdown(self) -> None:
-        pass  # the sweep stops the engines once every run is done (a run that stops early leaves them serving)
+        # The sweep stops the engines once every run is done. A run that stops early leaves them serving the
+        # others; its requests still in flight finish there (the protocol aborts per engine, not per request).
+        pass
 
     def kill(self) -> None:
         self.engine.kill()  # its pool found it dead or hung: it is, for every run

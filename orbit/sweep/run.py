@@ -13,16 +13,20 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from rich.console import Console
 
 from orbit import interrupts
-from orbit.config import Recipe, RecipeError
+from orbit.config import AdapterConfig, Recipe, RecipeError
 from orbit.devices import colocate
 from orbit.engine import EngineStarter, start_engines
 from orbit.engine.base import Engine
@@ -37,6 +41,8 @@ from orbit.train import checkpoint
 from orbit.train.shared import SharedBase
 from orbit.train.trainer import Trainer
 from orbit.truncation import truncates
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -96,7 +102,7 @@ def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Con
     return SweepResult(plan.out, statuses, time.time() - t0, busy, interrupted)
 
 
-def _named(name: str, make):
+def _named(name: str, make: Callable[[], T]) -> T:
     """`make()`, its error naming the run it was for."""
     try:
         return make()
@@ -141,8 +147,8 @@ def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], creat
     lanes: list[_Lane] = []
     engines: list[Engine] = []
     try:
+        engines = start_engines(starter)  # first: a server that cannot hold K rings of slots says so at once
         base = SharedBase(recipe.model, recipe.trainer.dtype)
-        engines = start_engines(starter)
         for i, (planned, task, stop_ids) in enumerate(zip(plan.runs, tasks, stops, strict=True)):
             r = planned.recipe
             trainer = Trainer(r.model, r.adapter, r.trainer, r.rollout.temperature, r.seed, top_p=r.rollout.top_p,
@@ -164,7 +170,7 @@ def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], creat
     return lanes, engines
 
 
-def _widest(plan: SweepPlan):
+def _widest(plan: SweepPlan) -> AdapterConfig:
     """The adapter the engines must make room for: every run's rank and target modules (SGLang fixes them at
     start)."""
     adapters = [r.recipe.adapter for r in plan.runs]
@@ -173,31 +179,44 @@ def _widest(plan: SweepPlan):
 
 
 def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
-    """Each run's loop on a thread of its own, the live table on this one; Ctrl-C here stops every run after
-    its step. Returns whether Ctrl-C stopped them."""
+    """Each run's loop on a thread of its own, the live table on this one, until every run has ended. Ctrl-C
+    interrupts every run's pipeline: each finishes its step and saves. Returns whether Ctrl-C stopped them."""
     threads = [threading.Thread(target=_lane_main, args=(lane, console), name=f"orbit-sweep-{i}", daemon=True)
                for i, lane in enumerate(lanes)]
-    interrupted = False
-    with SweepTable([lane.status for lane in lanes], enabled=live) as table:
-        for thread in threads:
-            thread.start()
-        while any(t.is_alive() for t in threads):
-            try:
-                threads[0].join(0.25) if threads[0].is_alive() else time.sleep(0.25)
+    stop = threading.Event()
+
+    def ctrl_c(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+        if not stop.is_set():
+            sys.stderr.write("\nCtrl-C: every run finishes its step and saves\n")
+        stop.set()
+        for lane in lanes:
+            lane.run.parts.pipeline.interrupt()
+
+    # Held as a flag for the whole phase, not raised: a KeyboardInterrupt between two statements here would
+    # stop the engines under runs still training.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, ctrl_c) if main else None
+    try:
+        with SweepTable([lane.status for lane in lanes], enabled=live) as table:
+            for thread in threads:
+                thread.start()
+            while any(t.is_alive() for t in threads):
+                time.sleep(0.25)
                 table.refresh()
-            except KeyboardInterrupt:
-                interrupts.handled()
-                if not interrupted:
-                    console.print("\nCtrl-C: every run finishes its step and saves", highlight=False)
-                interrupted = True
-                for lane in lanes:
-                    lane.run.parts.pipeline.interrupt()
-    return interrupted
+    finally:
+        if any(t.is_alive() for t in threads):  # this thread failed: the runs stop and save before the engines go
+            ctrl_c(signal.SIGINT, None)
+            for thread in threads:
+                thread.join()
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    return stop.is_set()
 
 
 def _lane_main(lane: _Lane, console: Console) -> None:
     """One run's loop (orbit/run.py's `finish`); however it ends, its status says how and why."""
     status, run = lane.status, lane.run
+    trace = ""
     try:
         finish(run, lane.recipe, status.run_dir, lane.created, lane.resume)
         status.end("done")
@@ -207,15 +226,15 @@ def _lane_main(lane: _Lane, console: Console) -> None:
         status.end("stopped", str(err))
     except BaseException as err:  # noqa: BLE001 - one run's failure is that run's alone
         status.end("stopped", f"{type(err).__name__}: {err}")
-        with (status.run_dir / "run.log").open("a") as f:
-            f.write(traceback.format_exc())
+        trace = traceback.format_exc()
     finally:
         run.trainer.close()
         run.close_files()
     if status.state == "stopped":
         console.print(f"[bold red]{status.name} stopped[/] (the other runs go on): {status.reason}", highlight=False)
+        status.run_dir.mkdir(parents=True, exist_ok=True)  # a run stopped before its first step left none
         with (status.run_dir / "run.log").open("a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} STOPPED {status.reason}\n")
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} STOPPED {status.reason}\n{trace}")
 
 
 def _busy(engines: list[Engine]) -> float:

@@ -9,7 +9,6 @@ while other runs trained (`trainer_queue_s`).
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import fmean
@@ -51,7 +50,6 @@ class SweepTable:
 
     def __init__(self, statuses: list[RunStatus], enabled: bool = True) -> None:
         self.statuses = statuses
-        self._lock = threading.Lock()
         self._live = Live(self._render(), refresh_per_second=4) if enabled else None
 
     def __enter__(self) -> SweepTable:

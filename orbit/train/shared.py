@@ -81,6 +81,7 @@ class SharedBase:
             yield waited
 
     def _activate(self, name: str) -> None:
+        assert self.model is not None, "add an adapter first"
         if self._active != name:
             self.model.set_adapter(name)  # also makes only this adapter's parameters require grad
             self._active = name
