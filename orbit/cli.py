@@ -237,12 +237,21 @@ def _backends(engines: str) -> list[str]:
 def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
     """Validate a recipe without running anything."""
     with _run_errors("the check", on_ctrl_c="stopped"):
+        from orbit.sweep.plan import is_sweep, plan_sweep, preflight_sweep
+
         try:
-            r = preflight(load_recipe(file)).recipe
-            task = _check_task_builds(r)
+            if is_sweep(file):  # a sweep's recipe (runs:): every run checked, as `orbit sweep` checks them
+                plan, _ = preflight_sweep(plan_sweep(file, []))
+                runs = [(p.name, p.recipe) for p in plan.runs]
+            else:
+                runs = [("", preflight(load_recipe(file)).recipe)]
+            tasks = [_check_task_builds(r) for _, r in runs]
         except RecipeError as err:
             _fail(f"bad recipe {file}:\n{err}")
-    console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task {task})")
+    r = runs[0][1]
+    sweep = f", a sweep of {len(runs)} runs: {', '.join(name for name, _ in runs)}" if len(runs) > 1 else ""
+    console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task "
+                  f"{', '.join(sorted(set(tasks)))}{sweep})")
 
 
 def _check_task_builds(r) -> str:

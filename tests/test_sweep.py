@@ -216,3 +216,40 @@ def test_the_live_table_shows_each_run_and_why_one_stopped(tmp_path):
     text = console.export_text()
     assert "lr=0.01" in text and "3/10" in text and "0.250" in text and "200" in text  # 100 tokens / 0.5 s
     assert "stopped: the task failed: verifier crashed" in text and "after step 4" not in text
+
+
+def test_recipe_check_checks_every_run_of_a_sweep(tmp_path, tiny_llama):
+    from typer.testing import CliRunner
+
+    from orbit.cli import app
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_llama, tmp_path / "sweep", runs=[{"name": "a"}, {"seed": 2}])))
+    res = CliRunner().invoke(app, ["recipe", "check", str(path)])
+    assert res.exit_code == 0 and "a sweep of 2 runs: a, seed=2" in " ".join(res.output.split()), res.output
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_llama, tmp_path / "sweep",
+                                               runs=[{"name": "a"}, {"name": "b", "rollout": {"group_size": 0}}])))
+    res = CliRunner().invoke(app, ["recipe", "check", str(path)])
+    assert res.exit_code == 2 and "runs[1] (b): rollout.group_size" in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_command_line_names_the_run_that_stopped_and_exits_1(tmp_path, tiny_llama):
+    from typer.testing import CliRunner
+
+    from orbit.cli import app
+
+    path = tmp_path / "r.yaml"
+    runs = [{"name": "fine"},
+            {"name": "breaks", "task": {"name": "tests/user_tasks.py:broken_scorer", "fail_after": 4}}]
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_llama, tmp_path / "sweep", SWEEP, runs=runs)))
+    res = CliRunner().invoke(app, ["sweep", str(path), "--steps", "3", "--quiet"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert "breaks stopped (the other runs go on)" in out and "1 of 2 runs stopped (the others finished): breaks:" \
+        in out and "verifier crashed" in out
+    assert len(run_metrics(tmp_path / "sweep" / "fine")) == 3
+    # it failed before its first step: nothing of it is left but why
+    broken = tmp_path / "sweep" / "breaks"
+    assert "STOPPED" in (broken / "run.log").read_text() and not (broken / "metrics.jsonl").exists()

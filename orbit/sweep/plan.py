@@ -47,6 +47,15 @@ class SweepPlan:
         return self.recipe.out
 
 
+def is_sweep(path: Path) -> bool:
+    """Whether a recipe file lists the runs of a sweep (`runs:`)."""
+    try:
+        data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except yaml.YAMLError:
+        return False  # loading it as a recipe says what is wrong
+    return isinstance(data, dict) and bool(data.get("runs"))
+
+
 def parse_vary(texts: list[str]) -> list[dict[str, Any]]:
     """`["trainer.lr=1e-4,3e-4", "seed=0,1"]` → every combination, as dotted overrides."""
     axes = []
