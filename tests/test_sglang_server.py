@@ -82,9 +82,10 @@ def served(tiny_llama):
     _stop(proc)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def plain_qwen2(tiny_qwen2):
-    """A server of another model, without LoRA."""
+    """A server of another model, without LoRA (one test's: stopped after it, so that its idle scheduler does
+    not hold a core through the rest of the module)."""
     url, proc = _start_server(tiny_qwen2, lora=False)
     yield url
     _stop(proc)
@@ -106,6 +107,55 @@ def _check(run_dir: Path, steps: int | None) -> list[dict]:
     assert any(r["logprob_diff"] is not None for r in rows)
     check_no_request_ran_on_a_slot_being_written(run_timeline(run_dir))
     return rows
+
+
+# ---- servers Orbit starts ----------------------------------------------------------------------------
+# First in this module: the attach tests' servers (module fixtures) are not started yet. An idle SGLang scheduler
+# on CPU keeps a core busy, and two of them made this test 3 times slower (237 s against 81 s).
+@pytest.mark.timeout(420)
+def test_two_started_servers_one_killed_mid_run_through_a_pipe(tmp_path, tiny_llama):
+    """Two servers Orbit starts, with an API key, read through a pipe: they listen on 127.0.0.1 only and
+    the key is on no command line. One is SIGKILLed mid-run: noticed within seconds, the other serves
+    meanwhile, a new server starts, takes the newest adapter and rejoins; two steps later Ctrl-C. Every
+    step is trained and saved, and nothing Orbit started is left (end-of-file within seconds, no process,
+    no /dev/shm entry)."""
+    key = "orbit-started-key-81d2"
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps(_recipe(tiny_llama, run_dir, trainer={"steps": 2000},
+                                         engine={"api_key_env": KEY_ENV, "replicas": 2})))
+    killed: dict = {}
+
+    def kill_one_then_ctrl_c(proc) -> None:  # whatever happens here, Ctrl-C ends the run
+        try:
+            kill_one(proc)
+        finally:
+            proc.send_signal(signal.SIGINT)
+
+    def kill_one(proc) -> None:
+        if _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2):
+            servers = [p for p in psutil.Process(proc.pid).children()
+                       if p.status() != psutil.STATUS_ZOMBIE and "sglang/launch.py" in " ".join(p.cmdline())]
+            killed["at"] = time.time()
+            servers[0].send_signal(signal.SIGKILL)
+            log = run_dir / "run.log"
+            _when(lambda: log.exists() and "rejoined the pool" in log.read_text(), timeout=180)
+            steps = len(run_metrics(run_dir))
+            _when(lambda: len(run_metrics(run_dir)) >= steps + 2, timeout=60)
+
+    run = _piped_train(recipe, key, during=kill_one_then_ctrl_c)
+    _check_piped(run, run_dir, key, code=130)
+    assert run.listening == {"127.0.0.1"}, run.listening
+    rows = _check(run_dir, None)
+    assert rows[-1]["rejoined"] == 1 and rows[-1]["engines_alive"] == 2, rows[-1]
+    events = run_timeline(run_dir)
+    lost = next(e for e in events if e["kind"] == "lost")
+    assert lost["t0"] - killed["at"] < 5.0, "a killed server must be noticed within seconds"
+    back = next(e for e in events if e["kind"] == "rejoined")
+    assert {e["engine"] for e in events if e["kind"] == "request"} == {0, 1}
+    print(f"\nstarted server killed: noticed in {lost['t0'] - killed['at']:.1f} s, serving again after "
+          f"{back['t0'] - killed['at']:.1f} s; end-of-file {run.eof_after_exit_s:.2f} s after exit, listening on "
+          f"{run.listening}")
 
 
 # ---- attach mode -----------------------------------------------------------------------------------
@@ -294,9 +344,6 @@ def test_attached_full_weight_pushes_through_a_pipe_leave_nothing(tmp_path, tiny
     print(f"\nattached, full weights: end-of-file {run.eof_after_exit_s:.2f} s after exit")
 
 
-# ---- servers Orbit starts ----------------------------------------------------------------------------
-
-
 def _when(predicate, timeout: float = 300.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -304,52 +351,6 @@ def _when(predicate, timeout: float = 300.0) -> bool:
             return False
         time.sleep(0.2)
     return True
-
-
-@pytest.mark.timeout(420)
-def test_two_started_servers_one_killed_mid_run_through_a_pipe(tmp_path, tiny_llama):
-    """Two servers Orbit starts, with an API key, read through a pipe: they listen on 127.0.0.1 only and
-    the key is on no command line. One is SIGKILLed mid-run: noticed within seconds, the other serves
-    meanwhile, a new server starts, takes the newest adapter and rejoins; two steps later Ctrl-C. Every
-    step is trained and saved, and nothing Orbit started is left (end-of-file within seconds, no process,
-    no /dev/shm entry)."""
-    key = "orbit-started-key-81d2"
-    run_dir = tmp_path / "run"
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(json.dumps(_recipe(tiny_llama, run_dir, trainer={"steps": 2000},
-                                         engine={"api_key_env": KEY_ENV, "replicas": 2})))
-    killed: dict = {}
-
-    def kill_one_then_ctrl_c(proc) -> None:  # whatever happens here, Ctrl-C ends the run
-        try:
-            kill_one(proc)
-        finally:
-            proc.send_signal(signal.SIGINT)
-
-    def kill_one(proc) -> None:
-        if _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2):
-            servers = [p for p in psutil.Process(proc.pid).children()
-                       if p.status() != psutil.STATUS_ZOMBIE and "sglang/launch.py" in " ".join(p.cmdline())]
-            killed["at"] = time.time()
-            servers[0].send_signal(signal.SIGKILL)
-            log = run_dir / "run.log"
-            _when(lambda: log.exists() and "rejoined the pool" in log.read_text(), timeout=180)
-            steps = len(run_metrics(run_dir))
-            _when(lambda: len(run_metrics(run_dir)) >= steps + 2, timeout=60)
-
-    run = _piped_train(recipe, key, during=kill_one_then_ctrl_c)
-    _check_piped(run, run_dir, key, code=130)
-    assert run.listening == {"127.0.0.1"}, run.listening
-    rows = _check(run_dir, None)
-    assert rows[-1]["rejoined"] == 1 and rows[-1]["engines_alive"] == 2, rows[-1]
-    events = run_timeline(run_dir)
-    lost = next(e for e in events if e["kind"] == "lost")
-    assert lost["t0"] - killed["at"] < 5.0, "a killed server must be noticed within seconds"
-    back = next(e for e in events if e["kind"] == "rejoined")
-    assert {e["engine"] for e in events if e["kind"] == "request"} == {0, 1}
-    print(f"\nstarted server killed: noticed in {lost['t0'] - killed['at']:.1f} s, serving again after "
-          f"{back['t0'] - killed['at']:.1f} s; end-of-file {run.eof_after_exit_s:.2f} s after exit, listening on "
-          f"{run.listening}")
 
 
 @pytest.mark.timeout(420)
