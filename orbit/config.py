@@ -374,11 +374,12 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     data = data if data is not None else {}
     for dotted, value in (overrides or {}).items():
         if value is not None:
-            _set_dotted(data, dotted, value)
+            set_dotted(data, dotted, value)
     return parse_recipe(data)
 
 
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    """`data[a][b] = value` for `dotted` "a.b", creating sections on the way."""
     *parents, leaf = dotted.split(".")
     node = data
     for key in parents:

@@ -18,19 +18,27 @@ RUN_FILES = ("recipe.yaml", "metrics.jsonl", "timeline.jsonl", "run.log", "sampl
 RUN_DIRS = ("tensorboard", "wandb")  # the trackers' own files (recipe `logging`)
 
 
+def resumable(run_dir: Path) -> bool:
+    """Whether a run in `run_dir` completed a step: it has a checkpoint, or a metrics line."""
+    return checkpoint.latest(run_dir) is not None or _has_lines(run_dir)
+
+
+def _has_lines(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
+
+
 def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
     """Refuse to mix two runs in one directory; resuming needs a checkpoint. Returns whether the
     directory was created here (a failed start removes it again)."""
-    metrics = run_dir / "metrics.jsonl"
-    stepped = metrics.exists() and metrics.stat().st_size > 0
     if resume:
         checkpoint.clean_partial(run_dir)  # what a save killed part-way left
-        if checkpoint.latest(run_dir) is None and not stepped:
+        if not resumable(run_dir):
             if run_dir.is_dir():
                 raise RecipeError(f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
                                   f"start it again without --resume")
             raise RecipeError(f"--resume: {run_dir} has no checkpoint (expected {run_dir}/checkpoints/step-N/)")
-    elif stepped or (run_dir / checkpoint.LATEST).exists() or (run_dir / checkpoint.CHECKPOINTS).exists():
+    elif _has_lines(run_dir) or (run_dir / checkpoint.LATEST).exists() or (run_dir / checkpoint.CHECKPOINTS).exists():
         raise RecipeError(
             f"out: {run_dir} already holds a run; pass --resume {run_dir} to continue it or choose another --out"
         )

@@ -125,11 +125,16 @@ def start_engines(starter: EngineStarter) -> list[Engine]:
                 engines.append(starter.start(i))
     except BaseException:
         # Ctrl-C while servers start: leaving the executor's block waited for each start; stop all
-        started = engines or [f.result() for f in futures if f.done() and f.exception() is None]
-        for engine in started:
-            try:
-                engine.shutdown()
-            except Exception:  # noqa: BLE001 - the start-up error is the one to report
-                pass
+        stop_engines(engines or [f.result() for f in futures if f.done() and f.exception() is None])
         raise
     return engines
+
+
+def stop_engines(engines: list[Engine]) -> None:
+    """Shut each engine down; one that fails to stop does not keep the others running (nor hide the error
+    that made the caller stop them)."""
+    for engine in engines:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - see above
+            pass

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from orbit.config import Recipe, RecipeError, dump_recipe, parse_recipe
+from orbit.config import Recipe, RecipeError, dump_recipe, parse_recipe, set_dotted
 from orbit.preflight import preflight
 
 # What the runs of a sweep share: the base model, the engines, the loop and the trainer's device.
@@ -84,7 +84,7 @@ def plan_sweep(path: Path, vary: list[str], overrides: dict[str, Any] | None = N
         raise RecipeError(f"a sweep needs at least 2 runs: pass --vary KEY=V1,V2 or list them under runs: in {path}")
     for key, value in (overrides or {}).items():
         if value is not None:
-            _set(data, key, value, "")
+            set_dotted(data, key, value)
     recipe = parse_recipe(data)
     runs = [_planned(data, recipe, entry, i) for i, entry in enumerate(entries)]
     _check(recipe, runs)
@@ -103,23 +103,13 @@ def _planned(data: dict, shared: Recipe, entry: Any, i: int) -> PlannedRun:
                               f"trainer's device, so {key} cannot vary; vary trainer, rollout, task, adapter or "
                               f"seed settings")
     run = yaml.safe_load(yaml.safe_dump(data))  # a deep copy of plain data
-    for key, value in overrides.items():
-        _set(run, key, value, f"{where}: ")
     run["out"] = str(shared.out / _dir_name(name))
     try:
+        for key, value in overrides.items():
+            set_dotted(run, key, value)
         return PlannedRun(name, parse_recipe(run))
     except RecipeError as err:
         raise RecipeError(f"{where}: {err}") from None
-
-
-def _set(data: dict, key: str, value: Any, where: str) -> None:
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise RecipeError(f"{where}{key}: {part} is not a section")
-    node[leaf] = value
 
 
 def _dotted(entry: dict, prefix: str = "") -> dict[str, Any]:

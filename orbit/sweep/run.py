@@ -28,16 +28,15 @@ from rich.console import Console
 from orbit import interrupts
 from orbit.config import AdapterConfig, Recipe, RecipeError
 from orbit.devices import colocate
-from orbit.engine import EngineStarter, start_engines
+from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.engine.base import Engine
 from orbit.interrupts import Interrupted
 from orbit.run import RunStopped, StartedRun, finish, shut_down, start, stop_token_ids
-from orbit.run_dir import prepare_run_dir, undo_start
+from orbit.run_dir import prepare_run_dir, resumable, undo_start
 from orbit.sweep.lanes import SharedEngines
 from orbit.sweep.plan import SWEEP_FILE, SweepPlan, dump_sweep
 from orbit.sweep.watch import RunStatus, SweepTable, print_summary, summarize
 from orbit.tasks import TaskError, close_task, make_task
-from orbit.train import checkpoint
 from orbit.train.shared import SharedBase
 from orbit.train.trainer import Trainer
 from orbit.truncation import truncates
@@ -80,7 +79,7 @@ def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Con
             tasks.append(_named(run.name, lambda r=run: make_task(r.recipe.task, tokenizer)))
         stops = [_named(r.name, lambda r=r: stop_token_ids(tokenizer, r.recipe.rollout.stop)) for r in plan.runs]
         interrupts.raise_if_dropped()
-        resumes = [resume and _stepped(r.run_dir) for r in plan.runs]
+        resumes = [resume and resumable(r.run_dir) for r in plan.runs]
         if resume and not any(resumes):
             raise RecipeError(f"--resume: no run of this sweep in {plan.out} completed a step; start it without "
                               "--resume")
@@ -92,7 +91,7 @@ def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Con
             interrupted = _run_lanes(lanes, live, console)
             busy = (_busy(engines) - busy0) / max(time.time() - t_run, 1e-9) / len(engines)
         finally:
-            _stop_engines(engines)
+            stop_engines(engines)
     finally:
         for task in tasks:
             close_task(task)
@@ -124,11 +123,6 @@ def _prepare(plan: SweepPlan, resumes: list[bool]) -> list[bool]:
             undo_start(run.run_dir, made, False)
         raise RecipeError(f"{err}\n(a sweep continues with `orbit sweep ... --resume`)") from None
     return created
-
-
-def _stepped(run_dir: Path) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return checkpoint.latest(run_dir) is not None or (metrics.exists() and metrics.stat().st_size > 0)
 
 
 def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], created: list[bool], console: Console,
@@ -163,7 +157,7 @@ def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], creat
         for lane in lanes:
             shut_down(lane.run)
             lane.run.close_files()
-        _stop_engines(engines)
+        stop_engines(engines)
         for planned, made, again in zip(plan.runs, created, resumes, strict=True):
             undo_start(planned.run_dir, made, again)
         raise
@@ -245,11 +239,3 @@ def _busy(engines: list[Engine]) -> float:
         except Exception:  # noqa: BLE001 - a dead engine's time is not counted
             pass
     return total
-
-
-def _stop_engines(engines: list[Engine]) -> None:
-    for engine in engines:
-        try:
-            engine.shutdown()
-        except Exception:  # noqa: BLE001 - stopping is best effort; each run is saved already
-            pass
