@@ -252,6 +252,9 @@ def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
     sweep = f", a sweep of {len(runs)} runs: {', '.join(name for name, _ in runs)}" if len(runs) > 1 else ""
     console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task "
                   f"{', '.join(sorted(set(tasks)))}{sweep})")
+    for name, run in runs:
+        console.print(f"{name + ': ' if name else ''}{run.algorithm.summary(run.rollout.max_new_tokens)}",
+                      highlight=False)
 
 
 def _check_task_builds(r) -> str:

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from orbit.modes import MODE_NAMES, MODES
+from orbit.rl import AlgorithmConfig
 
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -130,17 +131,6 @@ class RolloutConfig(_Section):
         600.0, gt=0, description="stop the run when no rollout arrives for this long while the trainer waits")
 
 
-class LossConfig(_Section):
-    ratio: Literal["truncate", "clip", "decoupled"] = Field(
-        "truncate", description="truncate: min(ratio, truncate_max) importance weight; clip: PPO clip against "
-        "the engine's policy; decoupled: PPO clip against the trainer's own pre-step policy, times the "
-        "truncated weight min(p_prox / p_engine, truncate_max)",
-    )
-    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
-    truncate_max: float = Field(2.0, ge=1.0, description="cap of the importance weight (truncate, decoupled)")
-    kl_coef: float = Field(0.0, ge=0.0, description="KL to the base model; 0 = off")
-
-
 class TrainerConfig(_Section):
     lr: float = Field(1e-3, ge=0.0, le=1.0)  # 0: the adapter stays as initialised (a sweep's control run)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -162,7 +152,10 @@ class TrainerConfig(_Section):
     threads: int = Field(1, ge=1, le=256)
     micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward/backward (samples of similar "
                                     "length together); 0 = the whole batch at once")
-    loss: LossConfig = Field(default_factory=LossConfig)
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="the learning rate over the run: constant, or decaying to 0 at the last step "
+        "(linear, cosine), after the warm-up")
+    warmup_steps: int = Field(0, ge=0, description="steps over which the learning rate rises linearly to lr")
 
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
@@ -280,6 +273,7 @@ class Recipe(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     mode: Literal[MODE_NAMES] = "double-buffer"  # type: ignore[valid-type]
     max_staleness: int | None = Field(
@@ -291,11 +285,21 @@ class Recipe(_Section):
         default_factory=list, description="trackers each step also goes to (metrics.jsonl always has it): "
         "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; WANDB_MODE=offline works); [] = none")
     @model_validator(mode="after")
-    def _unique_logging(self) -> Recipe:
-        # A tracker listed twice would open two writers into one directory and log every step twice.
+    def _unique_logging(self) -> Recipe:  # twice: two writers into one directory, every step logged twice
         twice = sorted({t for t in self.logging if self.logging.count(t) > 1})
         if twice:
             raise ValueError(f"logging: {twice[0]!r} is listed more than once; name each tracker once")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm(self) -> Recipe:
+        algo, rollout = self.algorithm, self.rollout
+        if algo.overlong == "penalty" and algo.buffer(rollout.max_new_tokens) >= rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer: {algo.buffer(rollout.max_new_tokens)} tokens leaves no "
+                             f"length unpunished under rollout.max_new_tokens {rollout.max_new_tokens}")
+        if algo.minibatches > rollout.prompts_per_step:  # each mini-batch holds whole groups
+            raise ValueError(f"algorithm.minibatches: {algo.minibatches} mini-batches of {rollout.prompts_per_step} "
+                             "groups (rollout.prompts_per_step); each needs a group")
         return self
 
     @model_validator(mode="after")
@@ -336,6 +340,9 @@ def _explain(err: ValidationError) -> str:
         value = e.get("input")
         if not e["loc"]:  # a cross-field rule: its message names the fields itself
             lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden" and loc == "trainer.loss":
+            lines.append("trainer.loss: the loss moved to the recipe's own `algorithm:` section (ratio, "
+                         "truncate_max, kl_coef as they were; clip_eps is now clip_eps_low and clip_eps_high)")
         elif e["type"] == "extra_forbidden" and loc == "runs":
             lines.append("runs: this recipe lists the runs of a sweep; start it with `orbit sweep RECIPE`")
         elif e["type"] == "extra_forbidden":

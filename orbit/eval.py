@@ -27,7 +27,7 @@ from orbit.config import RecipeError, TaskConfig, parse_recipe
 from orbit.engine.base import Engine, SamplingParams
 from orbit.preflight import check_task
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
-from orbit.rollout.pipeline import score as score_sample
+from orbit.rollout.groups import score as score_sample
 from orbit.tasks import FAILURE_MODES, close_task, make_task
 from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 

@@ -32,6 +32,8 @@ from orbit.metrics import JsonlWriter, LiveView, StepMetrics, Timeline
 from orbit.modes import Mode
 from orbit.push.fleet import FleetPush
 from orbit.push.phases import PushResult
+from orbit.rl import AlgorithmConfig
+from orbit.rollout.groups import Signal
 from orbit.rollout.pipeline import Batch, Pipeline
 from orbit.rollout.sample import Sample
 from orbit.tracking import Trackers
@@ -62,6 +64,7 @@ class LoopParts:
     trackers: Trackers | None = None  # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
     on_step: Callable[[StepMetrics], None] | None = None  # a sweep's live table (orbit/sweep/watch.py)
     label: str = ""  # a sweep's run, "NAME: ", before its console lines
+    signal: Signal | None = None  # the algorithm's rewards, filters and advantages (default: GRPO's)
 
 
 def run_steps(p: LoopParts) -> None:
@@ -84,7 +87,9 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     t_step = time.time()
     version = p.trainer.version
     before = p.pool.stats()
-    counts = (p.pipeline.counts.resubmitted, p.pipeline.counts.aborted_tokens)
+    c = p.pipeline.counts
+    counts = (c.resubmitted, c.aborted_tokens, c.filtered)
+    signal = p.signal or Signal(AlgorithmConfig(), 1)
 
     # 1. Rollouts: a batch of complete groups, fresh enough for this version.
     if serial:
@@ -92,6 +97,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     with p.timeline.span("trainer", "wait", version) as wait:
         batch = p.pipeline.take(p.prompts_per_step, version, stall_s=p.stall_s)
     samples = batch.samples
+    signal.set_advantages(batch.groups)
 
     with HeldInterrupt():
         # 2. Train on it (a serial engine is idle now: give its memory back meanwhile).
@@ -113,7 +119,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
             failure, pushed = err, PushResult(time.time() - t_push, 0.0)
 
         m = _metrics(p, version, t_step, wait.seconds, train.seconds, batch, samples, result, pushed,
-                     before, _stats_or(p.pool, before), counts)
+                     before, _stats_or(p.pool, before), counts, signal)
         line = m.to_json()
         p.metrics.write(line)
         # 4. The checkpoint, after the line: a kill between the two leaves a line newer than the newest
@@ -139,7 +145,7 @@ def save_checkpoint(p: LoopParts) -> None:
 def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch: Batch,
              samples: list[Sample],
              result: StepResult, pushed: PushResult, before: EngineStats, after: EngineStats,
-             counts: tuple[int, int]) -> StepMetrics:
+             counts: tuple[int, int, int], signal: Signal) -> StepMetrics:
     step_s = time.time() - t_step
     tokens = after.tokens_generated - before.tokens_generated
     engines = len(p.pool.members)  # the per-engine figures divide by all of them
@@ -147,6 +153,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
     trained_tokens = sum(sum(s.loss_mask) for s in samples)
     wasted = batch.dropped_tokens + p.pipeline.counts.aborted_tokens - counts[1]
     staleness = [s.staleness(version) for s in samples]
+    filtered = p.pipeline.counts.filtered - counts[2]
+    silent = sum(not signal.carries(g) for g in batch.groups) + filtered
     return StepMetrics(
         mode=p.mode.name,
         step=version,
@@ -184,6 +192,13 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         rejoined=p.pool.rejoined,
         pushes_refused=p.push.refusals,
         adapter_transport=p.pool.transports(),
+        entropy=_finite(result.entropy),
+        zero_variance_frac=silent / (len(batch.groups) + filtered),
+        groups_filtered=filtered,
+        truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
+        masked_frac=result.masked_frac,
+        lr=result.lr,
+        optimizer_steps=result.optimizer_steps,
         extra=task_figures(samples),
     )
 

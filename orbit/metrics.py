@@ -20,6 +20,7 @@ METRIC_FIELDS = (
     "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
     "stale_dropped", "ratio_mean", "ratio_max", "clip_frac", "waste_frac", "useful_tok_per_dev_s",
     "flip_lag_s", "engines_alive", "rejoined", "pushes_refused", "train_s", "trainer_idle_s", "engine_busy_s",
+    "entropy", "zero_variance_frac", "groups_filtered", "lr",
 )
 
 
@@ -61,6 +62,13 @@ class StepMetrics:
     rejoined: int = 0  # engines that came back into the pool so far (restarted, or a server answering again)
     pushes_refused: int = 0  # pushes an engine refused so far (it kept serving what it had)
     adapter_transport: list[str | None] = field(default_factory=list)  # per engine: how adapters reach it
+    entropy: float | None = None  # mean entropy of the sampling distribution over the trained tokens
+    zero_variance_frac: float = 0.0  # share of the step's groups (trained and filtered) whose rewards were all equal
+    groups_filtered: int = 0  # groups dynamic sampling dropped in the step (not waste: they carried no signal)
+    truncated_frac: float = 0.0  # share of the batch's samples cut by max_new_tokens
+    masked_frac: float = 0.0  # share of trained tokens the algorithm's mask band dropped
+    lr: float = 0.0  # the learning rate of the step's last optimizer step
+    optimizer_steps: int = 1  # optimizer steps taken on the batch (algorithm.minibatches × epochs)
     extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
 
     def to_json(self) -> str:

@@ -35,6 +35,7 @@ from orbit.modes import MODES
 from orbit.preflight import Checked
 from orbit.push.fleet import FleetPush
 from orbit.revive import Revival
+from orbit.rollout.groups import Signal
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
 from orbit.rollout.producer import Producer
 from orbit.run_dir import drop_lines_after, left, prepare_run_dir, saved_line, undo_start, warner
@@ -44,7 +45,7 @@ from orbit.train import checkpoint
 from orbit.train.checkpoint import CheckpointError
 from orbit.train.launcher import launched
 from orbit.train.ranks import RankLost, Ranks
-from orbit.train.trainer import Trainer
+from orbit.train.trainer import Trainer, recipe_trainer
 from orbit.truncation import truncates
 
 
@@ -126,8 +127,7 @@ def _follow(recipe: Recipe, ranks: Ranks, t0: float) -> RunResult:
     to handle (it needs this rank to finish the step it saves)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
-                          top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k, ranks=ranks)
+        trainer = recipe_trainer(recipe, ranks=ranks)
         trainer.follow()
     finally:
         ranks.close()
@@ -160,8 +160,7 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console, slow: Sl
             engine_cfg, shared = colocate(recipe, shards)  # before the trainer takes its part of a shared GPU
             if shared:
                 console.print(shared, highlight=False)
-            trainer = Trainer(recipe.model, recipe.adapter, recipe.trainer, recipe.rollout.temperature, recipe.seed,
-                              top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k, ranks=ranks)
+            trainer = recipe_trainer(recipe, ranks=ranks)
             run = start(recipe, run_dir, resume, task, stop_ids, console, live, trainer,
                         StartedEngines(recipe, engine_cfg, slow), tokenizer)
         except BaseException as err:
@@ -239,6 +238,7 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         push.initial(trainer)
         run.revival = engines.revival(pool, push)
         batch_groups = recipe.rollout.prompts_per_step
+        signal = Signal(recipe.algorithm, recipe.rollout.max_new_tokens)
         per_engine = recipe.engine.max_inflight * recipe.engine.engines
         pipeline = Pipeline(
             pool, Admission(batch_groups, 0 if serial else recipe.max_staleness, recipe.rollout.admission),
@@ -247,7 +247,8 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
             max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size) if serial else per_engine,
             drop_after=None if serial else recipe.max_staleness, replenish=recipe.rollout.replenish,
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
-            start_version=trainer.version)
+            start_version=trainer.version, keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
+            filter_limit=recipe.algorithm.filter_limit)
         run.producer = producer = Producer(pipeline, pool, task, sampling_params(recipe.rollout, stop_ids),
                                            recipe.seed, timeline=run.timeline,
                                            max_attempts=recipe.rollout.max_attempts, adapter=name)
@@ -266,7 +267,7 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, keep_last=recipe.trainer.keep_last,
         console=console, live=live,
         stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": pipeline.next_group},
-        trackers=run.trackers, label=prefix,
+        trackers=run.trackers, label=prefix, signal=signal,
     )
     return run
 

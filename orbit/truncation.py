@@ -64,3 +64,14 @@ def truncated_logprobs(logp: Tensor, targets: Tensor, top_p: float, top_k: int) 
     threshold = torch.minimum(kept_threshold(logp.detach(), top_p, top_k), picked.detach())
     kept = torch.where(logp >= threshold.unsqueeze(-1), logp, torch.full_like(logp, -torch.inf))
     return picked - torch.logsumexp(kept, dim=-1)
+
+
+def truncated_entropy(logp: Tensor, top_p: float, top_k: int) -> Tensor:
+    """Entropy of each row of `logp` [..., V] (log_softmax(logits / T)) truncated to the kept set and
+    renormalised: the entropy of the distribution the engine samples from."""
+    if truncates(top_p, top_k):
+        threshold = kept_threshold(logp.detach(), top_p, top_k)
+        kept = torch.where(logp >= threshold.unsqueeze(-1), logp, torch.full_like(logp, -torch.inf))
+        logp = kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)

@@ -138,7 +138,12 @@ def _orbit(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_cli_recipe_check(tmp_path, tiny_llama):
     good = _write(tmp_path, {"model": str(tiny_llama)})
-    assert _orbit("recipe", "check", str(good)).returncode == 0
+    res = _orbit("recipe", "check", str(good))
+    assert res.returncode == 0 and "algorithm: default (advantage grpo, aggregation token-mean, ratio truncate" in \
+        " ".join(res.stdout.split())
+    dapo = _write(tmp_path, {"model": str(tiny_llama), "algorithm": {"preset": "dapo", "clip_eps_high": 0.3}})
+    out = " ".join(_orbit("recipe", "check", str(dapo)).stdout.split())  # the resolved settings, unwrapped
+    assert "algorithm: dapo (" in out and "clip_eps_high 0.3," in out and "overlong_buffer 6" in out
     bad = _write(tmp_path, {"model": str(tiny_llama), "rollout": {"temperature": 0}})
     res = _orbit("recipe", "check", str(bad))
     assert res.returncode == 2 and "rollout.temperature" in res.stderr

@@ -25,7 +25,7 @@ from orbit.engine.pool import EnginePool
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
 from orbit.rollout.producer import Producer
 from orbit.run import Interrupted, RunStopped, train
-from orbit.train.trainer import STATE_FILE
+from orbit.train.checkpoint import STATE_FILE
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 

@@ -1,4 +1,5 @@
-"""Advantages and the policy loss against hand-computed values."""
+"""Orbit's default advantages and its three original ratios, against hand-computed values (the
+estimators, aggregations and ratios the presets add: test_rl.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import math
 import pytest
 import torch
 
-from orbit.config import LossConfig
-from orbit.rollout.pipeline import group_advantages
-from orbit.train.loss import policy_loss
+from orbit.rl import AlgorithmConfig as LossConfig
+from orbit.rl import Norm, policy_loss
+from orbit.rl.advantages import grpo as group_advantages
 
 LOGP = [[-1.0, -2.0], [-1.0, -2.0]]
 BEHAVIOUR = [[-1.5, -1.0], [-1.5, -1.0]]  # ratios e^0.5 = 1.6487 and e^-1 = 0.3679
@@ -56,7 +57,7 @@ def test_truncate_loss_and_gradient():
 
 def test_clip_loss_and_gradient():
     logp, behaviour, adv, mask = _inputs([2.0, -1.0])
-    cfg = LossConfig(ratio="clip", clip_eps=0.2)
+    cfg = LossConfig(ratio="clip", clip_eps_low=0.2, clip_eps_high=0.2)
     loss, stats = policy_loss(logp, behaviour, adv, mask, cfg)
     # -min(r A, clip(r, 0.8, 1.2) A) per token
     objective = [min(R_HI * 2, 1.2 * 2), min(R_LO * 2, 0.8 * 2), min(-R_HI, -1.2), min(-R_LO, -0.8)]
@@ -90,7 +91,7 @@ def test_masked_tokens_do_not_contribute(ratio: str):
     assert loss.item() == pytest.approx(sub.item(), rel=1e-6)
 
 
-def test_num_tokens_lets_micro_batches_add_up():
+def test_the_norm_lets_micro_batches_add_up():
     cfg = LossConfig()
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1], [-3.0, -1.0]])
     behaviour = logp + 0.1
@@ -98,7 +99,7 @@ def test_num_tokens_lets_micro_batches_add_up():
     mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
     whole, _ = policy_loss(logp, behaviour, adv, mask, cfg)
     halves = (slice(0, 1), slice(1, 3))
-    parts = [policy_loss(logp[s], behaviour[s], adv[s], mask[s], cfg, num_tokens=5)[0] for s in halves]
+    parts = [policy_loss(logp[s], behaviour[s], adv[s], mask[s], cfg, Norm(tokens=5, sequences=3))[0] for s in halves]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -121,7 +122,7 @@ def test_decoupled_loss_hand_values():
     logp = torch.tensor(LOGP, requires_grad=True)
     prox = torch.tensor([[-1.2, -2.0], [-0.8, -2.0]])
     adv = torch.tensor([2.0, -1.0])
-    cfg = LossConfig(ratio="decoupled", clip_eps=0.2, truncate_max=1.5)
+    cfg = LossConfig(ratio="decoupled", clip_eps_low=0.2, clip_eps_high=0.2, truncate_max=1.5)
     loss, stats = policy_loss(logp, torch.tensor(BEHAVIOUR), adv, torch.ones(2, 2), cfg, prox_logp=prox)
     r = [[math.exp(0.2), 1.0], [math.exp(-0.2), 1.0]]  # p_theta / p_prox
     w = [[math.exp(0.3), math.exp(-1.0)], [1.5, math.exp(-1.0)]]  # min(p_prox / p_engine, 1.5): e^0.7 is cut

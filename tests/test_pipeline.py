@@ -15,8 +15,10 @@ from engine_helpers import FakeEngine
 from orbit.engine.base import Completion
 from orbit.engine.pool import EnginePool
 from orbit.loop import HeldInterrupt
+from orbit.rl import AlgorithmConfig
 from orbit.rollout.episode import Episode
-from orbit.rollout.pipeline import Admission, Group, Pipeline, RolloutError
+from orbit.rollout.groups import Group, Signal
+from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
 from orbit.rollout.sample import Sample
 from orbit.tasks.base import Prompt
 
@@ -42,10 +44,10 @@ def _start_all(pipe: Pipeline) -> list[int]:
     return started
 
 
-def _complete(pipe: Pipeline, gid: int) -> None:
+def _complete(pipe: Pipeline, gid: int, rewards: tuple[float, float] = (0.0, 1.0)) -> None:
     version = pipe.in_flight[gid].version
-    samples = [Sample([1], [5, 6], [-0.1, -0.2], reward=float(i), version_start=version, version_end=version,
-                      group_id=gid) for i in range(2)]
+    samples = [Sample([1], [5, 6], [-0.1, -0.2], reward=r, version_start=version, version_end=version,
+                      group_id=gid) for r in rewards]
     pipe.complete(gid, Group(PROMPT, samples, gid))
 
 
@@ -107,6 +109,34 @@ def test_stale_groups_are_dropped_and_replaced():
     batch = pipe.take(1, version=1, stall_s=10)  # the version-0 group is too old at version 1
     assert batch.stale_dropped == 1 and batch.dropped_tokens == 4 and [g.id for g in batch.groups] == [fresh]
     assert _start_all(pipe) == [2]  # its replacement was granted: admission counts it as not started
+
+
+def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart():
+    """A group whose rewards are all equal never reaches the trainer; another starts in its place, admission
+    counting it as not started (so the staleness bound holds as for a dropped group), and the batch is full."""
+    pool = _pool()
+    pipe = _pipeline(pool, batch=2, k=0, keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries)
+    pipe.grant(2)
+    assert _start_all(pipe) == [0, 1]
+    _complete(pipe, 0, (1.0, 1.0))  # no signal
+    _complete(pipe, 1)
+    assert pipe.counts.filtered == 1 and pipe.counts.filtered_tokens == 4
+    assert _start_all(pipe) == [2]  # the replacement, at version 0: K = 0 admits exactly 2 groups at v0
+    assert _start_all(pipe) == []
+    _complete(pipe, 2, (0.0, 0.5))
+    batch = pipe.take(2, version=0, stall_s=5)
+    assert [g.id for g in batch.groups] == [1, 2] and batch.stale_dropped == 0
+
+
+def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
+    pipe = _pipeline(_pool(), batch=1, k=None, drop_after=None, filter_limit=2,
+                     keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries)
+    pipe.grant(1)
+    for _ in range(3):
+        [gid] = _start_all(pipe)
+        _complete(pipe, gid, (0.0, 0.0))
+    with pytest.raises(RolloutError, match="dynamic sampling dropped 3 groups in a row whose rewards were all equal"):
+        pipe.take(1, version=0, stall_s=5)
 
 
 def test_a_group_at_its_deadline_is_waited_for_not_overtaken():

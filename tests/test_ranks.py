@@ -20,13 +20,25 @@ import yaml
 from run_helpers import run_metrics
 
 from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe
+from orbit.rl import AlgorithmConfig
 from orbit.rollout.sample import Sample
 from orbit.train.launcher import call_on_ranks
 from orbit.train.ranks import padded_micro_batches, split_by_tokens
 from orbit.train.trainer import Trainer
 
 STEPS = 3
-CONFIGS = [("lora", "none"), ("lora", "fsdp"), ("oft", "none"), ("oft", "fsdp")]
+# (adapter, shard, algorithm): the aggregations that count sequences, GSPO's sequence ratio, and several
+# optimizer steps per batch (its proximal forward under FSDP too) must add up over ranks as over micro-batches
+CONFIGS = [("lora", "none", "default"), ("lora", "fsdp", "default"), ("oft", "none", "default"),
+           ("oft", "fsdp", "default"), ("lora", "none", "seq-mean"), ("lora", "fsdp", "dr_grpo"),
+           ("lora", "none", "gspo"), ("lora", "fsdp", "decoupled-minibatches")]
+ALGORITHMS = {
+    "default": AlgorithmConfig(),
+    "seq-mean": AlgorithmConfig(aggregation="seq-mean-token-mean"),
+    "dr_grpo": AlgorithmConfig(preset="dr_grpo"),
+    "gspo": AlgorithmConfig(preset="gspo", minibatches=1, clip_eps_high=0.5, clip_eps_low=0.5),
+    "decoupled-minibatches": AlgorithmConfig(ratio="decoupled", minibatches=2, epochs=2),
+}
 ADAPTERS = {
     "lora": AdapterConfig(type="lora", r=4, alpha=8.0),
     "oft": AdapterConfig(type="oft", oft_block_size=8, target_modules=["q_proj", "v_proj", "down_proj"]),
@@ -89,13 +101,17 @@ def test_recipe_errors_about_ranks_name_the_field(tiny_llama):
 # ---- two ranks compute what one computes -----------------------------------------------------
 
 
-def _trainer(model: str, adapter: str, shard: str, ranks=None) -> Trainer:
-    cfg = TrainerConfig(lr=0.01, micro_batch_tokens=48, shard=shard)
-    return Trainer(model, ADAPTERS[adapter], cfg, temperature=1.0, seed=0, ranks=ranks)
+def _trainer(model: str, adapter: str, shard: str, ranks=None, algorithm: str = "default",
+             budget: int = 48) -> Trainer:
+    cfg = TrainerConfig(lr=0.01, micro_batch_tokens=budget, shard=shard)
+    return Trainer(model, ADAPTERS[adapter], cfg, temperature=1.0, seed=0, ranks=ranks,
+                   algorithm=ALGORITHMS[algorithm], max_new_tokens=8)
 
 
-def _train(model: str, adapter: str, shard: str, ranks=None, save_to: Path | None = None) -> dict:
-    trainer = _trainer(model, adapter, shard, ranks)
+def _train(model: str, adapter: str, shard: str, ranks=None, save_to: Path | None = None,
+           algorithm: str = "default", budget: int = 48) -> dict:
+    trainer = _trainer(model, adapter, shard, ranks, algorithm, budget)
+    init = trainer.adapter_tensors()
     if ranks is not None and not ranks.leader:
         trainer.follow()
         return {}
@@ -108,7 +124,7 @@ def _train(model: str, adapter: str, shard: str, ranks=None, save_to: Path | Non
     sharded = [p for p in trainer.model.parameters() if type(p.data).__name__ == "DTensor"]
     trainer.close()
     return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
-            "tokens": [s.tokens for s in steps], "adapter": trainer.adapter_tensors(),
+            "tokens": [s.tokens for s in steps], "adapter": trainer.adapter_tensors(), "init": init,
             "sharded": [(p.to_local().numel(), p.numel()) for p in sharded[:3]]}
 
 
@@ -120,7 +136,8 @@ def _rank_main(model: str, saves: Path) -> dict:
     torch.set_num_threads(1)
     ranks = Ranks(launched(), ["cpu", "cpu"], timeout_s=60)
     try:
-        return {f"{a}-{s}": _train(model, a, s, ranks, saves / f"{a}-{s}") for a, s in CONFIGS}
+        return {f"{a}-{s}-{g}": _train(model, a, s, ranks, saves / f"{a}-{s}-{g}", g)
+                for a, s, g in CONFIGS}
     finally:
         ranks.close()
 
@@ -128,27 +145,35 @@ def _rank_main(model: str, saves: Path) -> dict:
 @pytest.mark.slow
 def test_two_ranks_compute_what_one_rank_computes(tmp_path, tiny_llama):
     """Same batches, same seed, 3 steps: loss, gradient norm and the adapter agree within 1e-5 (fp32), for
-    DDP and FSDP, LoRA and OFT. Under FSDP the base really is sharded. A checkpoint two ranks wrote after
-    step 2, resumed by one rank, ends step 3 with the same adapter."""
+    DDP and FSDP, LoRA and OFT, and for the aggregations, ratios and optimizer steps of orbit/rl. Under FSDP
+    the base really is sharded. A checkpoint two ranks wrote after step 2, resumed by one rank, ends step 3
+    with the same adapter."""
     two = call_on_ranks(2, _rank_main, str(tiny_llama), tmp_path, run_id="test-ranks")
     torch.set_num_threads(1)
-    for adapter, shard in CONFIGS:
-        got, want = two[f"{adapter}-{shard}"], _train(str(tiny_llama), adapter, "none")
+    for adapter, shard, algo in CONFIGS:
+        got, want = two[f"{adapter}-{shard}-{algo}"], _train(str(tiny_llama), adapter, "none", algorithm=algo)
         assert got["tokens"] == want["tokens"]
         for key in ("loss", "grad_norm"):
-            assert got[key] == pytest.approx(want[key], abs=1e-5, rel=1e-5), (adapter, shard, key)
+            assert got[key] == pytest.approx(want[key], abs=1e-5, rel=1e-5), (adapter, shard, algo, key)
         assert got["adapter"].keys() == want["adapter"].keys()
-        worst = max(float((got["adapter"][k] - want["adapter"][k]).abs().max()) for k in want["adapter"])
-        assert worst <= 1e-5, (adapter, shard, worst)
+        worst = _worst(got["adapter"], want["adapter"])
+        # AdamW turns rounding in near-zero gradients into visible steps, and a clip's gradient jumps at its
+        # edge (12 optimizer steps in decoupled-minibatches): the adapters agree to 1e-3 of their own change
+        change = _worst(want["adapter"], want["init"])
+        assert worst <= max(1e-5, 1e-3 * change), (adapter, shard, algo, worst, change)
         if shard == "fsdp":
             assert got["sharded"] and all(local < full for local, full in got["sharded"])
         else:
             assert not got["sharded"]
-        resumed = _trainer(str(tiny_llama), adapter, "none")
-        resumed.load(tmp_path / f"{adapter}-{shard}")
+        resumed = _trainer(str(tiny_llama), adapter, "none", algorithm=algo)
+        resumed.load(tmp_path / f"{adapter}-{shard}-{algo}")
         resumed.step(_batch(seed=STEPS - 1))
         last = resumed.adapter_tensors()
-        assert max(float((last[k] - got["adapter"][k]).abs().max()) for k in last) <= 1e-5, (adapter, shard)
+        assert max(float((last[k] - got["adapter"][k]).abs().max()) for k in last) <= 1e-5, (adapter, shard, algo)
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
 # ---- a two-rank run on the command line ------------------------------------------------------

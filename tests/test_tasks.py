@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from orbit.cli import app
-from orbit.config import AdapterConfig, LossConfig, RecipeError, TaskConfig, TrainerConfig, parse_recipe
+from orbit.config import AdapterConfig, RecipeError, TaskConfig, TrainerConfig, parse_recipe
 from orbit.engine.base import Completion, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.rollout.pipeline import Admission, Pipeline
@@ -265,7 +265,7 @@ def test_trainer_excludes_injected_tokens_from_loss(tiny_task_tokens, tok):
     assert 0 < sum(mask) < len(mask)
 
     def grads(behaviour_on_injected: float, loss_mask: list[int]) -> tuple[torch.Tensor, object]:
-        cfg = TrainerConfig(lr=1.0, max_grad_norm=1e9, loss=LossConfig(ratio="truncate"))
+        cfg = TrainerConfig(lr=1.0, max_grad_norm=1e9)  # the default loss: the truncated IS weight
         trainer = Trainer(tiny_task_tokens, AdapterConfig(r=4, alpha=8), cfg, temperature=1.0, seed=0)
         trainer.optimizer = torch.optim.SGD(trainer.params, lr=1.0)  # the update is exactly -grad
         before = [p.detach().clone() for p in trainer.params]

@@ -53,6 +53,27 @@ def test_each_mode_runs_and_writes_every_metric(tmp_path, tiny_llama, mode):
     assert (tmp_path / mode / "adapter" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.timeout(300)
+def test_dapo_keeps_every_batch_full_of_signal_and_nothing_stale(tmp_path, warm_arith):
+    """algorithm.preset: dapo on the warm-started arithmetic model, double-buffer: groups of 2 whose rewards
+    are often equal (both right or both wrong) are dropped and replaced; every step still trains a full
+    batch of groups that carry signal, no group goes stale, and the step's figures say what was filtered."""
+    patch = {"rollout": {"group_size": 2, "prompts_per_step": 4, "max_new_tokens": 8},
+             "trainer": {"steps": 8, "lr": 0.002}, "task": {"name": "arith", "max_digits": 2, "ops": "+-"},
+             "algorithm": {"preset": "dapo"}, "mode": "double-buffer", "max_staleness": 1}
+    train(checked(_recipe(warm_arith, tmp_path / "run", **patch)), live=False)
+    rows = run_metrics(tmp_path / "run")
+    assert len(rows) == 8 and sum(r["groups_filtered"] for r in rows) > 0
+    for r in rows:
+        assert r["stale_dropped"] == 0 and r["staleness_max"] <= 1 and r["waste_frac"] == 0
+        # the batch's 4 groups all carried signal: only the filtered ones were silent
+        f = r["groups_filtered"]
+        assert r["zero_variance_frac"] == pytest.approx(f / (4 + f))
+        assert r["entropy"] > 0 and r["lr"] == 0.002 and r["optimizer_steps"] == 1
+    recipe = yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())
+    assert recipe["algorithm"]["clip_eps_high"] == 0.28 and recipe["algorithm"]["dynamic_sampling"] is True
+
+
 def test_truncated_sampling_end_to_end_with_task_figures(tmp_path, tiny_llama):
     """top_p/top_k: engine and trainer score the same truncated distribution, so logprob_diff stays at
     rounding (it would be ~1 with one side untruncated); a task that knows correctness gets its figures."""

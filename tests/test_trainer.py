@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from statistics import fmean
 
 import peft
 import pytest
@@ -14,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from orbit import adapters
 from orbit.adapters import adapter_tensors
-from orbit.config import AdapterConfig, LossConfig, TrainerConfig
+from orbit.config import AdapterConfig, TrainerConfig
+from orbit.rl import AlgorithmConfig
 from orbit.rollout.sample import Sample
 from orbit.train.trainer import Trainer
 
@@ -23,8 +25,9 @@ LORA = AdapterConfig(type="lora", r=4, alpha=8.0)
 OFT = AdapterConfig(type="oft", oft_block_size=8, target_modules=ALL_TARGETS)
 
 
-def _trainer(path: Path, adapter: AdapterConfig = LORA, temperature: float = 1.0, seed: int = 0, **cfg) -> Trainer:
-    return Trainer(path, adapter, TrainerConfig(**cfg), temperature=temperature, seed=seed)
+def _trainer(path: Path, adapter: AdapterConfig = LORA, temperature: float = 1.0, seed: int = 0,
+             algorithm: AlgorithmConfig | None = None, **cfg) -> Trainer:
+    return Trainer(path, adapter, TrainerConfig(**cfg), temperature=temperature, seed=seed, algorithm=algorithm)
 
 
 def _sample(prompt, output, behaviour=None, advantage=0.0, version=(0, 0), mask=None) -> Sample:
@@ -266,7 +269,7 @@ def test_a_shared_prompt_runs_once_and_gives_the_whole_sequence_forward(tiny_lla
 
     def shared():
         batch = collate(group, trainer.pad_id, trainer.version, trainer.device)
-        logp = trainer._logprobs(batch)
+        logp, _ = trainer._logprobs(batch)
         return [logp[i, : len(s.output_ids)] for i, s in enumerate(group)]
 
     def each_whole():
@@ -292,19 +295,103 @@ def test_gradients_are_clipped(tiny_llama: Path):
 
 
 def test_kl_to_base_model(tiny_llama: Path):
-    trainer = _trainer(tiny_llama, loss=LossConfig(kl_coef=0.1), lr=1e-2)
+    trainer = _trainer(tiny_llama, algorithm=AlgorithmConfig(kl_coef=0.1), lr=1e-2)
     first = trainer.step(_on_policy(trainer, SAMPLES[:1]))
     assert first.kl == pytest.approx(0.0, abs=1e-7)  # LoRA starts as the identity
     _perturb(trainer, 0.1)
     assert trainer.step(_on_policy(trainer, SAMPLES[:1])).kl > 1e-4
 
 
+def _groups(advantages: list[float]) -> list[Sample]:
+    """_scored, each sample a group of its own (mini-batches cut between groups)."""
+    out = _scored(advantages)
+    for g, sample in enumerate(out):
+        sample.group_id = g
+    return out
+
+
+def test_minibatches_are_optimizer_steps_on_shares_of_the_batch(tiny_llama: Path):
+    """algorithm.minibatches: 2 on groups [0, 1] and [2] is the same as two steps on each share alone, one
+    version later."""
+    batch = _groups([1.0, -1.0, 0.5])
+    a = _trainer(tiny_llama, algorithm=AlgorithmConfig(minibatches=2), lr=1e-2)
+    b = _trainer(tiny_llama, lr=1e-2)
+    result = a.step(batch)
+    b.step(batch[:2])
+    b.step(batch[2:])
+    assert (a.version, result.optimizer_steps, result.tokens) == (1, 2, 9)
+    for name, t in a.adapter_tensors().items():
+        torch.testing.assert_close(t, b.adapter_tensors()[name], rtol=0, atol=1e-7)
+
+
+def test_the_proximal_policy_is_the_one_before_the_first_optimizer_step(tiny_llama: Path, monkeypatch):
+    """With several optimizer steps per batch (2 epochs of 2 mini-batches), the decoupled loss clips against
+    the trainer's logprobs before the first of them, scored once in eval mode: AReaL's proximal policy."""
+    import orbit.train.trainer as trainer_module
+
+    trainer = _trainer(tiny_llama, algorithm=AlgorithmConfig(ratio="decoupled", minibatches=2, epochs=2), lr=1e-1)
+    _perturb(trainer, 0.05)
+    batch = _groups([1.0, -1.0, 0.5])
+    before = trainer.logprobs(batch)
+    seen = []
+
+    def spy(logp, *args, prox_logp=None, **kw):
+        seen.append((logp.detach().clone(), prox_logp.clone()))
+        return trainer_module.policy_loss.__wrapped__(logp, *args, prox_logp=prox_logp, **kw)
+
+    spy.__wrapped__ = trainer_module.policy_loss
+    monkeypatch.setattr(trainer_module, "policy_loss", spy)
+    result = trainer.step(batch)
+    assert result.optimizer_steps == 4 and len(seen) == 4
+    by_length = {len(lp): lp for lp in before}
+    for _, prox in seen:
+        for row in range(prox.shape[0]):
+            n = int((prox[row] != 0).sum())
+            assert prox[row, :n].tolist() == pytest.approx(by_length[n], abs=1e-6)
+    assert not torch.allclose(seen[-1][0], seen[-1][1], atol=1e-4)  # the policy moved; the proximal did not
+    assert result.logprob_diff == pytest.approx(fmean(abs(lp - (-4.0)) for row in before for lp in row), rel=1e-5)
+
+
+def test_a_failing_optimizer_step_leaves_the_batch_untrained(tiny_llama: Path):
+    """A non-finite gradient in the second mini-batch: the first one's update is undone (adapter, optimizer
+    and schedule as before the batch), so a checkpoint of this version is what the engine served."""
+    trainer = _trainer(tiny_llama, algorithm=AlgorithmConfig(minibatches=2), lr=1e-2, schedule="linear", steps=5)
+    trainer.step(_groups([1.0, -1.0, 0.5]))
+    adapter, lr = trainer.adapter_tensors(), trainer.scheduler.get_last_lr()
+    moments = {k: v["exp_avg"].clone() for k, v in trainer.optimizer.state_dict()["state"].items()}
+    bad = _groups([1.0, -1.0, float("nan")])
+    with pytest.raises(FloatingPointError):
+        trainer.step(bad)
+    assert trainer.version == 1 and trainer.scheduler.get_last_lr() == lr
+    for name, t in trainer.adapter_tensors().items():
+        assert torch.equal(t, adapter[name]), name
+    state = trainer.optimizer.state_dict()["state"]
+    assert all(state[k]["step"].item() == 2 and torch.equal(state[k]["exp_avg"], m) for k, m in moments.items())
+
+
+def test_entropy_is_the_sampling_distributions(tiny_llama: Path):
+    """The step's entropy: -sum p log p of softmax(logits / T) at each trained token, as plain transformers
+    computes it, averaged over the tokens."""
+    trainer = _trainer(tiny_llama, temperature=0.7)
+    samples = _scored([1.0, -1.0, 0.5])
+    model = _plain_model(tiny_llama)
+    entropies = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor([s.prompt_ids + s.output_ids])).logits[0]
+            logp = torch.log_softmax(logits / 0.7, dim=-1)
+            first = len(s.prompt_ids) - 1
+            entropies += [-(logp[first + i].exp() * logp[first + i]).sum().item() for i in range(len(s.output_ids))]
+    assert trainer.step(samples).entropy == pytest.approx(fmean(entropies), rel=1e-5)
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 
 
 def test_save_load_resumes_exactly(tiny_llama: Path, tmp_path: Path):
+    """Adapter, optimizer, RNG and the learning-rate schedule (a warm-up, then cosine) continue exactly."""
     batch = _scored([1.0, -1.0, 0.5])
-    cfg = dict(lr=1e-2, weight_decay=0.01)
+    cfg = dict(lr=1e-2, weight_decay=0.01, schedule="cosine", warmup_steps=1, steps=4)
     a = _trainer(tiny_llama, **cfg)
     a.step(batch)
     a.step(batch)
@@ -323,11 +410,25 @@ def test_save_load_resumes_exactly(tiny_llama: Path, tmp_path: Path):
         for field, value in state.items():
             assert torch.equal(value, sb["state"][key][field]), (key, field)
 
-    a.step(batch)
-    b.step(batch)  # training continues exactly
-    for name, t in a.adapter_tensors().items():
-        assert torch.equal(t, b.adapter_tensors()[name]), name
+    assert b.scheduler.state_dict() == a.scheduler.state_dict()
+    for _ in range(2):
+        ra, rb = a.step(batch), b.step(batch)  # training continues exactly, on the schedule
+        assert ra.lr == rb.lr
+        for name, t in a.adapter_tensors().items():
+            assert torch.equal(t, b.adapter_tensors()[name]), name
+    assert ra.lr == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))  # the last step: k=3 of 4
     assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["version"] == 2
+
+
+def test_learning_rate_schedules():
+    from orbit.train.schedule import lr_factor
+
+    assert [lr_factor(k, 1, 10, 0, "constant") for k in (0, 9)] == [1.0, 1.0]
+    assert [lr_factor(k, 1, 10, 2, "linear") for k in (0, 1, 2, 9)] == pytest.approx([0.5, 1.0, 1.0, 0.125])
+    assert [lr_factor(k, 1, 10, 2, "cosine") for k in (2, 6)] == pytest.approx([1.0, 0.5])
+    # two optimizer steps per batch: the warm-up and the decay count batches, at half-batch resolution
+    assert [lr_factor(k, 2, 10, 1, "linear") for k in (0, 1, 2, 19)] == pytest.approx([0.5, 1.0, 1.0, 1 / 18])
+    assert lr_factor(0, 1, 3, 5, "cosine") == pytest.approx(0.2)  # a warm-up longer than the run: never decays
 
 
 def test_saved_adapter_loads_with_peft(tiny_llama: Path, tmp_path: Path):

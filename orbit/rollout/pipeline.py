@@ -11,8 +11,10 @@ both of them read and change lives here, under one condition:
   K = 1. The former rule (`rollout.admission: run-ahead`: at most (K + 1) batches in flight or
   buffered) started groups while the engine was a version behind; it is kept to measure that;
 - in flight: the groups started and not complete, with the engine and version each started on;
-- complete: scored groups waiting for the trainer (a group's samples are scored by the task, and get
-  GRPO advantages within the group, when its last sample is done: `build_group`).
+- complete: scored groups waiting for the trainer (a group's samples are scored by the task when its
+  last sample is done: groups.py). With dynamic sampling (`keep`), a group that carries no signal is
+  dropped there and another started in its place, as a stale one is: it is counted as filtered, not
+  as waste, and does not count as started.
 
 `take(n, version)` drops groups too stale to train (each replaced by a fresh grant when
 `replenish`), waits for a group still in flight at its deadline rather than overtaking it with
@@ -22,17 +24,18 @@ oldest n, and stops a silent stall saying what was seen.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orbit.engine.base import EngineDeadError, EngineStats, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.rollout.episode import Episode
+from orbit.rollout.groups import Group
 from orbit.rollout.sample import Sample
-from orbit.tasks.base import Prompt, Task, TaskError
+from orbit.tasks.base import Prompt
 
 ADMISSIONS = ("version", "run-ahead")
 _POLL_S = 0.5
@@ -44,43 +47,6 @@ class RolloutError(RuntimeError):
     often, or nothing arrived for `rollout.stall_timeout_s`. The message says what was seen."""
 
 
-# ---- groups: scored samples with group-relative advantages (GRPO) ------------------------------------
-
-
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO: (r - mean) / (std + eps) within one prompt's group (sample std, as in TRL's GRPO).
-
-    A group whose rewards are all equal carries no signal: its advantages are exactly zero.
-    """
-    n = len(rewards)
-    if n < 2 or all(r == rewards[0] for r in rewards):
-        return [0.0] * n
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
-    return [(r - mean) / (std + eps) for r in rewards]
-
-
-@dataclass
-class Group:
-    """The `group_size` scored samples of one prompt."""
-
-    prompt: Prompt
-    samples: list[Sample]
-    id: int = 0  # the producer's group number: admission order
-
-    @property
-    def tokens(self) -> int:
-        """Tokens the model generated for this group (injected tool tokens excluded)."""
-        return sum(sum(s.loss_mask) for s in self.samples)
-
-    @property
-    def oldest_version(self) -> int:
-        return min(s.version_start for s in self.samples)
-
-    def staleness(self, version: int) -> int:
-        return version - self.oldest_version
-
-
 def sampling_params(rollout, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     """The engine's sampling parameters for a recipe's rollout section."""
     return SamplingParams(
@@ -90,46 +56,6 @@ def sampling_params(rollout, stop_token_ids: tuple[int, ...]) -> SamplingParams:
         top_k=rollout.top_k,
         stop_token_ids=stop_token_ids,
     )
-
-
-def score(task: Task, prompt: Prompt, output_ids: list[int]):
-    """`task.score`, with a failure named as the task's (TaskError)."""
-    try:
-        result = task.score(prompt, list(output_ids))
-    except Exception as err:  # noqa: BLE001 - a failing verifier stops the run, named
-        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score failed on prompt {prompt.id!r}: "
-                        f"{type(err).__name__}: {err}") from err
-    if not hasattr(result, "reward") or not isinstance(result.reward, int | float):
-        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), "
-                        f"got {type(result).__name__}")
-    return result
-
-
-def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) -> Group:
-    """Score each completion and attach GRPO advantages computed within the group.
-
-    A completion is an engine `Completion` (single turn) or a multi-turn `Episode`, whose
-    `loss_mask` marks the injected tool tokens (0) that the loss must skip.
-    """
-    scores = [score(task, prompt, c.output_ids) for c in completions]
-    advantages = group_advantages([s.reward for s in scores])
-    samples = [
-        Sample(
-            prompt_ids=list(prompt.prompt_ids),
-            output_ids=list(c.output_ids),
-            behaviour_logprobs=list(c.logprobs),
-            reward=s.reward,
-            advantage=a,
-            version_start=c.version_start,
-            version_end=c.version_end,
-            group_id=group_id,
-            finish_reason=c.finish_reason,
-            loss_mask=list(getattr(c, "loss_mask", None) or []),
-            info={**s.info, "turns": getattr(c, "turns", 1), "tool_results": getattr(c, "tool_results", 0)},
-        )
-        for c, s, a in zip(completions, scores, advantages, strict=True)
-    ]
-    return Group(prompt=prompt, samples=samples, id=group_id)
 
 
 # ---- the pipeline ----------------------------------------------------------------------------------
@@ -189,17 +115,24 @@ class Counts:
 
     resubmitted: int = 0  # samples resubmitted after the engine aborted them
     aborted_tokens: int = 0  # tokens generated by requests that ended aborted (waste)
+    filtered: int = 0  # groups dropped for carrying no signal (dynamic sampling)
+    filtered_tokens: int = 0  # their tokens (not waste: they were looked at, and said nothing)
 
 
 class Pipeline:
     def __init__(self, pool: EnginePool, admission: Admission, group_size: int, max_inflight: int,
                  drop_after: int | None, replenish: bool = True, start_group: int = 0,
-                 start_version: int = 0) -> None:
+                 start_version: int = 0, keep: Callable[[Group], bool] | None = None,
+                 filter_limit: int = 10) -> None:
         """`max_inflight`: requests in flight at most, over all engines. `drop_after`: the staleness past
         which a complete group is dropped (None: never, serial modes). `start_group` / `start_version`:
-        where a resumed run's prompt stream and versions stand."""
+        where a resumed run's prompt stream and versions stand. `keep`: dynamic sampling's test of a complete
+        group; `filter_limit` batches' worth of groups failing it while the trainer waits for one batch stop
+        the run."""
         self.pool, self.admission, self.group_size, self.max_inflight = pool, admission, group_size, max_inflight
         self.drop_after, self.replenish = drop_after, replenish
+        self.keep, self.filter_limit = keep, filter_limit
+        self._filtered_since_take = 0
         self.counts = Counts()
         self.next_group = start_group  # the group number (and prompt index) of the next group started
         self.in_flight: dict[int, InFlight] = {}
@@ -208,7 +141,8 @@ class Pipeline:
         self._started = start_version * admission.batch  # every group trained before this run counts
         self._requests = 0  # requests in flight
         self._complete: list[Group] = []
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the producer's
+        self._verdict: RolloutError | None = None
         self._interrupted = False
         self._last_progress = time.monotonic()
         self._events: queue.Queue = queue.Queue()  # the producer's: answered requests, and wake-ups
@@ -249,11 +183,30 @@ class Pipeline:
             self._last_progress = time.monotonic()
 
     def complete(self, gid: int, group: Group) -> None:
+        kept = self.keep is None or self.keep(group)  # outside the lock: the rewards are the group's own
         with self._cond:
             del self.in_flight[gid]
-            self._complete.append(group)
             self._last_progress = time.monotonic()
+            if kept:
+                self._complete.append(group)
+            else:
+                self._filter(group)
             self._cond.notify_all()
+        if not kept:
+            self.wake()  # its replacement starts now
+
+    def _filter(self, group: Group) -> None:
+        """Dynamic sampling: the group says nothing; another prompt's group takes its place."""
+        self.counts.filtered += 1
+        self.counts.filtered_tokens += group.tokens
+        self._started -= 1  # its replacement counts as started instead, as a dropped group's does
+        self._granted += 1
+        self._filtered_since_take += 1
+        if self._filtered_since_take > self.filter_limit * self.admission.batch and self._verdict is None:
+            self._verdict = RolloutError(
+                f"dynamic sampling dropped {self._filtered_since_take} groups in a row whose rewards were all equal "
+                f"(algorithm.filter_limit: {self.filter_limit} batches of {self.admission.batch}); the task gives "
+                "this model no signal: every answer right or every answer wrong")
 
     def count(self, resubmitted: int = 0, aborted_tokens: int = 0) -> None:
         with self._cond:
@@ -304,6 +257,8 @@ class Pipeline:
             while not taken and not stalled:
                 if self._interrupted:
                     raise KeyboardInterrupt
+                if self._verdict is not None:
+                    raise self._verdict  # the pipeline's own (dynamic sampling found no signal)
                 if self._error is not None:
                     raise RolloutError(f"rollout producer failed: {self._error}") from self._error
                 dropped += self._drop_stale(version)
@@ -316,6 +271,7 @@ class Pipeline:
                                f"the trainer waited for {n} groups at version {version}; {self._seen()}")
                 else:
                     self._cond.wait(timeout=_POLL_S)
+            self._filtered_since_take = 0
         if stalled:  # the engines are asked outside the lock: the producer must not wait on a hung engine
             raise RolloutError(f"{stalled}; {self._engines()}")
         self.wake()  # room in the pipeline (run-ahead admission counts what is buffered)

@@ -19,7 +19,8 @@ from orbit.engine.base import ACTIVE, Completion, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.metrics import Timeline
 from orbit.rollout.episode import continue_episode, with_task_stops
-from orbit.rollout.pipeline import InFlight, Pipeline, RolloutError, build_group
+from orbit.rollout.groups import build_group
+from orbit.rollout.pipeline import InFlight, Pipeline, RolloutError
 from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 
 

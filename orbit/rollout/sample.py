@@ -26,6 +26,7 @@ class Sample:
     group_id: int = 0
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
+    left_out: bool = False  # generated but not trained on (algorithm.overlong: mask of a cut completion)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

@@ -38,7 +38,7 @@ from orbit.sweep.plan import SWEEP_FILE, SweepPlan, dump_sweep
 from orbit.sweep.watch import RunStatus, SweepTable, print_summary, summarize
 from orbit.tasks import TaskError, close_task, make_task
 from orbit.train.shared import SharedBase
-from orbit.train.trainer import Trainer
+from orbit.train.trainer import recipe_trainer
 from orbit.truncation import truncates
 
 T = TypeVar("T")
@@ -145,8 +145,7 @@ def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], creat
         base = SharedBase(recipe.model, recipe.trainer.dtype)
         for i, (planned, task, stop_ids) in enumerate(zip(plan.runs, tasks, stops, strict=True)):
             r = planned.recipe
-            trainer = Trainer(r.model, r.adapter, r.trainer, r.rollout.temperature, r.seed, top_p=r.rollout.top_p,
-                              top_k=r.rollout.top_k, shared=base, name=f"run{i}")
+            trainer = recipe_trainer(r, shared=base, name=f"run{i}")
             shared = SharedEngines(engines, starter.capacities(), i, recipe.engine.slots)
             run = start(r, planned.run_dir, resumes[i], task, stop_ids, console, False, trainer, shared, tokenizer,
                         name=planned.name, group=plan.out.name)

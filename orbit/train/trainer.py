@@ -1,4 +1,4 @@
-"""The trainer: a Hugging Face causal LM wrapped with a peft adapter, one optimizer step per batch.
+"""The trainer: a Hugging Face causal LM wrapped with a peft adapter, one version per batch.
 
 Only the adapter trains; the base stays frozen in fp32. Logprobs are those of the distribution
 the engine samples from, log_softmax(logits / T) truncated to top-k/top-p and renormalised when
@@ -8,11 +8,10 @@ token by token and the loss differentiates the policy that was actually sampled 
 
 from __future__ import annotations
 
-import json
+import copy
 import math
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import peft
 import torch
@@ -20,89 +19,36 @@ from torch import Tensor
 from transformers import set_seed
 
 from orbit import adapters
-from orbit.config import AdapterConfig, TrainerConfig
+from orbit.config import AdapterConfig, Recipe, TrainerConfig
+from orbit.rl import AlgorithmConfig, Norm, policy_loss
 from orbit.rollout.sample import Sample
-from orbit.train.batch import Batch, collate, micro_batches, output_hidden, spread_over_groups, token_logprobs
-from orbit.train.checkpoint import STATE_FILE
-from orbit.train.loss import LossStats, policy_loss
+from orbit.train import state
+from orbit.train.batch import (
+    Batch,
+    collate,
+    micro_batches,
+    minibatches,
+    output_hidden,
+    spread_over_groups,
+    token_logprobs,
+)
+from orbit.train.measure import StepResult, Totals, saved_rows
 from orbit.train.ranks import RankLost, Ranks, padded_micro_batches
+from orbit.train.schedule import scheduler
 from orbit.train.shared import SharedBase
+from orbit.train.state import DEFAULT_ADAPTER
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
 RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
-OPTIMIZER_FILE = "optimizer.pt"
-DEFAULT_ADAPTER = "default"  # peft's name for a model's one adapter
 
 
-@dataclass
-class StepResult:
-    """One optimizer step. Diffs are NaN when no token of their kind was in the batch."""
-
-    version: int  # the trainer's version after the step
-    loss: float
-    grad_norm: float  # before clipping
-    ratio_mean: float
-    ratio_max: float
-    clip_frac: float
-    kl: float  # NaN unless loss.kl_coef > 0
-    tokens: int  # trained-on tokens (loss_mask 1)
-    samples: int
-    logprob_diff: float  # mean |trainer - engine| logprob, each sample under the weights that made it
-    logprob_diff_tokens: int
-    policy_drift: float  # the same mean on the stale samples
-    policy_drift_tokens: int
-    queue_s: float = 0.0  # waiting for the shared base while other adapters of a sweep trained (shared.py)
-
-
-@dataclass
-class _Totals:
-    """Sums over micro-batches, turned into token-weighted means at the end."""
-
-    loss: float = 0.0
-    tokens: int = 0
-    ratio_sum: float = 0.0
-    ratio_max: float = -math.inf
-    clipped: float = 0.0
-    kl_sum: float = 0.0
-    diff: list[float] = field(default_factory=lambda: [0.0, 0.0])  # fresh, stale
-    diff_tokens: list[int] = field(default_factory=lambda: [0, 0])
-
-    def add(self, loss: Tensor, stats: LossStats, abs_diff: Tensor, batch: Batch) -> None:
-        self.loss += float(loss.detach())
-        if stats.tokens:
-            self.tokens += stats.tokens
-            self.ratio_sum += stats.ratio_mean * stats.tokens
-            self.ratio_max = max(self.ratio_max, stats.ratio_max)
-            self.clipped += stats.clip_frac * stats.tokens
-            self.kl_sum += stats.kl * stats.tokens
-        for i, rows in enumerate((batch.fresh, ~batch.fresh)):
-            mask = batch.loss_mask & rows.unsqueeze(-1)
-            self.diff[i] += float(abs_diff[mask].sum())
-            self.diff_tokens[i] += int(mask.sum())
-
-    def sum_over(self, ranks: Ranks) -> None:
-        """The whole batch's sums, from every rank's share."""
-        sums = torch.tensor([self.loss, self.tokens, self.ratio_sum, self.clipped, self.kl_sum, *self.diff,
-                             *self.diff_tokens], dtype=torch.float64)
-        most = torch.tensor([self.ratio_max], dtype=torch.float64)
-        ranks.all_reduce(sums)
-        ranks.all_reduce(most, torch.distributed.ReduceOp.MAX)
-        (self.loss, tokens, self.ratio_sum, self.clipped, self.kl_sum, d0, d1, t0, t1) = sums.tolist()
-        self.tokens, self.diff, self.diff_tokens = int(tokens), [d0, d1], [int(t0), int(t1)]
-        self.ratio_max = float(most)
-
-
-@dataclass
-class SavedState:
-    """What a checkpoint holds for the trainer, as read from its directory (rank 0 reads, every rank restores)."""
-
-    weights: dict[str, Tensor]
-    optimizer: dict
-    state: dict
-
-
-def _mean(total: float, count: int) -> float:
-    return total / count if count else math.nan
+def recipe_trainer(recipe: Recipe, ranks: Ranks | None = None, shared: SharedBase | None = None,
+                   name: str = DEFAULT_ADAPTER) -> Trainer:
+    """The trainer a recipe asks for: its adapter, optimizer, schedule and loss, scoring as its rollouts sample."""
+    r = recipe.rollout
+    return Trainer(recipe.model, recipe.adapter, recipe.trainer, r.temperature, recipe.seed, top_p=r.top_p,
+                   top_k=r.top_k, ranks=ranks, shared=shared, name=name, algorithm=recipe.algorithm,
+                   max_new_tokens=r.max_new_tokens)
 
 
 class Trainer:
@@ -112,11 +58,15 @@ class Trainer:
     def __init__(
         self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int,
         top_p: float = 1.0, top_k: int = 0, ranks: Ranks | None = None, shared: SharedBase | None = None,
-        name: str = DEFAULT_ADAPTER,
+        name: str = DEFAULT_ADAPTER, algorithm: AlgorithmConfig | None = None, max_new_tokens: int = 1,
     ) -> None:
+        """`algorithm`: the loss and its optimizer steps (default: Orbit's default loss); `max_new_tokens`: the
+        rollout's, seq-mean-token-sum-norm's default constant."""
         # The engine runs in its own process with its own threads; don't let torch take every core.
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
+        self.algo = algorithm or AlgorithmConfig()
+        self.norm_length = self.algo.norm(max_new_tokens)
         self.adapter = adapter
         self.ranks = ranks
         self._closed = False
@@ -143,6 +93,8 @@ class Trainer:
         if ranks is not None:
             ranks.broadcast_params(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = scheduler(self.optimizer, self.algo.optimizer_steps, cfg.steps, cfg.warmup_steps,
+                                   cfg.schedule)
         self.pad_id = base.config.pad_token_id or 0
         self.version = 0
         self._snapshots: dict[int, list[Tensor]] = {}
@@ -163,29 +115,56 @@ class Trainer:
         return result
 
     def _step(self, samples: list[Sample]) -> StepResult:
+        """`algorithm.epochs` passes over the batch, each in `algorithm.minibatches` optimizer steps; the adapter
+        becomes one version newer whatever their number. With more than one, the policy before the first is
+        scored once (one no-grad forward): the decoupled loss's proximal policy, and the engine agreement."""
+        totals = Totals()
+        several = self.algo.optimizer_steps > 1
+        before = self._state() if several else None
+        prox = self._proximal(samples, totals) if several else None
+        norms, lr = [], 0.0
+        try:
+            for _ in range(self.algo.epochs):
+                for part in minibatches(samples, self.algo.minibatches):
+                    lr = self.optimizer.param_groups[0]["lr"]
+                    norms.append(self._optimizer_step(part, totals, prox, measure=not several))
+        except FloatingPointError:
+            if before is not None:  # no half-trained batch: the adapter stays at its version
+                self._set_state(before)
+            raise
+        self.version += 1
+        self._snapshot()
+        return totals.result(self.version, fmean(norms), len(samples), len(norms), lr, self.algo.epochs)
+
+    def _optimizer_step(self, samples: list[Sample], totals: Totals, prox: dict[int, Tensor] | None,
+                        measure: bool) -> float:
+        """One optimizer step on `samples` (the batch, or one of its mini-batches), in micro-batches of at most
+        `cfg.micro_batch_tokens` padded tokens (batch.py); with ranks, each on its share, the gradients summed.
+        `measure`: this forward is the step's engine agreement (its weights are those that made fresh samples)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = sum(sum(1 for m in s.loss_mask if m) for s in samples)  # the whole batch's, on every rank
-        totals = _Totals()
+        norm = self._norm(samples)  # the whole share's counts, on every rank
+        step = Totals()
         for chunk, counts in self._micro_batches(samples):
             batch = self._collate(chunk)
-            logp = self._logprobs(batch)
-            ref = self._ref_logprobs(batch) if self.cfg.loss.kl_coef > 0 else None
-            loss, stats = policy_loss(
-                logp, batch.behaviour, batch.advantages, batch.loss_mask, self.cfg.loss, ref, num_tokens
-            )
+            logp, entropy = self._logprobs(batch, entropy_grad=self.algo.entropy_coef > 0)
+            ref = self._ref_logprobs(batch) if self.algo.kl_coef > 0 else None
+            loss, stats = policy_loss(logp, batch.behaviour, batch.advantages, batch.loss_mask, self.algo, norm,
+                                      ref_logp=ref, prox_logp=saved_rows(prox, chunk, logp) if prox else None,
+                                      entropy=entropy)
             if not counts:  # a pad (FSDP): its forward and backward are collectives, its loss is not ours
                 (loss * 0.0).backward()
                 continue
             loss.backward()
-            totals.add(loss, stats, (logp.detach() - batch.behaviour).abs(), batch)
+            step.add(loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch)
         if self.ranks is not None:
             self.ranks.sum_grads(self.params)
-            totals.sum_over(self.ranks)
-        if totals.diff_tokens[0] == 0 or self.adapter.dropout > 0:
+            step.sum_over(self.ranks)
+        if measure and (step.diff_tokens[0] == 0 or self.adapter.dropout > 0):
             # No fresh token, or the training forward ran with dropout: measure agreement apart.
-            totals.diff[0], totals.diff_tokens[0] = 0.0, 0
-            self._rescore(samples, totals)
+            step.diff[0], step.diff_tokens[0] = 0.0, 0
+            self._rescore(samples, step)
+        totals.merge(step)
         self._reshard()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
@@ -193,9 +172,50 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at version {self.version}")
         self.optimizer.step()
-        self.version += 1
-        self._snapshot()
-        return self._result(totals, grad_norm, len(samples))
+        self.scheduler.step()
+        return grad_norm
+
+    def _norm(self, samples: list[Sample]) -> Norm:
+        trained = [0 if s.left_out else sum(1 for m in s.loss_mask if m) for s in samples]
+        return Norm(tokens=sum(trained), sequences=sum(1 for t in trained if t), length=self.norm_length)
+
+    @torch.no_grad()
+    def _proximal(self, samples: list[Sample], totals: Totals) -> dict[int, Tensor]:
+        """Each sample's logprobs under the adapter before this batch's first optimizer step (eval mode), by
+        `id(sample)`; the engine agreement of the step measured on the way."""
+        was_training = self.model.training
+        self.model.eval()
+        out: dict[int, Tensor] = {}
+        step = Totals()
+        try:  # each mini-batch's micro-batches, as the optimizer steps will cut them (on each rank, its share)
+            for part in minibatches(samples, self.algo.minibatches):
+                for chunk, counts in self._micro_batches(part):
+                    batch = self._collate(chunk)
+                    logp, _ = self._logprobs(batch)
+                    out.update({id(s): logp[row] for row, s in enumerate(chunk)})  # a pad's too (FSDP)
+                    if counts:
+                        step.add_diff((logp - batch.behaviour).abs(), batch)
+        finally:
+            self.model.train(was_training)
+        if self.ranks is not None:
+            step.sum_over(self.ranks)
+        if step.diff_tokens[0] == 0:
+            self._rescore(samples, step)
+        totals.diff, totals.diff_tokens = step.diff, step.diff_tokens
+        return out
+
+    def _state(self) -> tuple[list[Tensor], dict, dict]:
+        """The adapter, its optimizer and its schedule as they are (adapters are small)."""
+        return ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()),
+                self.scheduler.state_dict())
+
+    @torch.no_grad()
+    def _set_state(self, state: tuple[list[Tensor], dict, dict]) -> None:
+        params, optimizer, schedule = state
+        for p, old in zip(self.params, params, strict=True):
+            p.copy_(old)
+        self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(schedule)
 
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
         """(micro-batch, whether it counts): all of them, or with ranks this rank's share's (ranks.py)."""
@@ -211,7 +231,7 @@ class Trainer:
             del self._snapshots[old]
 
     @torch.no_grad()
-    def _rescore(self, samples: list[Sample], totals: _Totals) -> None:
+    def _rescore(self, samples: list[Sample], totals: Totals) -> None:
         """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples, spread over
         the step's groups, each under the exact adapter version that generated it, so `logprob_diff`
         measures numerics every step (not policy drift) even when every sample is stale."""
@@ -226,30 +246,13 @@ class Trainer:
                 for p, old in zip(self.params, weights, strict=True):
                     p.copy_(old)
                 batch = self._collate([s for s in chosen if s.version_start == version])
-                diff = (self._logprobs(batch) - batch.behaviour).abs()[batch.loss_mask]
+                diff = (self._logprobs(batch)[0] - batch.behaviour).abs()[batch.generated]
                 totals.diff[0] += float(diff.sum())
                 totals.diff_tokens[0] += diff.numel()
         finally:
             for p, now in zip(self.params, current, strict=True):
                 p.copy_(now)
             self.model.train(was_training)
-
-    def _result(self, t: _Totals, grad_norm: float, n_samples: int) -> StepResult:
-        return StepResult(
-            version=self.version,
-            loss=t.loss,
-            grad_norm=grad_norm,
-            ratio_mean=_mean(t.ratio_sum, t.tokens),
-            ratio_max=t.ratio_max if t.tokens else math.nan,
-            clip_frac=_mean(t.clipped, t.tokens),
-            kl=_mean(t.kl_sum, t.tokens),
-            tokens=t.tokens,
-            samples=n_samples,
-            logprob_diff=_mean(t.diff[0], t.diff_tokens[0]),
-            logprob_diff_tokens=t.diff_tokens[0],
-            policy_drift=_mean(t.diff[1], t.diff_tokens[1]),
-            policy_drift_tokens=t.diff_tokens[1],
-        )
 
     # -- logprobs ---------------------------------------------------------------------------
 
@@ -267,7 +270,7 @@ class Trainer:
         index = {id(s): i for i, s in enumerate(samples)}
         for chunk in micro_batches(samples, self.cfg.micro_batch_tokens):
             batch = self._collate(chunk)
-            logp = self._logprobs(batch)
+            logp, _ = self._logprobs(batch)
             for row, s in enumerate(chunk):
                 out[index[id(s)]] = logp[row, : len(s.output_ids)].tolist()
         self._reshard()
@@ -280,16 +283,17 @@ class Trainer:
         if self._sharded:
             self._decoder.reshard()
 
-    def _logprobs(self, batch: Batch) -> Tensor:
-        """[N, C] logprob of each output token under the sampling distribution (batch.py): each prompt runs
-        once, the decoder to its last hidden state, the vocabulary projection a chunk at a time."""
+    def _logprobs(self, batch: Batch, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+        """[N, C] logprob of each output token under the sampling distribution, and that distribution's entropy
+        (batch.py): each prompt runs once, the decoder to its last hidden state, the vocabulary projection a
+        chunk at a time."""
         hidden = output_hidden(self._decoder, batch)
-        return token_logprobs(hidden, self._head, batch, self.temperature, self.top_p, self.top_k)
+        return token_logprobs(hidden, self._head, batch, self.temperature, self.top_p, self.top_k, entropy_grad)
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: Batch) -> Tensor:
         with self.model.disable_adapter():  # the frozen base model is the KL reference
-            return self._logprobs(batch)
+            return self._logprobs(batch)[0]
 
     def _collate(self, samples: list[Sample]) -> Batch:
         return collate(samples, self.pad_id, self.version, self.device)
@@ -311,55 +315,32 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------
 
     def save(self, directory: str | Path, run_state: dict | None = None) -> Path:
-        """Adapter in peft's format, optimizer state and trainer state (version, RNG, and the run's
-        own `run_state`, e.g. where the prompt stream stands, which `load` returns), the trainer state
-        last (a checkpoint is complete when it is there: orbit/train/checkpoint.py)."""
+        """Adapter in peft's format, optimizer state and trainer state (version, RNG, schedule, and the run's
+        own `run_state`, e.g. where the prompt stream stands, which `load` returns): state.py."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory, selected_adapters=[self.name])
-        if self.name != DEFAULT_ADAPTER:  # peft puts any other adapter in a directory of its name: one format
-            for path in (directory / self.name).iterdir():
-                path.replace(directory / path.name)
-            (directory / self.name).rmdir()
-        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
-        state = {
-            "version": self.version,
-            "rng": {
-                "python": random.getstate(),
-                "torch": torch.get_rng_state().tolist(),
-                "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-            },
-            "run": run_state or {},
-        }
-        (directory / STATE_FILE).write_text(json.dumps(state))
+        state.write(directory, self.model, self.name, self.optimizer.state_dict(),
+                    {"version": self.version, "run": run_state or {}, "schedule": self.scheduler.state_dict()})
         return directory
 
     def load(self, directory: str | Path) -> dict:
         """Restore what `save` wrote, so training continues exactly where it stopped (with ranks: on
         every rank, however many ranks wrote it); returns the saved `run_state`."""
-        directory = Path(directory)
-        weights = peft.utils.load_peft_weights(str(directory), device="cpu")
-        expected = set(peft.get_peft_model_state_dict(self.model, adapter_name=self.name))
-        if set(weights) != expected:
-            raise ValueError(
-                f"{directory}: adapter does not match this trainer's adapter config "
-                f"(missing {sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})"
-            )
-        saved = SavedState(weights, torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
-                           json.loads((directory / STATE_FILE).read_text()))
+        saved = state.read(Path(directory), self.model, self.name)
         if self.ranks is not None:
             self.ranks.send("load", saved)
         self._restore(saved)
         return saved.state.get("run", {})
 
-    def _restore(self, saved: SavedState) -> None:
+    def _restore(self, saved: state.SavedState) -> None:
         peft.set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in saved.weights.items()},
                                        adapter_name=self.name)
         self.optimizer.load_state_dict(saved.optimizer)  # moves the state to the parameters' device
         self.version = int(saved.state["version"])
+        if "schedule" in saved.state:
+            self.scheduler.load_state_dict(saved.state["schedule"])
         self._snapshots.clear()
         self._snapshot()
-        self._set_rng(saved.state["rng"])
+        state.set_rng(saved.state["rng"])
 
     # -- ranks other than 0 -----------------------------------------------------------------
 
@@ -383,11 +364,3 @@ class Trainer:
                 actions[what](payload)
             except FloatingPointError:
                 pass  # rank 0 computed the same gradient norm: it stops the run and says so
-
-    @staticmethod
-    def _set_rng(rng: dict) -> None:
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
-        torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])

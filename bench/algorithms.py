@@ -1,0 +1,162 @@
+"""The algorithm presets side by side on the SmolLM2 laptop recipe, over several seeds.
+
+For each seed, one `orbit sweep` trains every preset at once (each its own adapter on one base and one
+engine), then `orbit eval RUN --n 200` reads each adapter's held-out accuracy the same way. Per preset it
+reports the median (and range) over the seeds of:
+- held-out accuracy after the recipe's steps (greedy, `orbit eval`), and the base model's;
+- the worst drop: the largest fall of the reward curve's 8-step mean below its running maximum;
+- the step time: the run's own trainer seconds per step (`train_s`; in a sweep the runs share the trainer, so
+  a run's wall-clock step also holds the others' turns).
+
+    .venv/bin/python bench/algorithms.py [--seeds 0,1,2] [--presets default,grpo,dr_grpo,dapo,gspo,cispo,rloo]
+                                         [--recipe recipes/smollm2-math.yaml] [--steps 60] [--out runs/algorithms]
+    .venv/bin/python bench/algorithms.py --report-only --out runs/algorithms     # the table and picture again
+
+It writes OUT/summary.json, OUT/table.md and OUT/curves.png (every preset's reward, the median over seeds of
+its 8-step mean). A seed already trained and evaluated in OUT is not run again. With 2 cores, run nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORBIT = [sys.executable, "-m", "orbit.cli"]
+WINDOW = 8
+
+
+def moving_mean(xs: list[float], window: int = WINDOW) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
+
+
+def worst_drop(rewards: list[float]) -> float:
+    """The largest fall of the 8-step mean below its running maximum."""
+    smooth, peak, worst = moving_mean(rewards), -float("inf"), 0.0
+    for x in smooth:
+        peak = max(peak, x)
+        worst = max(worst, peak - x)
+    return worst
+
+
+def run_name(preset: str) -> str:
+    return f"preset={'None' if preset == 'default' else preset}"
+
+
+def train_seed(args: argparse.Namespace, seed: int) -> Path:
+    out = args.out / f"seed-{seed}"
+    presets = ",".join("null" if p == "default" else p for p in args.presets)
+    if all((out / run_name(p) / "metrics.jsonl").is_file() and
+           len((out / run_name(p) / "metrics.jsonl").read_text().splitlines()) >= args.steps for p in args.presets):
+        return out
+    cmd = [*ORBIT, "sweep", str(args.recipe), "--vary", f"algorithm.preset={presets}", "--vary", f"seed={seed}",
+           "--steps", str(args.steps), "--out", str(out), "--quiet"]
+    if out.exists():
+        cmd.append("--resume")
+    print("$", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return out
+
+
+def evaluate(run_dir: Path, n: int) -> dict:
+    report = run_dir / "eval.json"
+    if not report.is_file():
+        print("$ orbit eval", run_dir, "--n", n, flush=True)
+        subprocess.run([*ORBIT, "eval", str(run_dir), "--n", str(n)], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+    return json.loads(report.read_text())
+
+
+def summarise(args: argparse.Namespace) -> dict:
+    rows: dict[str, list[dict]] = {p: [] for p in args.presets}
+    base = []
+    for seed in args.seeds:
+        for preset in args.presets:
+            run_dir = args.out / f"seed-{seed}" / run_name(preset)
+            metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            report = evaluate(run_dir, args.n)
+            base.append(report["results"]["base"]["accuracy"])
+            rows[preset].append({
+                "seed": seed, "accuracy": report["results"]["trained"]["accuracy"],
+                "worst_drop": worst_drop([m["reward_mean"] for m in metrics]),
+                "train_s": statistics.fmean(m["train_s"] for m in metrics),
+                "final_reward": statistics.fmean(m["reward_mean"] for m in metrics[-WINDOW:]),
+                "rewards": [m["reward_mean"] for m in metrics],
+            })
+    return {"recipe": str(args.recipe), "steps": args.steps, "seeds": args.seeds, "n": args.n,
+            "base_accuracy": statistics.median(base), "presets": rows}
+
+
+def _med(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def table(summary: dict) -> str:
+    seeds = ", ".join(str(s) for s in summary["seeds"])
+    lines = [f"SmolLM2-135M-Instruct, `{summary['recipe']}`, {summary['steps']} steps, seeds {seeds}; "
+             f"held-out accuracy `orbit eval --n {summary['n']}` (base {summary['base_accuracy']:.1%}). "
+             "Median over the seeds, range in brackets.", "",
+             "| preset | held-out accuracy | worst drop (8-step mean) | final reward (last 8) | trainer s/step |",
+             "|---|---|---|---|---|"]
+    for preset, runs in summary["presets"].items():
+        acc, drop, reward, step = (_med([r[k] for r in runs]) for k in ("accuracy", "worst_drop", "final_reward",
+                                                                         "train_s"))
+        lines.append(f"| {preset} | {acc[0]:.1%} [{acc[1]:.1%}–{acc[2]:.1%}] | {drop[0]:.3f} [{drop[1]:.3f}–"
+                     f"{drop[2]:.3f}] | {reward[0]:.3f} [{reward[1]:.3f}–{reward[2]:.3f}] | {step[0]:.2f} |")
+    return "\n".join(lines)
+
+
+def picture(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for preset, runs in summary["presets"].items():
+        curves = [moving_mean(r["rewards"]) for r in runs]
+        steps = min(len(c) for c in curves)
+        median = [statistics.median(c[i] for c in curves) for i in range(steps)]
+        low = [min(c[i] for c in curves) for i in range(steps)]
+        high = [max(c[i] for c in curves) for i in range(steps)]
+        line, = ax.plot(range(1, steps + 1), median, label=preset, linewidth=2)
+        ax.fill_between(range(1, steps + 1), low, high, color=line.get_color(), alpha=0.12)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"reward ({WINDOW}-step mean): median over seeds, range shaded")
+    ax.set_title(f"Algorithm presets on {Path(summary['recipe']).name}, seeds {summary['seeds']}")
+    ax.legend(ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--presets", default="default,grpo,dr_grpo,dapo,gspo,cispo,rloo")
+    parser.add_argument("--recipe", type=Path, default=Path("recipes/smollm2-math.yaml"))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("runs/algorithms"))
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.presets = args.presets.split(",")
+    if not args.report_only:
+        for seed in args.seeds:
+            train_seed(args, seed)
+    summary = summarise(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    text = table(summary)
+    (args.out / "table.md").write_text(text + "\n")
+    picture(summary, args.out / "curves.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Groups: the `group_size` scored samples of one prompt, and the algorithm applied to them.
+
+The producer scores a group when its last sample is done (`build_group`). Whether the group carries
+any signal (`Signal`, for dynamic sampling) is known then; its advantages are set when the trainer takes
+its batch (`set_advantages`), since one estimator (`batch`) looks at the whole batch. The math itself is
+orbit/rl's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbit import rl
+from orbit.rl import AlgorithmConfig
+from orbit.rollout.sample import Sample
+from orbit.tasks.base import Prompt, Task, TaskError
+
+
+@dataclass
+class Group:
+    """The `group_size` scored samples of one prompt."""
+
+    prompt: Prompt
+    samples: list[Sample]
+    id: int = 0  # the producer's group number: admission order
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the model generated for this group (injected tool tokens excluded)."""
+        return sum(sum(s.loss_mask) for s in self.samples)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.version_start for s in self.samples)
+
+    def staleness(self, version: int) -> int:
+        return version - self.oldest_version
+
+
+def score(task: Task, prompt: Prompt, output_ids: list[int]):
+    """`task.score`, with a failure named as the task's (TaskError)."""
+    try:
+        result = task.score(prompt, list(output_ids))
+    except Exception as err:  # noqa: BLE001 - a failing verifier stops the run, named
+        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score failed on prompt {prompt.id!r}: "
+                        f"{type(err).__name__}: {err}") from err
+    if not hasattr(result, "reward") or not isinstance(result.reward, int | float):
+        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), "
+                        f"got {type(result).__name__}")
+    return result
+
+
+def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) -> Group:
+    """Score each completion. A completion is an engine `Completion` (single turn) or a multi-turn
+    `Episode`, whose `loss_mask` marks the injected tool tokens (0) that the loss must skip."""
+    scores = [score(task, prompt, c.output_ids) for c in completions]
+    samples = [
+        Sample(
+            prompt_ids=list(prompt.prompt_ids),
+            output_ids=list(c.output_ids),
+            behaviour_logprobs=list(c.logprobs),
+            reward=s.reward,
+            version_start=c.version_start,
+            version_end=c.version_end,
+            group_id=group_id,
+            finish_reason=c.finish_reason,
+            loss_mask=list(getattr(c, "loss_mask", None) or []),
+            info={**s.info, "turns": getattr(c, "turns", 1), "tool_results": getattr(c, "tool_results", 0)},
+        )
+        for c, s in zip(completions, scores, strict=True)
+    ]
+    return Group(prompt=prompt, samples=samples, id=group_id)
+
+
+@dataclass(frozen=True)
+class Signal:
+    """The algorithm's view of a group's rewards: the task's, shaped (the overlong penalty)."""
+
+    algorithm: AlgorithmConfig
+    max_new_tokens: int
+
+    def rewards(self, group: Group) -> list[float]:
+        return rl.shaped_rewards([s.reward for s in group.samples], [sum(s.loss_mask) for s in group.samples],
+                                 self.algorithm, self.max_new_tokens)
+
+    def carries(self, group: Group) -> bool:
+        """False for a group whose shaped rewards are all equal (advantages all zero)."""
+        return rl.carries_signal(self.rewards(group))
+
+    def set_advantages(self, groups: list[Group]) -> None:
+        """Every sample's advantage, and whether the loss leaves it out (a cut completion, overlong: mask)."""
+        advantages = rl.advantages([self.rewards(g) for g in groups], self.algorithm.advantage)
+        for group, values in zip(groups, advantages, strict=True):
+            left_out = rl.left_out([s.finish_reason for s in group.samples], self.algorithm)
+            for sample, a, out in zip(group.samples, values, left_out, strict=True):
+                sample.advantage, sample.left_out = a, out
