@@ -8,8 +8,12 @@ reports the median (and range) over the seeds of:
 - the step time: the run's own trainer seconds per step (`train_s`; in a sweep the runs share the trainer, so
   a run's wall-clock step also holds the others' turns).
 
+The sweeps run the recipe with `trainer.threads: --trainer-threads` (2): a sweep of 7 adapters is
+trainer-bound, and the engine's core idles meanwhile. Nothing else differs from the recipe.
+
     .venv/bin/python bench/algorithms.py [--seeds 0,1,2] [--presets default,grpo,dr_grpo,dapo,gspo,cispo,rloo]
                                          [--recipe recipes/smollm2-math.yaml] [--steps 60] [--out runs/algorithms]
+                                         [--trainer-threads 2]
     .venv/bin/python bench/algorithms.py --report-only --out runs/algorithms     # the table and picture again
 
 It writes OUT/summary.json, OUT/table.md and OUT/curves.png (every preset's reward, the median over seeds of
@@ -43,17 +47,32 @@ def worst_drop(rewards: list[float]) -> float:
     return worst
 
 
-def run_name(preset: str) -> str:
-    return f"preset={'None' if preset == 'default' else preset}"
+def run_dir(out: Path, preset: str, seed: int) -> Path:
+    """The sweep's directory of one run (`orbit sweep` names it by what varies)."""
+    return out / f"seed-{seed}" / f"preset={'None' if preset == 'default' else preset}_seed={seed}"
+
+
+def recipe(args: argparse.Namespace) -> Path:
+    """The recipe as the sweeps run it: `--trainer-threads` the one change (a sweep is trainer-bound; the
+    engine's core idles meanwhile)."""
+    import yaml
+
+    data = yaml.safe_load(args.recipe.read_text())
+    data["model"] = str((ROOT / data["model"]).resolve())
+    data["trainer"]["threads"] = args.trainer_threads
+    path = args.out / "recipe.yaml"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
 
 
 def train_seed(args: argparse.Namespace, seed: int) -> Path:
     out = args.out / f"seed-{seed}"
     presets = ",".join("null" if p == "default" else p for p in args.presets)
-    if all((out / run_name(p) / "metrics.jsonl").is_file() and
-           len((out / run_name(p) / "metrics.jsonl").read_text().splitlines()) >= args.steps for p in args.presets):
+    done = [run_dir(args.out, p, seed) / "metrics.jsonl" for p in args.presets]
+    if all(f.is_file() and len(f.read_text().splitlines()) >= args.steps for f in done):
         return out
-    cmd = [*ORBIT, "sweep", str(args.recipe), "--vary", f"algorithm.preset={presets}", "--vary", f"seed={seed}",
+    cmd = [*ORBIT, "sweep", str(recipe(args)), "--vary", f"algorithm.preset={presets}", "--vary", f"seed={seed}",
            "--steps", str(args.steps), "--out", str(out), "--quiet"]
     if out.exists():
         cmd.append("--resume")
@@ -76,9 +95,9 @@ def summarise(args: argparse.Namespace) -> dict:
     base = []
     for seed in args.seeds:
         for preset in args.presets:
-            run_dir = args.out / f"seed-{seed}" / run_name(preset)
-            metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            report = evaluate(run_dir, args.n)
+            where = run_dir(args.out, preset, seed)
+            metrics = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+            report = evaluate(where, args.n)
             base.append(report["results"]["base"]["accuracy"])
             rows[preset].append({
                 "seed": seed, "accuracy": report["results"]["trained"]["accuracy"],
@@ -142,6 +161,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("runs/algorithms"))
+    parser.add_argument("--trainer-threads", type=int, default=2)
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]

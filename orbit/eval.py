@@ -29,7 +29,7 @@ from orbit.preflight import check_task
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.groups import score as score_sample
 from orbit.tasks import FAILURE_MODES, close_task, make_task
-from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
+from orbit.tasks.base import Prompt, Score, Task, TaskError, is_agent, is_multi_turn
 
 DEFAULT_N = 200
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -97,13 +97,38 @@ def summarize(scores: list, episodes: list[Episode], seconds: float = 0.0) -> Ev
     )
 
 
+def run_agents(engine: Engine, task: Task, prompts: list[Prompt], sampling: SamplingParams, slot,
+               max_context: int | None, timeout_s: float) -> tuple[list, list]:
+    """An agent task's episodes, all at once, through an endpoint over `engine`; a lost episode scores 0."""
+    from orbit.agents import AgentRunner, Endpoint, EpisodeFailed
+
+    def submit(ids, s, episode_slot, _engine):
+        return engine.generate(ids, s, slot=episode_slot)
+
+    episodes, scores = [], []
+    with Endpoint(task.tokenizer, submit, model="orbit-eval", max_context=max_context) as endpoint:
+        runner = AgentRunner(endpoint, task, sampling, timeout_s)
+        for fut in [runner.start(p, None, slot) for p in prompts]:
+            try:
+                done = fut.result()
+                episodes.append(done)
+                scores.append(done.score)
+            except EpisodeFailed as err:
+                episodes.append(Episode([]))
+                scores.append(Score(0.0, {"correct": False, "failure_mode": "lost", "error": str(err)[:2000]}))
+    return episodes, scores
+
+
 def evaluate(engine: Engine, task: Task, prompts: list[Prompt], slot, max_new_tokens: int,
-             max_context: int | None = None) -> tuple[EvalSummary, list[dict]]:
+             max_context: int | None = None, timeout_s: float = 300.0) -> tuple[EvalSummary, list[dict]]:
     """Greedy episodes on one slot (None = base), scored; the summary and one record per prompt."""
     t0 = time.time()
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    episodes = run_episodes(engine, task, prompts, sampling, slot, max_context)
-    scores = [score_sample(task, p, e.output_ids) for p, e in zip(prompts, episodes, strict=True)]
+    if is_agent(task):
+        episodes, scores = run_agents(engine, task, prompts, sampling, slot, max_context, timeout_s)
+    else:
+        episodes = run_episodes(engine, task, prompts, sampling, slot, max_context)
+        scores = [score_sample(task, p, e.output_ids) for p, e in zip(prompts, episodes, strict=True)]
     tokenizer = getattr(task, "tokenizer", None)
     records = []
     for p, e, s in zip(prompts, episodes, scores, strict=True):

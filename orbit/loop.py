@@ -88,7 +88,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     version = p.trainer.version
     before = p.pool.stats()
     c = p.pipeline.counts
-    counts = (c.resubmitted, c.aborted_tokens, c.filtered)
+    counts = (c.resubmitted, c.aborted_tokens, c.filtered, c.episodes_lost)
     signal = p.signal or Signal(AlgorithmConfig(), 1)
 
     # 1. Rollouts: a batch of complete groups, fresh enough for this version.
@@ -145,7 +145,7 @@ def save_checkpoint(p: LoopParts) -> None:
 def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch: Batch,
              samples: list[Sample],
              result: StepResult, pushed: PushResult, before: EngineStats, after: EngineStats,
-             counts: tuple[int, int, int], signal: Signal) -> StepMetrics:
+             counts: tuple[int, int, int, int], signal: Signal) -> StepMetrics:
     step_s = time.time() - t_step
     tokens = after.tokens_generated - before.tokens_generated
     engines = len(p.pool.members)  # the per-engine figures divide by all of them
@@ -195,6 +195,7 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         entropy=_finite(result.entropy),
         zero_variance_frac=silent / (len(batch.groups) + filtered),
         groups_filtered=filtered,
+        episodes_lost=p.pipeline.counts.episodes_lost - counts[3],
         truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
         masked_frac=result.masked_frac,
         lr=result.lr,

@@ -65,6 +65,7 @@ class StepMetrics:
     entropy: float | None = None  # mean entropy of the sampling distribution over the trained tokens
     zero_variance_frac: float = 0.0  # share of the step's groups (trained and filtered) whose rewards were all equal
     groups_filtered: int = 0  # groups dynamic sampling dropped in the step (not waste: they carried no signal)
+    episodes_lost: int = 0  # agent episodes lost in the step (the agent raised, hung, or gave no number)
     truncated_frac: float = 0.0  # share of the batch's samples cut by max_new_tokens
     masked_frac: float = 0.0  # share of trained tokens the algorithm's mask band dropped
     lr: float = 0.0  # the learning rate of the step's last optimizer step

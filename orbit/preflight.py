@@ -133,6 +133,18 @@ def check_task(task: TaskConfig) -> None:
     try:
         if not task.is_builtin:
             resolve_factory(task.name)
+        if task.name == "agent":  # its entry imports and is async, its data loads (no model needed)
+            from orbit.tasks.agent import AgentTask
+
+            key = "data"
+            try:
+                AgentTask(None, **task.options())
+            except TaskLoadError as err:
+                raise RecipeError(f"task.entry: {err}") from None
+            except DatasetError:
+                raise
+            except ValueError as err:
+                raise RecipeError(str(err)) from None
         if task.name in ("jsonl", "math"):
             for key in ("path", "eval_path"):
                 path = task.path if key == "path" else task.eval_path

@@ -23,6 +23,7 @@ from typing import Protocol
 from rich.console import Console
 
 from orbit import interrupts
+from orbit.agents import AgentRunner, Endpoint
 from orbit.config import EngineConfig, Recipe, RecipeError, dump_recipe
 from orbit.devices import colocate
 from orbit.engine import EngineStarter, SlowEngine, start_pool
@@ -39,7 +40,7 @@ from orbit.rollout.groups import Signal
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
 from orbit.rollout.producer import Producer
 from orbit.run_dir import drop_lines_after, left, prepare_run_dir, saved_line, undo_start, warner
-from orbit.tasks import TaskError, close_task, make_task
+from orbit.tasks import TaskError, close_task, is_agent, make_task
 from orbit.tracking import Trackers, open_trackers
 from orbit.train import checkpoint
 from orbit.train.checkpoint import CheckpointError
@@ -73,6 +74,7 @@ class StartedRun:
     push: FleetPush | None = None
     revival: Revival | None = None
     producer: Producer | None = None
+    endpoint: Endpoint | None = None  # an agent task's (orbit/agents)
     parts: LoopParts | None = None
     start_version: int = 0
     trackers: Trackers | None = None
@@ -248,10 +250,17 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
             drop_after=None if serial else recipe.max_staleness, replenish=recipe.rollout.replenish,
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
             start_version=trainer.version, keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
-            filter_limit=recipe.algorithm.filter_limit)
-        run.producer = producer = Producer(pipeline, pool, task, sampling_params(recipe.rollout, stop_ids),
-                                           recipe.seed, timeline=run.timeline,
-                                           max_attempts=recipe.rollout.max_attempts, adapter=name)
+            filter_limit=recipe.algorithm.filter_limit, max_lost_frac=recipe.rollout.max_lost_frac)
+        sampling = sampling_params(recipe.rollout, stop_ids)
+        agents = None
+        if is_agent(task):  # its episodes call the endpoint, which generates through the pool
+            run.endpoint = agent_endpoint(recipe, tokenizer, pool, pipeline)
+            agents = AgentRunner(run.endpoint, task, sampling, recipe.rollout.episode_timeout_s)
+        run.producer = producer = Producer(pipeline, pool, task, sampling, recipe.seed, timeline=run.timeline,
+                                           max_attempts=recipe.rollout.max_attempts, adapter=name, agents=agents,
+                                           on_lost=warner(console, run_dir, prefix))
+        if run.endpoint is not None:
+            run.endpoint.on_completion = producer.record
         if not serial:
             pipeline.grant((recipe.trainer.steps - trainer.version) * batch_groups)
         producer.start()
@@ -270,6 +279,16 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         trackers=run.trackers, label=prefix, signal=signal,
     )
     return run
+
+
+def agent_endpoint(recipe: Recipe, tokenizer, pool: EnginePool, pipeline: Pipeline) -> Endpoint:
+    """The OpenAI-compatible endpoint an agent task's episodes call, in front of the run's pool."""
+    def submit(ids, sampling, slot, engine):
+        return pool.generate(ids, sampling, slot=slot, engine=engine)
+
+    return Endpoint(tokenizer, submit, model=Path(recipe.model).name, max_context=pool.info.max_context,
+                    max_attempts=recipe.rollout.max_attempts,
+                    on_aborted=lambda tokens: pipeline.count(aborted_tokens=tokens)).start()
 
 
 def _resume(trainer: Trainer, run_dir: Path, console: Console) -> dict:
@@ -351,6 +370,9 @@ def shut_down(run: StartedRun) -> None:
         run.producer = None
     if run.push is not None:
         run.push.stop()
+    if run.endpoint is not None:  # before the engines: no call is left waiting on one
+        run.endpoint.stop()
+        run.endpoint = None
     pool, run.pool = run.pool, None
     if pool is not None:
         try:

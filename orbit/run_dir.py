@@ -48,10 +48,12 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
 
 
 def warner(console: Console, run_dir: Path, prefix: str = "") -> Callable[[str], None]:
-    """Warnings (an engine leaving the pool): on the console (after `prefix`: a sweep's run) and in
-    RUN_DIR/run.log."""
+    """Warnings (an engine leaving the pool, an agent episode lost): on the console (after `prefix`: a sweep's
+    run) its first line, and in RUN_DIR/run.log the whole of it (a traceback)."""
     def warn(message: str) -> None:
-        console.print(f"[bold yellow]WARNING[/] {prefix}{message}", highlight=False)
+        first, _, rest = message.partition("\n")
+        more = " (the traceback is in run.log)" if rest else ""
+        console.print(f"[bold yellow]WARNING[/] {prefix}{first}{more}", highlight=False)
         with (run_dir / "run.log").open("a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING {message}\n")
     return warn

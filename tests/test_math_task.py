@@ -83,7 +83,7 @@ def test_a_check_is_bounded_in_time():
     checker = MathChecker(timeout_s=3)
     try:
         assert checker.check("7", "7").correct  # started
-        os.kill(checker._proc.pid, signal.SIGSTOP)  # stuck in a check, as sympy can get
+        os.kill(checker._worker._proc.pid, signal.SIGSTOP)  # stuck in a check, as sympy can get
         t0 = time.monotonic()
         verdict = checker.check("The answer is 7", "7")
         assert verdict.timed_out and not verdict.correct and time.monotonic() - t0 < 5

@@ -24,8 +24,9 @@ from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, r
 
 from orbit.config import AdapterConfig, RecipeError, TrainerConfig
 from orbit.engine.base import EngineError, SamplingParams
-from orbit.engine.sglang.server import free_port, stop_group
+from orbit.engine.sglang.server import stop_group
 from orbit.engine.sglang_cpu import ENV_FLAG, SHIM_DIR
+from orbit.net import free_port
 from orbit.run import train
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]  # skips without sglang, fails in CI (tests/sglang_gate.py)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orbit import rl
+from orbit.agents.runner import AgentEpisode
 from orbit.rl import AlgorithmConfig
 from orbit.rollout.sample import Sample
 from orbit.tasks.base import Prompt, Task, TaskError
@@ -51,12 +52,13 @@ def score(task: Task, prompt: Prompt, output_ids: list[int]):
 
 
 def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) -> Group:
-    """Score each completion. A completion is an engine `Completion` (single turn) or a multi-turn
-    `Episode`, whose `loss_mask` marks the injected tool tokens (0) that the loss must skip."""
-    scores = [score(task, prompt, c.output_ids) for c in completions]
+    """Score each completion. A completion is an engine `Completion` (single turn), a multi-turn `Episode`,
+    or an agent's episode (orbit/agents), which carries its agent's score; the last two have a `loss_mask`
+    marking the tokens the loss must skip (tool results, user turns)."""
+    scores = [c.score if isinstance(c, AgentEpisode) else score(task, prompt, c.output_ids) for c in completions]
     samples = [
         Sample(
-            prompt_ids=list(prompt.prompt_ids),
+            prompt_ids=list(c.prompt_ids),
             output_ids=list(c.output_ids),
             behaviour_logprobs=list(c.logprobs),
             reward=s.reward,

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
+from orbit.agents.runner import AgentRunner, EpisodeFailed
 from orbit.engine.base import ACTIVE, Completion, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.metrics import Timeline
@@ -23,11 +25,16 @@ from orbit.rollout.groups import build_group
 from orbit.rollout.pipeline import InFlight, Pipeline, RolloutError
 from orbit.tasks.base import Prompt, Task, TaskError, is_multi_turn
 
+LOST = object()  # an agent episode that failed: left out of its group
+
 
 class Producer:
     def __init__(self, pipeline: Pipeline, pool: EnginePool, task: Task, sampling: SamplingParams, seed: int,
-                 timeline: Timeline | None = None, max_attempts: int = 8, adapter: str | None = None) -> None:
+                 timeline: Timeline | None = None, max_attempts: int = 8, adapter: str | None = None,
+                 agents: AgentRunner | None = None, on_lost: Callable[[str], None] | None = None) -> None:
+        """`agents`: an agent task's episodes run there (orbit/agents); `on_lost`: told of each lost episode."""
         self.pipeline, self.pool, self.task, self.seed, self.timeline = pipeline, pool, task, seed, timeline
+        self.agents, self.on_lost = agents, on_lost
         self.sampling = with_task_stops(sampling, task)  # + the task's own (a tool call's end)
         self.multi_turn = is_multi_turn(task)
         self.max_attempts = max_attempts
@@ -82,8 +89,14 @@ class Producer:
             raise TaskError(f"task {self.task.name!r}: prompts() failed: {type(err).__name__}: {err}") from err
 
     def _submit(self, gid: int, idx: int, group: InFlight) -> None:
-        """Sample `idx` of a group (its next turn, multi-turn) on the group's engine: the prompt's prefix
-        cache (an episode's context) is there. The pool reroutes if that engine is gone."""
+        """Sample `idx` of a group (its next turn, multi-turn; an agent's whole episode) on the group's engine:
+        the prompt's prefix cache (an episode's context) is there. The pool reroutes if that engine is gone."""
+        if self.agents is not None:
+            name = f"s{self.seed}-g{gid}-{idx}-{group.attempts[idx]}"
+            fut = self.agents.start(group.prompt, group.engine, ACTIVE, name)
+            self.pipeline.submitted()
+            fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
+            return
         if group.episodes is None:
             context, key = list(group.prompt.prompt_ids), (self.seed, gid, idx, group.attempts[idx])
         else:  # the next turn of a multi-turn episode: prompt + everything so far
@@ -97,9 +110,16 @@ class Producer:
 
     def _on_done(self, gid: int, idx: int, fut: Future) -> None:
         self.pipeline.answered()
-        completion: Completion = fut.result()  # an engine error propagates to the trainer
-        self._record(completion)
+        try:
+            completion: Completion = fut.result()  # an engine error propagates to the trainer
+        except EpisodeFailed as err:
+            self._lost(gid, idx, err)
+            return
         group = self.pipeline.in_flight[gid]
+        if self.agents is not None:  # its calls were recorded as they were answered
+            self._done(gid, idx, group, completion)
+            return
+        self.record(completion)
         group.engine = completion.engine  # where it ran (the pool may have moved it off a dead engine)
         if completion.finish_reason == "abort":
             self.pipeline.count(aborted_tokens=len(completion.output_ids))
@@ -113,9 +133,27 @@ class Producer:
                 self._submit(gid, idx, group)
                 return
             completion = episode
+        self._done(gid, idx, group, completion)
+
+    def _done(self, gid: int, idx: int, group: InFlight, completion) -> None:
+        if self.agents is not None:
+            self.pipeline.count(episodes_ended=1)
         group.completions[idx] = completion
-        if all(c is not None for c in group.completions):
-            self.pipeline.complete(gid, build_group(self.task, group.prompt, group.completions, gid))
+        if any(c is None for c in group.completions):
+            return
+        kept = [c for c in group.completions if c is not LOST]
+        if kept:
+            self.pipeline.complete(gid, build_group(self.task, group.prompt, kept, gid))
+        else:  # every episode of the group was lost: another prompt's group takes its place
+            self.pipeline.drop(gid)
+
+    def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
+        """An agent episode that failed: counted, told, and left out of its group; the run goes on."""
+        group = self.pipeline.in_flight[gid]
+        self.pipeline.count(episodes_lost=1, why=str(err))
+        if self.on_lost is not None:
+            self.on_lost(f"episode {idx} of group {gid} (prompt {group.prompt.id!r}) was lost: {err}")
+        self._done(gid, idx, group, LOST)
 
     def _retry(self, gid: int, idx: int, group: InFlight, completion: Completion) -> None:
         """The engine aborted the sample (a pause in abort mode, its slot overwritten): regenerate it
@@ -132,7 +170,8 @@ class Producer:
         self.pipeline.count(resubmitted=1)
         self._submit(gid, idx, group)
 
-    def _record(self, c: Completion) -> None:
+    def record(self, c: Completion) -> None:
+        """A finished request as a timeline event (an agent's calls come here from the endpoint)."""
         if self.timeline is not None:
             self.timeline.event(
                 "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from orbit.config import RecipeError, TaskConfig
+from orbit.tasks.agent import AgentTask
 from orbit.tasks.arith import ArithTask
 from orbit.tasks.base import (
     FAILURE_MODES,
@@ -16,9 +17,11 @@ from orbit.tasks.base import (
     TaskError,
     check_task,
     close_task,
+    is_agent,
     is_multi_turn,
     task_stop_ids,
 )
+from orbit.tasks.gym import GymTask
 from orbit.tasks.jsonl import DatasetError, JsonlTask
 from orbit.tasks.loader import TaskLoadError, resolve_factory
 from orbit.tasks.math import MathTask
@@ -27,10 +30,11 @@ from orbit.tasks.zorplex import ZorplexTask
 
 __all__ = [
     "FAILURE_MODES", "MultiTurnTask", "Prompt", "Score", "Segment", "Task", "TaskError", "close_task",
-    "is_multi_turn", "make_task", "task_stop_ids",
+    "is_agent", "is_multi_turn", "make_task", "task_stop_ids",
 ]
 
-BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask, "math": MathTask}
+BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask, "math": MathTask,
+            "agent": AgentTask, "reasoning-gym": GymTask}
 
 
 def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
@@ -47,9 +51,9 @@ def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
             except Exception as err:  # noqa: BLE001 - the user's factory failed: say so, with its message
                 raise RecipeError(f"{where}: the factory raised {type(err).__name__}: {err}") from err
     except TaskLoadError as err:
-        raise RecipeError(f"task.name: {err}") from None
+        raise RecipeError(f"task.{'entry' if cfg.name == 'agent' else 'name'}: {err}") from None
     except DatasetError as err:
-        raise RecipeError(f"task.path: {err}") from None
+        raise RecipeError(f"task.{'data' if cfg.name == 'agent' else 'path'}: {err}") from None
     except ValueError as err:
         if isinstance(err, RecipeError):
             raise

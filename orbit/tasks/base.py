@@ -82,6 +82,11 @@ def is_multi_turn(task: object) -> bool:
     return callable(getattr(task, "next_turn", None))
 
 
+def is_agent(task: object) -> bool:
+    """An agent task (orbit/tasks/agent.py): its episodes are the user's agent code, run, not generated."""
+    return getattr(task, "agent", False) is True
+
+
 def task_stop_ids(task: object) -> tuple[int, ...]:
     return tuple(int(t) for t in getattr(task, "stop_token_ids", ()) or ())
 

@@ -43,6 +43,7 @@ from orbit.engine.sglang.local import remove, sglang_shm_files
 from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import ModelSpec, checkpoint_file_of, read_spec
+from orbit.net import free_port
 
 START_TIMEOUT_S = 600.0
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -134,12 +135,6 @@ def _kill(proc) -> None:
 LAUNCH = Path(__file__).with_name("launch.py")
 KEY_ENV = "ORBIT_SGLANG_API_KEY"
 PARENT_ENV = "ORBIT_PARENT_PID"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_args(model: Path, opts: SGLangOptions, spec: ModelSpec, port: int, mem_fraction: float | None,
