@@ -114,13 +114,33 @@ def train(
     engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
     resume: Path | None = typer.Option(None, help="continue the run in this directory"),
     quiet: bool = typer.Option(False, help="no live view"),
+    watch: bool = typer.Option(False, help="serve the run's live page (its address is printed)"),
+    port: int | None = typer.Option(None, help="the live page's port (default: a free one)"),
 ) -> None:
     """Train an adapter with RL: `orbit train recipes/tiny.yaml --mode double-buffer`."""
     with _run_errors("the run"):
-        _train(recipe, mode, steps, out, engine, resume, quiet)
+        _train(recipe, mode, steps, out, engine, resume, quiet, watch, port)
 
 
-def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
+@app.command()
+def watch(
+    directory: Path = typer.Argument(..., help="a run directory, or a sweep's"),
+    port: int | None = typer.Option(None, help="the page's port (default: a free one)"),
+    host: str = typer.Option("127.0.0.1", help="the address to listen on (this machine only unless set)"),
+) -> None:
+    """Serve the live page of a run going or finished (or of every run of a sweep) until Ctrl-C."""
+    from orbit.pages.live import serve
+
+    if not directory.is_dir():
+        _fail(f"not a directory: {directory}")
+    try:
+        serve(directory, host, port, console)
+    except OSError as err:
+        _fail(f"the live page did not start: {err}")
+
+
+def _train(recipe: Path, mode, steps, out, engine, resume, quiet, watch: bool = False,
+           port: int | None = None) -> None:
     from orbit.run import train as run_train
 
     overrides = {
@@ -141,7 +161,11 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet) -> None:
         if ended.line:
             _fail(ended.line, code=ended.code)
         raise typer.Exit(ended.code)
-    result = run_train(checked, resume=resume is not None, live=not quiet and sys.stdout.isatty(), console=console)
+    from orbit.pages.live import watching
+
+    with watching(Path(checked.recipe.out), watch, port, console):
+        result = run_train(checked, resume=resume is not None, live=not quiet and sys.stdout.isatty(),
+                           console=console)
     if result.leader:
         console.print(f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
                       f"(metrics.jsonl, timeline.jsonl, adapter/)")
@@ -156,14 +180,17 @@ def sweep(
     engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
     resume: bool = typer.Option(False, help="continue the sweep in its directory, each run from its checkpoint"),
     quiet: bool = typer.Option(False, help="no live table"),
+    watch: bool = typer.Option(False, help="serve the sweep's live page (its address is printed)"),
+    port: int | None = typer.Option(None, help="the live page's port (default: a free one)"),
 ) -> None:
     """Train several adapters at once on one base and one set of engines:
     `orbit sweep recipes/tiny.yaml --vary trainer.lr=1e-4,3e-4,1e-3`."""
     with _run_errors("the sweep"):
-        _sweep(recipe, vary, steps, out, engine, resume, quiet)
+        _sweep(recipe, vary, steps, out, engine, resume, quiet, watch, port)
 
 
-def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quiet: bool) -> None:
+def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quiet: bool, watch: bool = False,
+           port: int | None = None) -> None:
     from orbit.sweep.plan import plan_sweep, preflight_sweep
     from orbit.sweep.run import sweep as run_sweep
 
@@ -175,7 +202,10 @@ def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quie
         _fail(f"bad sweep {recipe}:\n{err}")
     for note in notes:
         console.print(note, highlight=False)
-    result = run_sweep(plan, resume=resume, live=not quiet and sys.stdout.isatty(), console=console)
+    from orbit.pages.live import watching
+
+    with watching(plan.out, watch, port, console, runs={p.name: p.run_dir for p in plan.runs}):
+        result = run_sweep(plan, resume=resume, live=not quiet and sys.stdout.isatty(), console=console)
     again = f"continue with `orbit sweep {' '.join(sys.argv[2:])}{'' if resume else ' --resume'}`"
     if result.interrupted:
         _interrupted(f"interrupted: every run that was training saved its last step; {again}")

@@ -102,8 +102,8 @@ def run_agents(engine: Engine, task: Task, prompts: list[Prompt], sampling: Samp
     """An agent task's episodes, all at once, through an endpoint over `engine`; a lost episode scores 0."""
     from orbit.agents import AgentRunner, Endpoint, EpisodeFailed
 
-    def submit(ids, s, episode_slot, _engine):
-        return engine.generate(ids, s, slot=episode_slot)
+    def submit(ids, s, episode_slot, _engine, meta):
+        return engine.generate(ids, s, slot=episode_slot, meta=meta)
 
     episodes, scores = [], []
     with Endpoint(task.tokenizer, submit, model="orbit-eval", max_context=max_context) as endpoint:

@@ -11,3 +11,61 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class ThreadServer:
+    """An ASGI app (FastAPI) served by uvicorn on a thread of this process: the episode endpoint, the live page.
+    `start` returns once it listens, or raises OSError saying why not (a port taken)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, name: str = "orbit-server") -> None:
+        self.app, self.host, self.name = app, host, name
+        self.port = port or free_port(host)
+        self._server = None
+        self._thread = None
+
+    def start(self, timeout_s: float = 30.0) -> ThreadServer:
+        import threading
+        import time
+
+        import uvicorn
+
+        with socket.socket() as probe:  # uvicorn would log a taken port and exit(3): say why here instead
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.host, self.port))
+            except OSError as err:
+                raise OSError(f"{self.name} cannot listen on {self.host}:{self.port}: {err.strerror}") from None
+
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="critical", access_log=False,
+                                lifespan="off")
+        self._server = uvicorn.Server(config)
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._server.run()
+            except BaseException as err:  # noqa: BLE001 - said by start(), not printed from a thread
+                failed.append(err)
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                why = f": {failed[0]}" if failed else " (is the port taken?)"
+                raise OSError(f"{self.name} could not listen on {self.host}:{self.port}{why}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise OSError(f"{self.name} did not start on {self.host}:{self.port} within {timeout_s:g} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"

@@ -283,8 +283,8 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
 
 def agent_endpoint(recipe: Recipe, tokenizer, pool: EnginePool, pipeline: Pipeline) -> Endpoint:
     """The OpenAI-compatible endpoint an agent task's episodes call, in front of the run's pool."""
-    def submit(ids, sampling, slot, engine):
-        return pool.generate(ids, sampling, slot=slot, engine=engine)
+    def submit(ids, sampling, slot, engine, meta):
+        return pool.generate(ids, sampling, slot=slot, engine=engine, meta=meta)
 
     return Endpoint(tokenizer, submit, model=Path(recipe.model).name, max_context=pool.info.max_context,
                     max_attempts=recipe.rollout.max_attempts,

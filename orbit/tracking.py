@@ -29,9 +29,10 @@ TRACKERS = {
 }
 INSTALL_BOTH = "pip install -c constraints.txt -e '.[track]'"
 START_HINTS = {"wandb": " (log in with `wandb login`, or set WANDB_MODE=offline to log to RUN_DIR/wandb only)"}
-SAMPLES_PER_STEP = 4  # a few to read, not a dump: every step writes them
-SAMPLE_COLUMNS = ("step", "version", "group", "prompt", "completion", "reward", "failure_mode", "correct",
-                  "format_ok")
+SAMPLES_PER_STEP = 16  # a few to read, not a dump: every step writes them
+GROUPS_PER_STEP = 2  # whole GRPO groups, side by side on the live page (orbit/pages)
+SAMPLE_COLUMNS = ("step", "version", "group", "prompt", "completion", "reward", "advantage", "failure_mode",
+                  "correct", "format_ok")
 
 
 def tracker_problem(name: str) -> str | None:
@@ -60,23 +61,26 @@ def scalars(row: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def pick(samples: list[Sample], n: int = SAMPLES_PER_STEP) -> list[Sample]:
-    """Up to n samples, one per group first: different prompts say more than one prompt's siblings."""
-    seen: dict[int, int] = {}
-    ranked = []
-    for i, s in enumerate(samples):
-        seen[s.group_id] = seen.get(s.group_id, -1) + 1
-        ranked.append((seen[s.group_id], i))
-    return [samples[i] for _, i in sorted(ranked)[:n]]
+def pick(samples: list[Sample], groups: int = GROUPS_PER_STEP, n: int = SAMPLES_PER_STEP) -> list[Sample]:
+    """The samples of the step's first `groups` groups, whole (a group's completions are read side by side:
+    their rewards and advantages say why each is pushed up or down), at most `n`."""
+    chosen = list(dict.fromkeys(s.group_id for s in samples))[:groups]
+    return [s for s in samples if s.group_id in chosen][:n]
 
 
 def sample_row(step: int, s: Sample, tokenizer) -> dict:
     """One samples.jsonl line. Special tokens are kept: an eos or a task's tag tokens are part of
     what the model wrote."""
-    row = {"step": step, "version": s.version_start, "group": s.group_id,
+    row = {"step": step, "version": s.version_start, "version_end": s.version_end, "group": s.group_id,
            "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False),
            "completion": tokenizer.decode(s.output_ids, skip_special_tokens=False),
-           "reward": s.reward, "failure_mode": s.info.get("failure_mode")}
+           "reward": s.reward, "advantage": s.advantage, "failure_mode": s.info.get("failure_mode"),
+           # token by token, for the live page: the text, whether it is trained, and |engine - trainer| logprob
+           "tokens": [tokenizer.decode([t], skip_special_tokens=False) for t in s.output_ids],
+           "trained": [int(m) for m in s.loss_mask],
+           "logprob_diff": None if s.trainer_logprobs is None else
+           [round(abs(a - b), 7) if m else None for a, b, m in
+            zip(s.trainer_logprobs, s.behaviour_logprobs, s.loss_mask, strict=False)]}
     for key in ("correct", "format_ok"):
         if s.info.get(key) is not None:
             row[key] = s.info[key]

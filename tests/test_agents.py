@@ -42,7 +42,7 @@ class Script:
     def __init__(self, replies: list[list[int]]) -> None:
         self.replies, self.prompts = list(replies), []
 
-    def __call__(self, prompt_ids, sampling, slot, engine) -> Future:
+    def __call__(self, prompt_ids, sampling, slot, engine, meta) -> Future:
         self.prompts.append(list(prompt_ids))
         out = self.replies.pop(0)
         fut: Future = Future()
@@ -258,7 +258,7 @@ def test_a_lost_episode_is_counted_and_its_group_goes_on(chat_model):
     from orbit.tasks.agent import AgentTask
 
     tok = AutoTokenizer.from_pretrained(chat_model)
-    ids = tok("yes yes", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = tok("yes", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     task = AgentTask(tok, f"{ROOT}/tests/agents.py:yes", str(ROOT / "tests/data/questions.jsonl"))
     with _endpoint(tok, Script([ids, ids, ids, ids])) as endpoint:
         runner = AgentRunner(endpoint, task, SamplingParams(max_new_tokens=8), timeout_s=5)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 import uuid
 import zlib
 from collections.abc import Callable
@@ -29,10 +28,9 @@ from concurrent.futures import Future
 from orbit.agents.chat import ChatError, Renderer, normal
 from orbit.agents.record import EpisodeRecord, Turn
 from orbit.engine.base import Completion, SamplingParams
-from orbit.net import free_port
+from orbit.net import ThreadServer
 
-Submit = Callable[[list[int], SamplingParams, object, "int | None"], Future]
-_START_S = 30.0
+Submit = Callable[[list[int], SamplingParams, object, "int | None", dict], Future]
 
 
 class EndpointError(RuntimeError):
@@ -51,36 +49,24 @@ class Endpoint:
         self.on_completion, self.on_aborted = on_completion, on_aborted
         self._episodes: dict[str, EpisodeRecord] = {}
         self._lock = threading.Lock()
-        self._server = None
-        self._thread: threading.Thread | None = None
+        self._server: ThreadServer | None = None
         self.port = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self, port: int | None = None) -> Endpoint:
-        import uvicorn
-
         from orbit.agents.routes import app_for
 
-        self.port = port or free_port(self.host)
-        config = uvicorn.Config(app_for(self), host=self.host, port=self.port, log_level="warning",
-                                access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="orbit-endpoint", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + _START_S
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise EndpointError(f"the episode endpoint did not start on {self.host}:{self.port} within "
-                                    f"{_START_S:g} s (port taken?)")
-            time.sleep(0.02)
+        try:
+            self._server = ThreadServer(app_for(self), self.host, port, name="orbit-endpoint").start()
+        except OSError as err:
+            raise EndpointError(f"the episode endpoint did not start: {err}") from None
+        self.port = self._server.port
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._server.stop()
 
     def __enter__(self) -> Endpoint:
         return self.start()
@@ -98,10 +84,11 @@ class Endpoint:
 
     # ---- episodes --------------------------------------------------------------------------------
 
-    def open(self, engine: int | None, slot: object, sampling: SamplingParams, episode: str | None = None) -> str:
+    def open(self, engine: int | None, slot: object, sampling: SamplingParams, episode: str | None = None,
+             meta: dict | None = None) -> str:
         eid = episode or uuid.uuid4().hex[:16]
         with self._lock:
-            self._episodes[eid] = EpisodeRecord(eid, engine, slot, sampling)
+            self._episodes[eid] = EpisodeRecord(eid, engine, slot, sampling, meta=dict(meta or {}))
         return eid
 
     def close(self, episode: str) -> EpisodeRecord:
@@ -147,7 +134,7 @@ class Endpoint:
         for attempt in range(self.max_attempts):
             key = f"{record.id}/{call}/{choice}/{attempt}".encode()  # the same seed in every run (no str hash)
             seeded = dataclasses.replace(sampling, seed=zlib.crc32(key) & 0x7FFFFFFF)
-            fut = self.submit(prompt_ids, seeded, record.slot, record.engine)
+            fut = self.submit(prompt_ids, seeded, record.slot, record.engine, record.meta)
             completion: Completion = await asyncio.wrap_future(fut)
             record.engine = completion.engine  # the pool may have moved it off a dead engine
             if self.on_completion is not None:

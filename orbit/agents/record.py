@@ -45,6 +45,7 @@ class EpisodeRecord:
     engine: int | None  # the engine its group runs on (a group stays on one engine)
     slot: object  # ACTIVE while training; a fixed slot (None: the base) in `orbit eval`
     sampling: SamplingParams  # the recipe's: the trainer scores with these
+    meta: dict = field(default_factory=dict)  # goes with every request (its group, for the timeline)
     turns: list[Turn] = field(default_factory=list)
     calls: int = 0
     forks: list[str] = field(default_factory=list)  # why each fork happened

@@ -42,9 +42,10 @@ class AgentRunner:
         self.endpoint, self.task, self.sampling, self.timeout_s = endpoint, task, sampling, timeout_s
 
     def start(self, prompt: Prompt, engine: int | None, slot: object, name: str | None = None,
-              sampling: SamplingParams | None = None) -> Future:
-        """Run one episode of `prompt` on `engine` and `slot`; a Future of its AgentEpisode."""
-        episode = self.endpoint.open(engine, slot, sampling or self.sampling, name)
+              sampling: SamplingParams | None = None, meta: dict | None = None) -> Future:
+        """Run one episode of `prompt` on `engine` and `slot`; a Future of its AgentEpisode. `meta` goes with
+        every request of the episode (its group, for the timeline)."""
+        episode = self.endpoint.open(engine, slot, sampling or self.sampling, name, meta)
         fut: Future = Future()
         thread = threading.Thread(target=self._run, args=(episode, prompt, fut), name=f"orbit-agent-{episode}",
                                   daemon=True)

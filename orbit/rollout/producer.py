@@ -93,7 +93,7 @@ class Producer:
         the prompt's prefix cache (an episode's context) is there. The pool reroutes if that engine is gone."""
         if self.agents is not None:
             name = f"s{self.seed}-g{gid}-{idx}-{group.attempts[idx]}"
-            fut = self.agents.start(group.prompt, group.engine, ACTIVE, name)
+            fut = self.agents.start(group.prompt, group.engine, ACTIVE, name, meta={"group": gid})
             self.pipeline.submitted()
             fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
             return
@@ -104,7 +104,7 @@ class Producer:
             context, key = episode.context(), (self.seed, gid, idx, group.attempts[idx], episode.turns)
         # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every run.
         sampling = dataclasses.replace(self.sampling, seed=hash(key) & 0x7FFFFFFF)
-        fut: Future = self.pool.generate(context, sampling, slot=ACTIVE, engine=group.engine)
+        fut: Future = self.pool.generate(context, sampling, slot=ACTIVE, engine=group.engine, meta={"group": gid})
         self.pipeline.submitted()
         fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
 
@@ -176,5 +176,5 @@ class Producer:
             self.timeline.event(
                 "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,
                 slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
-                **({"adapter": self.adapter} if self.adapter else {}),
+                group=(c.meta or {}).get("group"), **({"adapter": self.adapter} if self.adapter else {}),
             )

@@ -27,6 +27,7 @@ class Sample:
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
     left_out: bool = False  # generated but not trained on (algorithm.overlong: mask of a cut completion)
+    trainer_logprobs: list[float] | None = None  # the trainer's, where it measured them (the live page's diffs)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

@@ -42,6 +42,13 @@ SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weight
 RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
 
 
+def _keep(samples: list[Sample], logp: Tensor) -> None:
+    """Each sample's trainer logprobs, as measured against the engine's (samples.jsonl shows where they differ)."""
+    rows = logp.detach().cpu()
+    for row, s in enumerate(samples):
+        s.trainer_logprobs = rows[row, : len(s.output_ids)].tolist()
+
+
 def recipe_trainer(recipe: Recipe, ranks: Ranks | None = None, shared: SharedBase | None = None,
                    name: str = DEFAULT_ADAPTER) -> Trainer:
     """The trainer a recipe asks for: its adapter, optimizer, schedule and loss, scoring as its rollouts sample."""
@@ -157,6 +164,8 @@ class Trainer:
                 continue
             loss.backward()
             step.add(loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch)
+            if measure:
+                _keep(chunk, logp)
         if self.ranks is not None:
             self.ranks.sum_grads(self.params)
             step.sum_over(self.ranks)
@@ -195,6 +204,7 @@ class Trainer:
                     out.update({id(s): logp[row] for row, s in enumerate(chunk)})  # a pad's too (FSDP)
                     if counts:
                         step.add_diff((logp - batch.behaviour).abs(), batch)
+                        _keep(chunk, logp)
         finally:
             self.model.train(was_training)
         if self.ranks is not None:
