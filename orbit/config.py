@@ -154,6 +154,8 @@ class TrainerConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's base weights (bfloat16 "
                                                   "on a GPU halves them; adapter weights stay float32)")
     threads: int = Field(1, ge=1, le=256)
+    borrow_cores: bool = Field(True, description="on CPU, with the engines on this machine's CPU: the trainer also "
+                               "uses the engines' threads while they have nothing to generate (orbit/train/cores.py)")
     micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward/backward (samples of similar "
                                     "length together); 0 = the whole batch at once")
     schedule: Literal["constant", "linear", "cosine"] = Field(

@@ -200,6 +200,8 @@ def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: 
         masked_frac=result.masked_frac,
         lr=result.lr,
         optimizer_steps=result.optimizer_steps,
+        trainer_tflops=result.flops / max(train_s - result.queue_s, 1e-9) / 1e12,
+        borrowed_frac=result.borrowed_frac,
         extra=task_figures(samples),
     )
 

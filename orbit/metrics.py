@@ -70,6 +70,8 @@ class StepMetrics:
     masked_frac: float = 0.0  # share of trained tokens the algorithm's mask band dropped
     lr: float = 0.0  # the learning rate of the step's last optimizer step
     optimizer_steps: int = 1  # optimizer steps taken on the batch (algorithm.minibatches × epochs)
+    trainer_tflops: float = 0.0  # the trainer's achieved rate: its matmul FLOPs / train_s (bench/cores.py: the peak)
+    borrowed_frac: float = 0.0  # share of the trainer's thread checks that borrowed the idle engines' cores
     extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
 
     def to_json(self) -> str:

@@ -44,6 +44,7 @@ from orbit.tasks import TaskError, close_task, is_agent, make_task
 from orbit.tracking import Trackers, open_trackers
 from orbit.train import checkpoint
 from orbit.train.checkpoint import CheckpointError
+from orbit.train.cores import Cores
 from orbit.train.launcher import launched
 from orbit.train.ranks import RankLost, Ranks
 from orbit.train.trainer import Trainer, recipe_trainer
@@ -251,6 +252,10 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
             start_version=trainer.version, keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
             filter_limit=recipe.algorithm.filter_limit, max_lost_frac=recipe.rollout.max_lost_frac)
+        cores = lendable_cores(recipe) if name is None else None  # a sweep's runs share their engines
+        if cores is not None:
+            trainer.share_cores(cores)
+            pipeline.on_idle = cores.engines_idle
         sampling = sampling_params(recipe.rollout, stop_ids)
         agents = None
         if is_agent(task):  # its episodes call the endpoint, which generates through the pool
@@ -279,6 +284,16 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         trackers=run.trackers, label=prefix, signal=signal,
     )
     return run
+
+
+def lendable_cores(recipe: Recipe) -> Cores | None:
+    """The engines' threads the trainer may borrow while they are idle: with the trainer and every engine on this
+    machine's CPU (one trainer rank; servers Orbit started, not attached ones), `trainer.borrow_cores` on."""
+    t, e = recipe.trainer, recipe.engine
+    local = e.servers is None and all(d == "cpu" for d in e.engine_devices())
+    if not t.borrow_cores or not local or t.rank_devices() != ["cpu"]:
+        return None
+    return Cores(own=t.threads, lend=e.threads * e.engines)
 
 
 def agent_endpoint(recipe: Recipe, tokenizer, pool: EnginePool, pipeline: Pipeline) -> Endpoint:

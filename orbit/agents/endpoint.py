@@ -8,55 +8,38 @@ there makes calls that Orbit knows the episode of. The routes (FastAPI, served b
 - `GET .../v1/models`;
 - `POST .../inference/v1/generate`: token ids in, token ids and logprobs out (vLLM-style, as `verifiers` posts).
 
-Every call goes to the episode's engine (its group's) on the episode's slot, the slot of the current version
-while training: `submit` is the pool's generate. It samples with the recipe's temperature, top-p and top-k,
-whatever the request says (the trainer scores with those; a request that asks otherwise is recorded as
-overridden). An aborted generation (a pause, a slot rewritten) is generated again, at most `max_attempts`
-times. A call for an episode that is not open is a 404: the endpoint serves the run's episodes only.
+How each call is generated and recorded is episodes.py's. Errors come back as the OpenAI API's `{"error":
+{"message", "type", "param", "code"}}`: 400 for a request this model cannot serve as asked, 404 for an episode
+that is not open (the endpoint serves the run's episodes only).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import threading
+import time
 import uuid
-import zlib
-from collections.abc import Callable
-from concurrent.futures import Future
 
-from orbit.agents.chat import ChatError, Renderer, normal
-from orbit.agents.record import EpisodeRecord, Turn
-from orbit.engine.base import Completion, SamplingParams
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from orbit.agents.chat import ChatError, normal, parse_reply
+from orbit.agents.episodes import Episodes, messages_prompt
+from orbit.agents.record import EpisodeRecord
 from orbit.net import ThreadServer
-
-Submit = Callable[[list[int], SamplingParams, object, "int | None", dict], Future]
 
 
 class EndpointError(RuntimeError):
     """The endpoint could not start (the message says why)."""
 
 
-class Endpoint:
-    """The episodes' server: `open` an episode, give its agent `url(id)`, `close` it for its record."""
+class Endpoint(Episodes):
+    """The episodes, served: `start` it, give each episode's agent `base_url(id)`, `stop` it."""
 
-    def __init__(self, tokenizer, submit: Submit, model: str, max_context: int | None = None,
-                 max_attempts: int = 8, on_completion: Callable[[Completion], None] | None = None,
-                 on_aborted: Callable[[int], None] | None = None, host: str = "127.0.0.1") -> None:
-        self.tokenizer, self.submit, self.model = tokenizer, submit, model
-        self.renderer = Renderer(tokenizer)
-        self.max_context, self.max_attempts, self.host = max_context, max_attempts, host
-        self.on_completion, self.on_aborted = on_completion, on_aborted
-        self._episodes: dict[str, EpisodeRecord] = {}
-        self._lock = threading.Lock()
+    def __init__(self, *args, host: str = "127.0.0.1", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.host, self.port = host, 0
         self._server: ThreadServer | None = None
-        self.port = 0
-
-    # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self, port: int | None = None) -> Endpoint:
-        from orbit.agents.routes import app_for
-
         try:
             self._server = ThreadServer(app_for(self), self.host, port, name="orbit-endpoint").start()
         except OSError as err:
@@ -82,139 +65,136 @@ class Endpoint:
         """What an episode's `openai` client is given."""
         return f"{self.url}/e/{episode}/v1"
 
-    # ---- episodes --------------------------------------------------------------------------------
 
-    def open(self, engine: int | None, slot: object, sampling: SamplingParams, episode: str | None = None,
-             meta: dict | None = None) -> str:
-        eid = episode or uuid.uuid4().hex[:16]
-        with self._lock:
-            self._episodes[eid] = EpisodeRecord(eid, engine, slot, sampling, meta=dict(meta or {}))
-        return eid
-
-    def close(self, episode: str) -> EpisodeRecord:
-        """The episode's record; later calls of it are refused."""
-        with self._lock:
-            return self._episodes.pop(episode)
-
-    def episode(self, episode: str) -> EpisodeRecord | None:
-        with self._lock:
-            return self._episodes.get(episode)
-
-    # ---- generation --------------------------------------------------------------------------------
-
-    def sampling(self, record: EpisodeRecord, request: dict, stop_ids: tuple[int, ...]) -> SamplingParams:
-        """The recipe's sampling, capped by the request's max_tokens; what the request asked otherwise is
-        recorded as overridden."""
-        base = record.sampling
-        for key, ours in (("temperature", base.temperature), ("top_p", base.top_p)):
-            if request.get(key) is not None and float(request[key]) != ours:
-                record.overridden.add(key)
-        limit = request.get("max_completion_tokens") or request.get("max_tokens")
-        new = min(int(limit), base.max_new_tokens) if limit else base.max_new_tokens
-        return dataclasses.replace(base, max_new_tokens=max(new, 1),
-                                   stop_token_ids=tuple(dict.fromkeys(base.stop_token_ids + stop_ids)))
-
-    async def generate(self, record: EpisodeRecord, prompt_ids: list[int], sampling: SamplingParams,
-                       n: int) -> tuple[int, list[Completion]]:
-        """The call's number in the episode, and `n` completions of the prompt on the episode's engine and
-        slot (aborted ones generated again)."""
-        if self.max_context is not None:
-            room = self.max_context - len(prompt_ids) - 1
-            if room < 1:
-                raise ChatError(f"the prompt is {len(prompt_ids)} tokens; the engine's context is "
-                                f"{self.max_context} (engine.max_context)")
-            sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
-        with record.lock:
-            call = record.calls
-            record.calls += 1
-        return call, list(await asyncio.gather(*(self._one(record, prompt_ids, sampling, call, i) for i in range(n))))
-
-    async def _one(self, record: EpisodeRecord, prompt_ids: list[int], sampling: SamplingParams, call: int,
-                   choice: int) -> Completion:
-        for attempt in range(self.max_attempts):
-            key = f"{record.id}/{call}/{choice}/{attempt}".encode()  # the same seed in every run (no str hash)
-            seeded = dataclasses.replace(sampling, seed=zlib.crc32(key) & 0x7FFFFFFF)
-            fut = self.submit(prompt_ids, seeded, record.slot, record.engine, record.meta)
-            completion: Completion = await asyncio.wrap_future(fut)
-            record.engine = completion.engine  # the pool may have moved it off a dead engine
-            if self.on_completion is not None:
-                self.on_completion(completion)
-            if completion.finish_reason != "abort":
-                return completion
-            record.aborted_tokens += len(completion.output_ids)
-            if self.on_aborted is not None:
-                self.on_aborted(len(completion.output_ids))
-        raise ChatError(f"the generation was aborted {self.max_attempts} times (rollout.max_attempts)")
-
-    def record_turn(self, record: EpisodeRecord, call: int, prompt_ids: list[int], completion: Completion,
-                    reply: tuple | None = None, messages: tuple = (), text: str | None = None) -> None:
-        """A turn, linked to the turn its prompt continues; a fork when it continues none."""
-        with record.lock:
-            parent = record.parent_of(prompt_ids)
-            # (the n choices of one call share their prompt: they are not forks of each other)
-            if parent is None and any(t.call != call for t in record.turns):
-                record.forks.append(f"call {call}: its prompt continues no earlier turn (the history was "
-                                    "edited, or the conversation started over)")
-            record.turns.append(Turn(call, list(prompt_ids), completion, parent, reply, messages, text))
-
-    # ---- stop strings ------------------------------------------------------------------------------
-
-    def stops(self, stop) -> tuple[tuple[int, ...], list[str]]:
-        """Stop strings of one token become stop tokens; longer ones are cut after generation."""
-        if stop is None:
-            return (), []
-        strings = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) and s for s in strings):
-            raise ChatError("stop: a string or a list of non-empty strings")
-        ids, cut = [], []
-        for s in strings:
-            encoded = self.tokenizer.encode(s, add_special_tokens=False)
-            (ids.append(encoded[0]) if len(encoded) == 1 else cut.append(s))
-        return tuple(ids), cut
-
-    def cut(self, completion: Completion, strings: list[str]) -> tuple[Completion, int | None]:
-        """The completion ending with the token that completes the first stop string (a prefix of what was
-        sampled, so the tokens stay exactly the sampled ones), and where that string starts in its text."""
-        if not strings:
-            return completion, None
-        text = self.tokenizer.decode(completion.output_ids, skip_special_tokens=True)
-        if not any(s in text for s in strings):
-            return completion, None
-        for j in range(1, len(completion.output_ids) + 1):
-            part = self.tokenizer.decode(completion.output_ids[:j], skip_special_tokens=True)
-            hits = [part.index(s) for s in strings if s in part]
-            if hits:
-                return dataclasses.replace(completion, output_ids=completion.output_ids[:j],
-                                           logprobs=completion.logprobs[:j], finish_reason="stop"), min(hits)
-        return completion, None
-
-    def text(self, completion: Completion, at: int | None = None) -> str:
-        """What the caller reads: the tokens as text, special tokens (the end of turn) left out, a stop
-        string and what follows left out."""
-        text = self.tokenizer.decode(completion.output_ids, skip_special_tokens=True)
-        return text if at is None else text[:at]
-
-    def logprobs(self, completion: Completion) -> dict:
-        """The OpenAI logprobs object: each token's text, logprob and bytes (top_logprobs are not kept)."""
-        content = []
-        for tok, lp in zip(completion.output_ids, completion.logprobs, strict=True):
-            piece = self.tokenizer.decode([tok], skip_special_tokens=False)
-            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-        return {"content": content}
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status)
 
 
-def messages_prompt(endpoint: Endpoint, record: EpisodeRecord, messages: list[dict],
-                    tools: list[dict] | None) -> tuple[list[int], tuple]:
-    """The prompt's token ids for a chat call: an earlier reply sent back is continued from its own tokens
-    (chat.py); otherwise the whole conversation rendered (the episode's first call, or a fork)."""
-    normalised = tuple(normal(m) for m in messages)
+class _NoEpisode(Exception):
+    pass
+
+
+def app_for(endpoint: Episodes) -> FastAPI:
+    app = FastAPI(title="orbit episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ChatError)
+    async def _bad(_: Request, err: ChatError) -> JSONResponse:
+        return _error(400, str(err))
+
+    @app.exception_handler(_NoEpisode)
+    async def _gone(_: Request, err: _NoEpisode) -> JSONResponse:
+        return _error(404, str(err), "not_found_error")
+
+    def episode(eid: str) -> EpisodeRecord:
+        record = endpoint.episode(eid)
+        if record is None:
+            raise _NoEpisode(f"no open episode {eid!r}: this endpoint serves the run's episodes, each at the base "
+                             "URL Orbit gives its agent (.../e/EPISODE/v1)")
+        return record
+
+    async def body(request: Request) -> dict:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise ChatError("the request body is not JSON") from None
+        if not isinstance(data, dict):
+            raise ChatError("the request body must be a JSON object")
+        if data.get("stream"):
+            raise ChatError("stream: streaming is not supported by Orbit's endpoint; ask without stream")
+        n = data.get("n") or 1
+        if not isinstance(n, int) or not 1 <= n <= 64:
+            raise ChatError(f"n: an integer from 1 to 64, got {n!r}")
+        return data
+
+    def usage(prompt: int, completions) -> dict:
+        out = sum(len(c.output_ids) for c in completions)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+
+    @app.get("/v1/models")
+    @app.get("/e/{eid}/v1/models")
+    async def models(eid: str | None = None) -> dict:
+        return {"object": "list", "data": [{"id": endpoint.model, "object": "model", "created": 0,
+                                            "owned_by": "orbit"}]}
+
+    @app.post("/e/{eid}/v1/chat/completions")
+    async def chat(eid: str, request: Request) -> dict:
+        record, data = episode(eid), await body(request)
+        messages, tools = data.get("messages"), data.get("tools") or None
+        if not isinstance(messages, list) or not messages:
+            raise ChatError("messages: a non-empty list of messages")
+        stop_ids, cut = endpoint.stops(data.get("stop"))
+        prompt_ids, normalised = messages_prompt(endpoint, record, messages, tools)
+        call, completions = await endpoint.generate(record, prompt_ids, endpoint.sampling(record, data, stop_ids),
+                                                    data.get("n") or 1)
+        choices = []
+        for i, completion in enumerate(completions):
+            completion, at = endpoint.cut(completion, cut)
+            parsed = parse_reply(endpoint.text(completion, at), completion.finish_reason, bool(tools))
+            message = parsed.message()
+            endpoint.record_turn(record, call, prompt_ids, completion, normal(message), normalised)
+            choices.append({"index": i, "message": message, "finish_reason": parsed.finish_reason,
+                            "logprobs": endpoint.logprobs(completion) if data.get("logprobs") else None})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+                "model": endpoint.model, "choices": choices, "usage": usage(len(prompt_ids), completions)}
+
+    @app.post("/e/{eid}/v1/completions")
+    async def completions(eid: str, request: Request) -> dict:
+        record, data = episode(eid), await body(request)
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        elif isinstance(prompt, str) and prompt:
+            prompt_ids = text_prompt(endpoint, record, prompt)
+        else:
+            raise ChatError("prompt: a non-empty string or a list of token ids")
+        stop_ids, cut = endpoint.stops(data.get("stop"))
+        call, done = await endpoint.generate(record, prompt_ids, endpoint.sampling(record, data, stop_ids),
+                                             data.get("n") or 1)
+        choices = []
+        for i, completion in enumerate(done):
+            completion, at = endpoint.cut(completion, cut)
+            text = endpoint.text(completion, at)
+            endpoint.record_turn(record, call, prompt_ids, completion,
+                                 text=(prompt + text) if isinstance(prompt, str) else None)
+            lp = endpoint.logprobs(completion)["content"] if data.get("logprobs") is not None else None
+            choices.append({"index": i, "text": text, "finish_reason": completion.finish_reason,
+                            "logprobs": None if lp is None else {
+                                "tokens": [c["token"] for c in lp], "token_logprobs": [c["logprob"] for c in lp],
+                                "top_logprobs": None, "text_offset": None}})
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                "model": endpoint.model, "choices": choices, "usage": usage(len(prompt_ids), done)}
+
+    @app.post("/e/{eid}/inference/v1/generate")
+    @app.post("/e/{eid}/v1/inference/v1/generate")  # a client that joins the path to the base URL it was given
+    async def generate(eid: str, request: Request) -> dict:
+        """Token in, token out (vLLM-style, as `verifiers` posts): `token_ids` and `sampling_params`."""
+        record, data = episode(eid), await body(request)
+        prompt_ids = data.get("token_ids") or data.get("prompt_token_ids")
+        if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) for t in prompt_ids):
+            raise ChatError("token_ids: a non-empty list of token ids")
+        params = data.get("sampling_params") or {}
+        stop_ids, cut = endpoint.stops(params.get("stop"))
+        call, done = await endpoint.generate(record, prompt_ids, endpoint.sampling(record, params, stop_ids),
+                                             int(params.get("n") or 1))
+        choices = []
+        for i, completion in enumerate(done):
+            completion, at = endpoint.cut(completion, cut)
+            endpoint.record_turn(record, call, prompt_ids, completion)
+            choices.append({"index": i, "token_ids": completion.output_ids, "text": endpoint.text(completion, at),
+                            "finish_reason": completion.finish_reason,
+                            "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in
+                                                     zip(completion.output_ids, completion.logprobs, strict=True)]}})
+        return {"id": f"gen-{uuid.uuid4().hex[:24]}", "choices": choices, "usage": usage(len(prompt_ids), done)}
+
+    return app
+
+
+def text_prompt(endpoint: Episodes, record: EpisodeRecord, prompt: str) -> list[int]:
+    """A text prompt's ids: when it continues the text of an earlier completion call (its prompt and the text
+    returned), that call's tokens and only the rest tokenized (token in, token out)."""
     with record.lock:
-        found = record.reply_turn(list(normalised))
-    if found is not None:
-        turn = record.turns[found[0]]
-        rest = endpoint.renderer.continuation(messages, tools, found[1], turn.completion.output_ids,
-                                              stopped=turn.completion.finish_reason == "stop")
-        if rest is not None:
-            return turn.full_ids + rest, normalised
-    return endpoint.renderer.prompt(messages, tools), normalised
-
+        for turn in reversed(record.turns):
+            if turn.text is not None and len(turn.text) < len(prompt) and prompt.startswith(turn.text):
+                return turn.full_ids + endpoint.renderer.encode(prompt[len(turn.text):])
+    return list(endpoint.tokenizer(prompt)["input_ids"])  # a first prompt: with the tokenizer's BOS, if any

@@ -145,6 +145,7 @@ class Pipeline:
         self._granted = 0
         self._started = start_version * admission.batch  # every group trained before this run counts
         self._requests = 0  # requests in flight
+        self.on_idle: Callable[[bool], None] | None = None  # told when the engines have nothing in flight, or again do
         self._complete: list[Group] = []
         self._error: BaseException | None = None  # the producer's
         self._verdict: RolloutError | None = None
@@ -180,12 +181,16 @@ class Pipeline:
     def submitted(self) -> None:
         with self._cond:
             self._requests += 1
+            if self.on_idle is not None and self._requests == 1:
+                self.on_idle(False)
 
     def answered(self) -> None:
         """A request finished: the pipeline is alive."""
         with self._cond:
             self._requests -= 1
             self._last_progress = time.monotonic()
+            if self.on_idle is not None and self._requests == 0:
+                self.on_idle(True)  # nothing to generate: the trainer may borrow the engines' cores
 
     def complete(self, gid: int, group: Group) -> None:
         kept = self.keep is None or self.keep(group)  # outside the lock: the rewards are the group's own

@@ -36,6 +36,8 @@ class StepResult:
     masked_frac: float = 0.0  # share of trained tokens the mask band dropped
     lr: float = 0.0  # the learning rate of the batch's last optimizer step
     optimizer_steps: int = 1
+    flops: float = 0.0  # of the step's forwards and backwards, counted by the tokens that went through (trainer.py)
+    borrowed_frac: float = 0.0  # share of the step's thread checks that found the engines idle (cores.py)
     queue_s: float = 0.0  # waiting for the shared base while other adapters of a sweep trained (shared.py)
 
 

@@ -32,6 +32,7 @@ from orbit.train.batch import (
     spread_over_groups,
     token_logprobs,
 )
+from orbit.train.cores import Cores
 from orbit.train.measure import StepResult, Totals, saved_rows
 from orbit.train.ranks import RankLost, Ranks, padded_micro_batches
 from orbit.train.schedule import scheduler
@@ -106,6 +107,15 @@ class Trainer:
         self.version = 0
         self._snapshots: dict[int, list[Tensor]] = {}
         self._snapshot()
+        self.cores: Cores | None = None
+        # the weights every token's forward multiplies by (the decoder's and the output projection): FLOP counts
+        self._matmul_params = sum(p.numel() for p in self._decoder.layers.parameters()) + self._head.numel()
+        self._flops = 0.0
+
+    def share_cores(self, cores: Cores) -> None:
+        """Borrow the engines' threads while they are idle (cores.py): checked at every layer and micro-batch."""
+        self.cores = cores
+        cores.hook(self._decoder.layers)
 
     # -- training ---------------------------------------------------------------------------
 
@@ -126,6 +136,7 @@ class Trainer:
         becomes one version newer whatever their number. With more than one, the policy before the first is
         scored once (one no-grad forward): the decoupled loss's proximal policy, and the engine agreement."""
         totals = Totals()
+        self._flops = 0.0
         several = self.algo.optimizer_steps > 1
         before = self._state() if several else None
         prox = self._proximal(samples, totals) if several else None
@@ -141,7 +152,10 @@ class Trainer:
             raise
         self.version += 1
         self._snapshot()
-        return totals.result(self.version, fmean(norms), len(samples), len(norms), lr, self.algo.epochs)
+        result = totals.result(self.version, fmean(norms), len(samples), len(norms), lr, self.algo.epochs)
+        result.flops = self._flops
+        result.borrowed_frac = self.cores.take_share() if self.cores is not None else 0.0
+        return result
 
     def _optimizer_step(self, samples: list[Sample], totals: Totals, prox: dict[int, Tensor] | None,
                         measure: bool) -> float:
@@ -297,6 +311,10 @@ class Trainer:
         """[N, C] logprob of each output token under the sampling distribution, and that distribution's entropy
         (batch.py): each prompt runs once, the decoder to its last hidden state, the vocabulary projection a
         chunk at a time."""
+        if self.cores is not None:
+            self.cores.apply()
+        tokens = int(batch.prompt_mask.sum()) + int(batch.outputs.sum())
+        self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens  # a backward: 2 more
         hidden = output_hidden(self._decoder, batch)
         return token_logprobs(hidden, self._head, batch, self.temperature, self.top_p, self.top_k, entropy_grad)
 
