@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from orbit.config import Recipe, RecipeError
-from orbit.engine import SlowEngine
 from orbit.modes import MODE_NAMES, MODES
 from orbit.preflight import Checked, preflight
 from orbit.push.fleet import FLIPS
+from orbit.slow import Slowing, SlowStarter
 from orbit.tracking import log_images
 
 TIMED = ("step_s", "trainer_idle_s", "train_s", "update_weights_s", "train_wait_s",
@@ -296,16 +296,17 @@ def run_pool_bench(
     for note in checked.notes:
         console.print(note, highlight=False)
     out.mkdir(parents=True, exist_ok=True)
-    slow = SlowEngine(slow_running, slow_load_s)
+    slowing = Slowing(slow_running, slow_load_s)
     per_flip, windows = {}, {}
     for flip in flips:
         r = recipe.model_copy(deep=True)
         r.engine.replicas, r.engine.flip, r.engine.devices = replicas, flip, None
         rows, windows[flip] = _run_mode(r, r.mode, out / flip, steps, warmup, console, live,
-                                        label=f"{replicas} engines, {flip} flip", slow=slow)
+                                        label=f"{replicas} engines, {flip} flip",
+                                        starter=lambda s: SlowStarter(s, slowing))
         per_flip[flip] = summarize(rows, replicas)
     summary = {"recipe": recipe.model_dump(mode="json"), "mode": recipe.mode, "replicas": replicas,
-               "slow_engine": {"index": replicas - 1, **dataclasses.asdict(slow)}, "steps": steps, "warmup": warmup,
+               "slow_engine": {"index": replicas - 1, **dataclasses.asdict(slowing)}, "steps": steps, "warmup": warmup,
                "flips": per_flip}
     if {"barrier", "independent"} <= set(per_flip):
         summary["independent_vs_barrier"] = {k: _ratio(_figure(per_flip, "independent", k),

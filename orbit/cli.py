@@ -74,9 +74,9 @@ def _interrupted(message: str) -> None:
 
 @contextmanager
 def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"):
-    """The ways a command can end badly, each as one clear message and an exit code: a bad recipe
-    or argument (2), a task that failed or a run that could not go on (1), Ctrl-C (130). A run
-    turns its own Ctrl-C into Interrupted (what was saved); any other Ctrl-C here means `on_ctrl_c`.
+    """The ways a command can end badly, each as one clear message and its exit code (orbit/ends.py: a bad
+    recipe or argument 2, an engine that did not start 3, a run that could not go on 1, Ctrl-C 130). A run turns
+    its own Ctrl-C into Interrupted (what was saved); any other Ctrl-C here means `on_ctrl_c`.
 
     Nothing is imported before the block runs: Ctrl-C while torch is still importing must be
     caught here too."""
@@ -92,17 +92,16 @@ def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"
             _interrupted(str(err))
         if interrupts.caused_by_ctrl_c(err):
             _interrupted(f"interrupted: {what} {on_ctrl_c}")
-        from orbit.engine.base import EngineError
-        from orbit.run import RunStopped
-        from orbit.tasks import TaskError
+        from orbit.ends import end_of
 
-        if isinstance(err, RecipeError):
+        end = end_of(err)  # re-raises what is no way a run ends (a bug): its traceback is the report
+        if end.name == "bad-recipe":
             _fail(str(err))
-        if isinstance(err, TaskError):
-            _fail(f"the task failed: {err}", code=1)
-        if isinstance(err, RunStopped | EngineError):
-            _fail(f"{what} stopped: {err}", code=1)
-        raise
+        if end.name == "task-failed":
+            _fail(f"the task failed: {err}", code=end.code)
+        if end.name == "engine-start":
+            _fail(f"{what} did not start: {err}", code=end.code)
+        _fail(f"{what} stopped: {err}", code=end.code)
 
 
 @app.command()

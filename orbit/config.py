@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from orbit.modes import MODE_NAMES, MODES
 from orbit.rl import AlgorithmConfig
-from orbit.task_config import BUILTIN_TASKS, TASK_OPTIONS, TaskConfig  # noqa: F401 - the recipe's names
+from orbit.task_config import BUILTIN_TASKS, BUILTINS, PatternTaskConfig, TaskConfig, TaskSection  # noqa: F401
 
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -78,6 +78,9 @@ class EngineConfig(_Section):
     restarts: int = Field(3, ge=0, le=100, description="times an engine Orbit started is started again after it "
                           "dies or hangs (waiting 1, 2, 4 ... s); attached servers are taken back once they answer "
                           "again; 0: an engine that leaves the pool stays out")
+    sglang_args: dict[str, Any] = Field(default_factory=dict, description="further SGLang server arguments by "
+                                        "ServerArgs name (e.g. {chunked_prefill_size: 512}), checked against "
+                                        "SGLang's own parser at load; the ones Orbit sets are refused")
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$", description="sglang-server: the address "
                       "the servers Orbit starts listen on (this machine only unless set, e.g. 0.0.0.0)")
 
@@ -191,7 +194,7 @@ class Recipe(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
+    task: TaskSection = Field(default_factory=PatternTaskConfig)
     mode: Literal[MODE_NAMES] = "double-buffer"  # type: ignore[valid-type]
     max_staleness: int | None = Field(
         1, ge=0, description="drop groups older than this many steps and replenish; null = keep all"
@@ -250,10 +253,23 @@ def _fmt_loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
+def _task_loc(loc: tuple) -> tuple[tuple, str | None]:
+    """A task option's location without the union's tag (`task.arith.colour` → `task.colour`), and the task."""
+    if len(loc) >= 2 and loc[0] == "task" and (loc[1] in BUILTINS or loc[1] == "user"):
+        return (loc[0], *loc[2:]), str(loc[1])
+    return loc, None
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = _fmt_loc(e["loc"])
+        where, task = _task_loc(e["loc"])
+        loc = _fmt_loc(where)
+        if task in BUILTINS and e["type"] in ("extra_forbidden", "missing"):
+            options = ", ".join(k for k in BUILTINS[task].model_fields if k != "name")
+            what = "unknown key" if e["type"] == "extra_forbidden" else "required"
+            lines.append(f"{loc}: {what} for task {task!r} (its options: {options})")
+            continue
         value = e.get("input")
         if not e["loc"]:  # a cross-field rule: its message names the fields itself
             lines.append(e["msg"].removeprefix("Value error, "))

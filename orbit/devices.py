@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from orbit.engine.devices import gpu_index, sglang_device  # noqa: F401 - the names this module's callers use
+
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEADROOM = 0.05  # of the card, for the CUDA context, allocator fragmentation and NCCL buffers
@@ -18,17 +20,6 @@ HEADROOM = 0.05  # of the card, for the CUDA context, allocator fragmentation an
 MAX_ENGINE_SHARE = 0.85
 
 
-def gpu_index(device: str) -> int | None:
-    """'cuda:2' -> 2, 'cuda' -> 0, 'cpu' -> None."""
-    if not device.startswith("cuda"):
-        return None
-    return int(device.split(":")[1]) if ":" in device else 0
-
-
-def sglang_device(device: str) -> tuple[str, int]:
-    """SGLang takes a device type and a GPU id (`--device cuda --base-gpu-id 1`), not 'cuda:1'."""
-    index = gpu_index(device)
-    return ("cpu", 0) if index is None else ("cuda", index)
 
 
 def choose_backend(devices: list[str], sglang_installed: bool) -> tuple[str, str]:

@@ -40,7 +40,25 @@ def preflight(recipe: Recipe) -> Checked:
     check_model(recipe)
     check_oft_block_size(recipe)
     check_task(recipe.task)
+    check_sglang_args(recipe)
     return Checked(recipe, (note,) if note else ())
+
+
+def check_sglang_args(recipe: Recipe) -> None:
+    """`engine.sglang_args` against SGLang's own parser (orbit/engine/sglang/args.py); set for an engine that is
+    not SGLang, they are refused."""
+    args = recipe.engine.sglang_args
+    if not args:
+        return
+    if recipe.engine.backend not in ("sglang", "sglang-server") or recipe.engine.servers:
+        raise RecipeError(f"engine.sglang_args: for the SGLang engines Orbit starts (engine.backend sglang or "
+                          f"sglang-server without engine.servers), not {recipe.engine.backend!r}"
+                          f"{' with attached servers' if recipe.engine.servers else ''}")
+    from orbit.engine.sglang.args import check
+
+    problems = check(args)
+    if problems:
+        raise RecipeError("\n".join(problems))
 
 
 def resolve_backend(cfg: EngineConfig) -> str | None:

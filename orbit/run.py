@@ -26,7 +26,7 @@ from orbit import interrupts
 from orbit.agents import AgentRunner, Endpoint
 from orbit.config import EngineConfig, Recipe, RecipeError, dump_recipe
 from orbit.devices import colocate
-from orbit.engine import EngineStarter, SlowEngine, start_pool
+from orbit.engine import EngineStarter, start_pool
 from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool
 from orbit.interrupts import Interrupted
@@ -53,7 +53,11 @@ from orbit.truncation import truncates
 
 class RunStopped(RuntimeError):
     """The run could not go on (an engine died, rollouts stalled or kept failing). The message
-    says what happened and what was saved."""
+    says what happened and what was saved; `end` names the way it ended (orbit/ends.py)."""
+
+    def __init__(self, message: str, end: str = "stall") -> None:
+        super().__init__(message)
+        self.end = end
 
 
 @dataclass
@@ -101,9 +105,9 @@ def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
 
 
 def train(checked: Checked, resume: bool = False, live: bool = True, console: Console | None = None,
-          slow: SlowEngine | None = None) -> RunResult:
-    """Run a recipe (that passed `orbit.preflight`) to its last step. `slow`: a bench option that slows
-    the pool's last engine."""
+          starter: Callable[[EngineStarter], EngineStarter] | None = None) -> RunResult:
+    """Run a recipe (that passed `orbit.preflight`) to its last step. `starter`: wraps the engines' starter (the
+    pool bench's straggler, orbit/slow.py)."""
     console = console or Console()
     recipe = checked.recipe
     t0 = time.time()
@@ -111,7 +115,7 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
     if ranks is not None and not ranks.leader:
         return _follow(recipe, ranks, t0)
     try:
-        return _lead(checked, resume, live, console, slow, ranks, t0)
+        return _lead(checked, resume, live, console, starter, ranks, t0)
     finally:
         if ranks is not None:
             ranks.close()
@@ -137,7 +141,8 @@ def _follow(recipe: Recipe, ranks: Ranks, t0: float) -> RunResult:
     return RunResult(Path(recipe.out), trainer.version, time.time() - t0, leader=False)
 
 
-def _lead(checked: Checked, resume: bool, live: bool, console: Console, slow: SlowEngine | None,
+def _lead(checked: Checked, resume: bool, live: bool, console: Console,
+          starter: Callable[[EngineStarter], EngineStarter] | None,
           ranks: Ranks | None, t0: float) -> RunResult:
     """The run itself (rank 0 of several, or the one process)."""
     recipe = checked.recipe
@@ -165,7 +170,7 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console, slow: Sl
                 console.print(shared, highlight=False)
             trainer = recipe_trainer(recipe, ranks=ranks)
             run = start(recipe, run_dir, resume, task, stop_ids, console, live, trainer,
-                        StartedEngines(recipe, engine_cfg, slow), tokenizer)
+                        StartedEngines(recipe, engine_cfg, starter), tokenizer)
         except BaseException as err:
             undo_start(run_dir, created, resume)
             if isinstance(err, KeyboardInterrupt):
@@ -195,12 +200,15 @@ class Engines(Protocol):
 class StartedEngines:
     """A run's own engines: `engine.replicas` of them, started now, brought back when they die (revive.py)."""
 
-    def __init__(self, recipe: Recipe, engine_cfg: EngineConfig, slow: SlowEngine | None = None) -> None:
+    def __init__(self, recipe: Recipe, engine_cfg: EngineConfig,
+                 wrap: Callable[[EngineStarter], EngineStarter] | None = None) -> None:
         self.recipe = recipe
         self.starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
                                      call_timeout_s=recipe.rollout.stall_timeout_s,
                                      truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-                                     and recipe.rollout.temperature > 0, slow=slow)
+                                     and recipe.rollout.temperature > 0)
+        if wrap is not None:  # the pool bench's straggler (orbit/slow.py)
+            self.starter = wrap(self.starter)
 
     def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool:
         return start_pool(self.starter, timeline=timeline, on_warning=warn)
@@ -335,7 +343,7 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         if lost is not None:  # the heartbeat interrupted the run: a rank is gone
             stepped = _stop(run, run_dir, created, resume)
             saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
-            raise RunStopped(f"{_sentence(f'a trainer rank was lost: {lost}')}\n{saved}") from None
+            raise RunStopped(f"{_sentence(f'a trainer rank was lost: {lost}')}\n{saved}", "rank-lost") from None
         if not _stop(run, run_dir, created, resume):
             raise Interrupted(f"interrupted before the first step: nothing was trained{left(run_dir, resume)}") \
                 from None
@@ -346,17 +354,29 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         if isinstance(cause, CheckpointError):  # saving again would fail again: the previous one stands
             shut_down(run)
             raise RunStopped(f"{_sentence(str(cause))}\ncontinue with `orbit train RECIPE --resume {run_dir}` once "
-                             "the directory can be written") from cause
+                             "the directory can be written", "save-failed") from cause
         stepped = _stop(run, run_dir, created, resume)
         saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
         if isinstance(cause, TaskError):
             raise TaskError(f"{cause}\nthe run stopped after step {trainer.version}; {saved}") from cause
         if isinstance(cause, EngineError | RolloutError | FloatingPointError | RankLost):
-            what = {EngineDeadError: "the engine died", FloatingPointError: "training cannot go on",
-                    RankLost: "a trainer rank was lost"}.get(type(cause), "rollouts cannot go on")
-            raise RunStopped(f"{_sentence(f'{what}: {cause}')}\n{saved}") from cause
+            end, what = _ended_by(cause)
+            raise RunStopped(f"{_sentence(f'{what}: {cause}')}\n{saved}", end) from cause
         raise
     shut_down(run)
+
+
+def _ended_by(cause: BaseException) -> tuple[str, str]:
+    """The way (orbit/ends.py) an error that stopped the loop ends the run, and how the message says it."""
+    if isinstance(cause, EngineDeadError):
+        return "engine-lost", "the engine died"
+    if isinstance(cause, EngineError):
+        return "bad-push", "an engine refused the new version"
+    if isinstance(cause, FloatingPointError):
+        return "non-finite", "training cannot go on"
+    if isinstance(cause, RankLost):
+        return "rank-lost", "a trainer rank was lost"
+    return "stall", "rollouts cannot go on"
 
 
 def _stop(run: StartedRun, run_dir: Path, created: bool, resume: bool) -> bool:

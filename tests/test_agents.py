@@ -245,11 +245,11 @@ def test_bad_agent_recipes_fail_at_load(chat_model, tmp_path):
         return str(err.value)
 
     good = {"entry": f"{ROOT}/tests/agents.py:yes", "data": str(ROOT / "tests/data/questions.jsonl")}
-    assert "task.entry: required" in error(data=good["data"])
+    assert "task.entry: required for task 'agent'" in error(data=good["data"])
     assert "task.entry" in error(entry=f"{ROOT}/tests/agents.py:not_async", data=good["data"])
     assert "task.entry" in error(entry=f"{ROOT}/tests/agents.py:missing", data=good["data"])
     assert "task.data" in error(entry=good["entry"], data=str(tmp_path / "none.jsonl"))
-    assert "task.path: not an option of task 'agent'" in error(**good, path="x")
+    assert "task.path: unknown key for task 'agent'" in error(**good, path="x")
 
 
 def test_a_lost_episode_is_counted_and_its_group_goes_on(chat_model):

@@ -15,10 +15,10 @@ import pytest
 import yaml
 from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, recipe_dict, run_metrics, run_timeline
 
-from orbit.engine import SlowEngine
 from orbit.engine.base import SamplingParams
 from orbit.modes import MODE_NAMES, MODES
 from orbit.run import train
+from orbit.slow import Slowing, SlowStarter
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 
@@ -60,7 +60,7 @@ def test_a_slow_engine_holds_nobody_with_independent_flips_and_everybody_with_a_
         run_dir = tmp_path / flip
         train(checked(_recipe(tiny_llama, run_dir, mode="double-buffer", max_staleness=2,
                               engine={"flip": flip, "slots": 4}, trainer={"steps": 8})), live=False,
-              slow=SlowEngine(load_s=0.6))
+              starter=lambda s: SlowStarter(s, Slowing(load_s=0.6)))
         rows = run_metrics(run_dir)
         loads = [e for e in run_timeline(run_dir) if e["kind"] == "load_adapter"]
         figures[flip] = {

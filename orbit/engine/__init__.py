@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from orbit.config import AdapterConfig, EngineConfig
@@ -13,25 +12,15 @@ from orbit.engine.base import Engine
 from orbit.engine.pool import EnginePool
 
 
-@dataclass
-class SlowEngine:
-    """A bench option (`orbit bench --replicas 2 --slow-running N --slow-load S`): the pool's last engine
-    made slower, so that what a straggler costs each kind of flip shows."""
-
-    running: int | None = None  # its max_running (None: the recipe's)
-    load_s: float = 0.0  # added to each of its adapter loads (embedded engine), as a slow link to a far server
-
-
 def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
-                 call_timeout_s: float | None = None, device: str | None = None, load_delay_s: float = 0.0,
+                 call_timeout_s: float | None = None, device: str | None = None,
                  server: str | None = None, truncated: bool = False) -> Engine:
     """Start one engine of the backend a recipe's `engine` section names and return its client.
 
     `adapter` sizes what SGLang must fix at start (max LoRA rank, target modules; no LoRA for OFT);
     without it the SGLang backend accepts LoRA rank <= 8 on all seven projections.
     `call_timeout_s`: an engine that answers no control call for this long is hung (EngineDeadError).
-    `device`: this engine's device (default `cfg.device`). `load_delay_s`: every adapter load this much
-    slower (the bench's slowed engine; embedded engine only). `server`: the URL of the running
+    `device`: this engine's device (default `cfg.device`). `server`: the URL of the running
     SGLang server this engine attaches to (sglang-server; None: start one). `truncated`: rollouts
     sample with top-k/top-p (a server must then return sampling masks as wide as the vocabulary).
     """
@@ -41,8 +30,7 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
 
         return start_embedded_engine(
             model, max_running=cfg.max_running, max_context=cfg.max_context, dtype=cfg.dtype, device=device,
-            threads=cfg.threads, seed=seed,
-            slots=cfg.slots, load_delay_s=load_delay_s,
+            threads=cfg.threads, seed=seed, slots=cfg.slots,
             **({"call_timeout_s": call_timeout_s} if call_timeout_s else {}),
         )
     if adapter is None:
@@ -57,14 +45,15 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
         return start_sglang_engine(
             model, max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads,
             seed=seed, slots=cfg.slots, context_length=cfg.max_context, mem_fraction=cfg.mem_fraction, tp=cfg.tp,
-            **lora,
+            extra=tuple(cfg.sglang_args.items()), **lora,
         )
     if cfg.backend == "sglang-server":
         from orbit.engine.sglang.process import SGLangOptions
         from orbit.engine.sglang.server import start_server_engine
 
         opts = SGLangOptions(max_running=cfg.max_running, dtype=cfg.dtype, device=device, threads=cfg.threads,
-                             seed=seed, slots=cfg.slots, context_length=cfg.max_context, **lora)
+                             seed=seed, slots=cfg.slots, context_length=cfg.max_context,
+                             extra=tuple(cfg.sglang_args.items()), **lora)
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         return start_server_engine(model, opts, url=server, api_key=key, api_key_env=cfg.api_key_env,
                                    adapter_dir=cfg.adapter_dir, adapter_transport=cfg.adapter_transport,
@@ -75,27 +64,21 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
 
 
 class EngineStarter:
-    """Starts engine `i` of a recipe's engines (its device, its server, the bench's slowing): at the
+    """Starts engine `i` of a recipe's engines (its device, its server): at the
     start of a run, and again when one that died is brought back (orbit/revive.py)."""
 
     def __init__(self, cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
-                 call_timeout_s: float | None = None, truncated: bool = False, slow: SlowEngine | None = None) -> None:
+                 call_timeout_s: float | None = None, truncated: bool = False) -> None:
         self.cfg, self.model, self.seed, self.adapter = cfg, model, seed, adapter
         self.call_timeout_s, self.truncated = call_timeout_s, truncated
         self.servers = cfg.servers or [None] * cfg.engines
         self.devices = cfg.engine_devices()
-        self.delays = [0.0] * cfg.engines
         self.configs = [cfg] * cfg.engines
-        if slow is not None:
-            if slow.load_s and cfg.backend != "embedded":
-                raise ValueError(f"a slowed adapter load is an embedded-engine option (engine.backend: {cfg.backend})")
-            self.delays[-1] += slow.load_s
-            self.configs[-1] = cfg.model_copy(update={"max_running": slow.running or cfg.max_running})
         self.attached = bool(cfg.servers)  # servers someone else runs: re-attached, never restarted
 
     def start(self, i: int) -> Engine:
         return start_engine(self.configs[i], self.model, self.seed + i, self.adapter, self.call_timeout_s,
-                            self.devices[i], self.delays[i], self.servers[i], self.truncated)
+                            self.devices[i], self.servers[i], self.truncated)
 
     def capacities(self) -> list[int]:
         return [c.max_running for c in self.configs]

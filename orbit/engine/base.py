@@ -32,6 +32,10 @@ class EngineDeadError(EngineError):
     """The engine process died or stopped answering."""
 
 
+class EngineStartError(EngineDeadError):
+    """An engine (or a server Orbit started) that did not start: nothing was trained (exit 3, orbit/ends.py)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion. temperature 0 means greedy."""

@@ -42,7 +42,6 @@ class EngineOptions:
     prefix_cache_size: int = 64  # prompts kept (LRU)
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one request)
     slots: int = NUM_SLOTS  # adapter slots (engine.slots)
-    load_delay_s: float = 0.0  # every load_adapter takes this much longer: the bench's slowed engine (SlowEngine)
 
 
 class EngineCore:
@@ -269,8 +268,6 @@ class EngineCore:
         """
         slot = check_slot(slot, len(self.slots))
         check_version(version)
-        if self.options.load_delay_s:
-            time.sleep(self.options.load_delay_s)
         weights = parse_adapter(tensors, adapter_config, version, self.spec, self.decoder.dtype,
                                 self.decoder.device)  # validates everything; raises before any change
         if not self.paused:

@@ -42,6 +42,7 @@ from orbit.engine.base import (
     EngineDeadError,
     EngineError,
     EngineInfo,
+    EngineStartError,
     EngineStats,
     PauseMode,
     SamplingParams,
@@ -62,15 +63,14 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_context: int | None = None,
                           dtype: str = "float32", device: str = "cpu", threads: int = 1, seed: int = 0,
                           prefix_cache_size: int = 64, max_prefill_tokens: int = 4096,
-                          call_timeout_s: float = CALL_TIMEOUT_S, slots: int = 2,
-                          load_delay_s: float = 0.0) -> EmbeddedClient:
+                          call_timeout_s: float = CALL_TIMEOUT_S, slots: int = 2) -> EmbeddedClient:
     """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
 
     `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError).
-    `slots`: adapter slots; `load_delay_s`: every load this much slower (the bench's slowed engine)."""
+    `slots`: adapter slots."""
     options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
                             seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens,
-                            slots=slots, load_delay_s=load_delay_s)
+                            slots=slots)
     ctx = mp.get_context("spawn")
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
@@ -82,11 +82,11 @@ def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_
     try:
         while not reader.poll(_POLL_S):
             if not process.is_alive() or time.monotonic() > deadline:
-                raise EngineDeadError(f"engine process failed to start (exit code {process.exitcode})")
+                raise EngineStartError(f"engine process failed to start (exit code {process.exitcode})")
         kind, _, payload = reader.recv()
     except (EOFError, OSError) as e:
         process.join(5)
-        raise EngineDeadError(f"engine process failed to start (exit code {process.exitcode})") from e
+        raise EngineStartError(f"engine process failed to start (exit code {process.exitcode})") from e
     if kind != "ready":
         process.join(5)
         raise payload

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orbit.devices import sglang_device
-from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.base import EngineError, EngineStartError
+from orbit.engine.devices import sglang_device
 from orbit.engine.sglang.install import INSTALL_HINT
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import read_spec
@@ -68,6 +68,7 @@ class SGLangOptions:
     memory_saver: bool | None = None  # None: on with CUDA when torch_memory_saver is installed
     mem_fraction: float | None = None  # GPU: --mem-fraction-static (None: SGLang's default)
     tp: int = 1  # GPU: --tp-size, GPUs base_gpu_id .. base_gpu_id + tp - 1
+    extra: tuple[tuple[str, object], ...] = ()  # engine.sglang_args: further ServerArgs, checked at load (args.py)
 
 
 def launch(model_path: str | Path, opts: SGLangOptions):
@@ -124,6 +125,7 @@ def launch(model_path: str | Path, opts: SGLangOptions):
     if memory_saver is None:
         memory_saver = not on_cpu and importlib.util.find_spec("torch_memory_saver") is not None
     kwargs["enable_memory_saver"] = bool(memory_saver)
+    kwargs.update(dict(opts.extra))
     previous_sigquit = None
     logging.getLogger("sglang.srt.entrypoints.engine").addFilter(_quiet_sigquit_notice)
     if threading.current_thread() is threading.main_thread():
@@ -145,7 +147,7 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         if previous_sigquit is not None:
             signal.signal(signal.SIGQUIT, previous_sigquit)
         if isinstance(e, Exception):
-            raise EngineDeadError(f"SGLang engine failed to start: {e}") from e
+            raise EngineStartError(f"SGLang engine failed to start: {e}") from e
         raise
     finally:
         asyncio.set_event_loop(None)

@@ -35,7 +35,9 @@ import httpx
 import torch
 
 from orbit.config import RecipeError
-from orbit.devices import sglang_device
+from orbit.engine.base import EngineStartError
+from orbit.engine.devices import sglang_device
+from orbit.engine.sglang.args import server_flags
 from orbit.engine.sglang.engine import SGLangEngine
 from orbit.engine.sglang.http import PROBE_TIMEOUT_S, HttpTransport
 from orbit.engine.sglang.install import SGLANG_VERSION
@@ -159,7 +161,7 @@ def launch_args(model: Path, opts: SGLangOptions, spec: ModelSpec, port: int, me
         args += ["--device", "cuda", "--base-gpu-id", str(gpu), "--tp-size", str(tp)]
         if mem_fraction is not None:
             args += ["--mem-fraction-static", str(mem_fraction)]
-    return args
+    return args + server_flags(dict(opts.extra))
 
 
 def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fraction: float | None, tp: int,
@@ -188,8 +190,8 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
         if server.exited() is not None:
             tail = server.log_tail()
             server.stop()
-            raise RecipeError(f"engine.backend 'sglang-server': the server Orbit started for {url} exited (code "
-                              f"{server.exited()}) before answering; {tail}")
+            raise EngineStartError(f"engine.backend 'sglang-server': the server Orbit started for {url} exited "
+                                   f"(code {server.exited()}) before answering; {tail}")
         try:
             if httpx.get(f"{url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200:
                 server.files = sglang_shm_files([p.pid for p in group_of(popen)])
@@ -199,8 +201,8 @@ def launch_server(model: Path, opts: SGLangOptions, spec: ModelSpec, mem_fractio
         if time.monotonic() > deadline:
             tail = server.log_tail()
             server.stop()
-            raise RecipeError(f"engine.backend 'sglang-server': {url} did not become healthy within "
-                              f"{START_TIMEOUT_S:g} s; {tail}")
+            raise EngineStartError(f"engine.backend 'sglang-server': {url} did not become healthy within "
+                                   f"{START_TIMEOUT_S:g} s; {tail}")
         time.sleep(0.5)
 
 
