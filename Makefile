@@ -18,7 +18,7 @@ GGUF_OF_WHEEL := import importlib.metadata as m; \
 SGLANG := $(VENV)/.orbit-sglang-stamp
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install sglang smollm2 browser demo test test-fast test-gpu bench bench-engine bench-sglang clean
+.PHONY: install sglang smollm2 browser demo test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -56,10 +56,19 @@ demo: install $(TINY)/model.safetensors
 	rm -rf runs/tiny
 	$(BIN)/orbit train recipes/tiny.yaml --mode double-buffer
 
+# docs/recipe.md is written from the recipe's schema (tests/test_docs.py fails when it is stale); docs-check runs
+# every command the docs show against the code (scripts/docs_check.py, also a test)
+docs: install
+	$(BIN)/python -m orbit.recipe_doc
+
+docs-check: install
+	$(BIN)/python scripts/docs_check.py
+
 # The page tests drive Debian's own chromium (nothing downloaded by a test tool): installed here when missing.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-		{ apt-get update -q && apt-get install -y -q chromium; } || \
+		{ $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) \
+			apt-get install -y -q chromium; } || \
 		{ echo "make browser: install Debian's chromium package (apt-get install chromium) for the page tests"; exit 1; }
 
 test: install sglang smollm2 browser

@@ -30,14 +30,14 @@ class _Section(BaseModel):
 
 
 class AdapterConfig(_Section):
-    type: Literal["lora", "oft"] = "lora"
+    type: Literal["lora", "oft"] = Field("lora", description="lora: a low-rank update; oft: an orthogonal rotation")
     r: int = Field(8, ge=1, le=1024, description="LoRA rank")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / r)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="adapter dropout while training (off when scoring)")
     oft_block_size: int = Field(8, ge=2, le=1024, description="OFT block size (must divide in_features)")
     target_modules: list[Literal[ADAPTER_TARGETS]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
-    )
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="the projections adapted, of every decoder layer")
 
 
 DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
@@ -49,8 +49,8 @@ class EngineConfig(_Section):
         "servers are given), else embedded")
     max_inflight: int = Field(32, ge=1, le=4096, description="requests the producer keeps in flight, per engine")
     max_running: int = Field(32, ge=1, le=4096, description="requests an engine decodes at once")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the engines' weights")
+    device: str = Field("cpu", pattern=DEVICE_PATTERN, description="cpu or cuda:N, for every engine (or devices:)")
     threads: int = Field(1, ge=1, le=256, description="torch threads of each engine process")
     replicas: int | None = Field(None, ge=1, le=64, description="engines in the pool; default: one per entry "
                                  "of devices, else 1")
@@ -118,11 +118,12 @@ class EngineConfig(_Section):
 
 class RolloutConfig(_Section):
     group_size: int = Field(4, ge=2, le=1024, description="completions per prompt (GRPO group)")
-    prompts_per_step: int = Field(4, ge=1, le=4096)
-    max_new_tokens: int = Field(32, ge=1, le=32768)
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    prompts_per_step: int = Field(4, ge=1, le=4096, description="groups per batch: one optimizer step's prompts")
+    max_new_tokens: int = Field(32, ge=1, le=32768, description="tokens a completion (an agent's call) may generate")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="sampling temperature (the trainer scores with it)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (the trainer scores the truncated "
+                         "distribution)")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = off")
     stop: list[str] = Field(
         default_factory=list, description="stop strings besides eos; each must be one token of the model's tokenizer"
     )
@@ -139,14 +140,15 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(1e-3, ge=0.0, le=1.0)  # 0: the adapter stays as initialised (a sweep's control run)
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    steps: int = Field(20, ge=1)
+    lr: float = Field(1e-3, ge=0.0, le=1.0, description="AdamW's learning rate (0: the adapter stays as "
+                      "initialised, a sweep's control run)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's weight decay")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="gradients clipped to this norm")
+    steps: int = Field(20, ge=1, description="batches to train on: the adapter's last version")
     save_every: int = Field(10, ge=1, description="checkpoint the adapter every N steps")
     keep_last: int = Field(3, ge=1, le=1000, description="checkpoints kept (RUN_DIR/checkpoints/step-N); "
                            "RUN_DIR/adapter names the newest")
-    device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    device: str = Field("cpu", pattern=DEVICE_PATTERN, description="the trainer's device: cpu or cuda:N")
     devices: list[Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(
         None, description="one trainer rank per device of this host, e.g. [cuda:0, cuda:1] ([cpu, cpu]: two ranks "
         "on CPU, gloo); `orbit train` starts them through torch.distributed.run; default: [device]")
@@ -156,7 +158,7 @@ class TrainerConfig(_Section):
                                   "answering this long stops the run on every rank (rank 0 saves the adapter)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's base weights (bfloat16 "
                                                   "on a GPU halves them; adapter weights stay float32)")
-    threads: int = Field(1, ge=1, le=256)
+    threads: int = Field(1, ge=1, le=256, description="the trainer's torch threads")
     borrow_cores: bool = Field(True, description="on CPU, with the engines on this machine's CPU: the trainer also "
                                "uses the engines' threads while they have nothing to generate (orbit/train/cores.py)")
     micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward/backward (samples of similar "
@@ -188,19 +190,20 @@ class TrainerConfig(_Section):
 
 
 class Recipe(_Section):
-    model: Path
+    model: Path = Field(..., description="a local checkpoint directory (config.json, safetensors, tokenizer)")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     task: TaskSection = Field(default_factory=PatternTaskConfig)
-    mode: Literal[MODE_NAMES] = "double-buffer"  # type: ignore[valid-type]
+    mode: Literal[MODE_NAMES] = Field("double-buffer", description="the loop and the push "  # type: ignore[valid-type]
+                                      "(docs/design.md §1)")
     max_staleness: int | None = Field(
         1, ge=0, description="drop groups older than this many steps and replenish; null = keep all"
     )
-    seed: int = 0
-    out: Path = Path("runs/latest")
+    seed: int = Field(0, description="the adapter's init, the prompt stream, every sample's seed")
+    out: Path = Field(Path("runs/latest"), description="the run directory")
     logging: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="trackers each step also goes to (metrics.jsonl always has it): "
         "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; WANDB_MODE=offline works); [] = none")

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from orbit.agents.chat import ChatError, normal, parse_reply
 from orbit.agents.episodes import Episodes, messages_prompt
 from orbit.agents.record import EpisodeRecord
+from orbit.engine.base import EngineError
 from orbit.net import ThreadServer
 
 
@@ -85,6 +86,10 @@ def app_for(endpoint: Episodes) -> FastAPI:
     @app.exception_handler(_NoEpisode)
     async def _gone(_: Request, err: _NoEpisode) -> JSONResponse:
         return _error(404, str(err), "not_found_error")
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, err: EngineError) -> JSONResponse:  # the run stops, saying why; the agent sees why
+        return _error(503, f"the engine could not generate: {err}", "service_unavailable_error")
 
     def episode(eid: str) -> EpisodeRecord:
         record = endpoint.episode(eid)
