@@ -12,8 +12,8 @@ MAX_LINES = 400  # a warning, naming the file: a module longer than this is wort
 # above (docs/design.md, CONTRIBUTING.md). The RL math, tasks and engines know nothing of runs; runs know
 # nothing of the command line.
 LAYERS = (
-    ("modes", "rl", "task_config", "config", "net", "truncation", "scratch", "interrupts", "metrics", "adapters",
-     "curves", "panels", "tiny"),
+    ("modes", "rl", "task_config", "config", "net", "files", "secret", "truncation", "scratch", "interrupts", "metrics",
+     "adapters", "curves", "panels", "tiny", "recipe_doc"),
     ("tasks", "engine"),
     ("agents", "rollout", "push", "train", "tracking", "revive", "model_import", "warmstart", "slow"),
     ("devices", "preflight", "loop", "run_dir", "run", "eval", "pages", "ends"),

@@ -21,6 +21,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from orbit.files import fsync, write_dir
+
 CHECKPOINTS = "checkpoints"
 LATEST = "adapter"
 STATE_FILE = "trainer_state.json"  # written last by the trainer; a complete checkpoint has it
@@ -61,18 +63,10 @@ def save(run_dir: Path, version: int, write: Callable[[Path], None], keep_last: 
     previous = latest(run_dir)
     kept = f"the checkpoint of step {_version_of(previous)} is kept" if previous else "no checkpoint was kept"
     if not (final / STATE_FILE).is_file():  # (a stop right after a periodic save of the same step: it is there)
-        tmp = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             _adopt_legacy(run_dir)
-            tmp.mkdir(parents=True)
-            write(tmp)
-            for file in tmp.iterdir():
-                _fsync(file)
-            _fsync(tmp)
-            os.rename(tmp, final)
-            _fsync(final.parent)
+            write_dir(final, write, durable=True)
         except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"could not write the checkpoint of step {version} to {final} "
                                   f"({err.strerror or err}); {kept}") from None
     _point_latest(run_dir, final)
@@ -95,7 +89,7 @@ def _point_latest(run_dir: Path, target: Path) -> None:
     try:
         link.symlink_to(target.relative_to(run_dir))
         os.replace(link, run_dir / LATEST)
-        _fsync(run_dir)
+        fsync(run_dir)
     except OSError as err:
         link.unlink(missing_ok=True)
         raise CheckpointError(f"could not point {run_dir / LATEST} at {target} ({err.strerror or err}); the "
@@ -121,12 +115,3 @@ def _version_of(path: Path) -> int:
     import json
 
     return int(json.loads((path / STATE_FILE).read_text())["version"])
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's (or a directory's entries') writes to disk: a node that dies keeps them too."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

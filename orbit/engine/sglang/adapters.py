@@ -15,9 +15,6 @@ directory next to the target, then renamed, so a server never reads half a write
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -27,6 +24,7 @@ from orbit.engine.base import EngineError
 from orbit.engine.checks import check_adapter, plain_config
 from orbit.engine.sglang_cpu.adapter_format import to_sglang_lora
 from orbit.engine.spec import ModelSpec
+from orbit.files import write_dir
 
 
 def prepare_adapter(tensors: dict, adapter_config: dict, spec: ModelSpec, hf_config: dict, lora: bool,
@@ -67,19 +65,10 @@ def write_weights_dir(root: Path, name: str, named: list[tuple[str, torch.Tensor
 
 
 def _write_dir(root: Path, name: str, tensor_files: dict[str, dict], json_files: dict[str, dict]) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / name
-    tmp = root / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> None:
         for file, tensors in tensor_files.items():
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file))
         for file, data in json_files.items():
             (tmp / file).write_text(json.dumps(data, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return write_dir(root / name, fill, replace=True)

@@ -37,6 +37,7 @@ from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.sglang import local
 from orbit.engine.sglang.adapters import write_peft_dir, write_weights_dir
 from orbit.engine.sglang.gate import Outcome
+from orbit.secret import scrub
 
 GET_RETRIES = 3
 PROBE_TIMEOUT_S = 5.0  # a server that does not answer /health this fast is hung
@@ -74,7 +75,7 @@ class HttpTransport:
         return self._client
 
     def scrub(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
+        return scrub(text, self._key)
 
     async def _post(self, route: str, body: dict | None = None, timeout: float | None = None) -> httpx.Response:
         """One POST, never retried. A broken connection is a dead server when the server says so

@@ -46,6 +46,7 @@ from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import ModelSpec, checkpoint_file_of, read_spec
 from orbit.net import free_port
+from orbit.secret import scrub
 
 START_TIMEOUT_S = 600.0
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -70,7 +71,7 @@ class ServerProcess:
             text = "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-        text = text.replace(self._key, "***") if self._key else text
+        text = scrub(text, self._key)
         return f"its log ends:\n{text}" if text else ""  # quoted: the log goes with the server at stop
 
     def stop(self) -> None:
