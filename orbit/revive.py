@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from orbit.engine.base import Engine
-from orbit.engine.member import quietly
+from orbit.engine.calls import quietly
 from orbit.engine.pool import EnginePool, Member
 from orbit.push.fleet import FleetPush
 

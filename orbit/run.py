@@ -339,7 +339,7 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         run.push.finish(recipe.rollout.stall_timeout_s)  # the last version reaches the engines; refusals surface
     except KeyboardInterrupt:
         interrupts.handled()
-        lost = trainer.ranks.lost if trainer.ranks is not None else None
+        lost = trainer.ranks.lost
         if lost is not None:  # the heartbeat interrupted the run: a rank is gone
             stepped = _stop(run, run_dir, created, resume)
             saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"

@@ -124,6 +124,7 @@ class FakeEngine:
                                          flush_while_running=True)
         self.calls: list[tuple] = []
         self.slot_requests = tuple([0] * slots)
+        self.active_slot: int | None = None  # what stats() reports; a test sets it
 
     def generate(self, prompt_ids, sampling, slot="active", meta=None) -> Future:
         self.calls.append(("generate", slot))
@@ -155,7 +156,7 @@ class FakeEngine:
         self.calls.append(("resume_memory",))
 
     def stats(self) -> EngineStats:
-        return EngineStats(slot_requests=self.slot_requests)
+        return EngineStats(slot_requests=self.slot_requests, active_slot=self.active_slot)
 
     def shutdown(self) -> None:
         self.calls.append(("shutdown",))

@@ -46,20 +46,25 @@ def test_double_buffer_writes_the_inactive_slot_while_serving_then_flips():
     engine.calls.clear()
     run_phases([Target(push, engine)], Policy(1), None)
     assert _kinds(engine) == [("load", 1), "pause_generation", "flush_cache", "activate", "continue_generation"]
-    assert engine.calls[1] == ("pause_generation", "in_place") and push.active == 1
+    assert engine.calls[1] == ("pause_generation", "in_place") and engine.calls[3] == ("activate", 1)
+    engine.active_slot = 1
     engine.calls.clear()
     run_phases([Target(push, engine)], Policy(2), None)
     assert _kinds(engine)[0] == ("load", 0)  # back to slot 0: the ring of two
 
 
 def test_the_ring_skips_slots_with_requests_and_reuses_the_one_inactive_longest():
-    push = DoubleBufferPush(slots=4)
-    assert push.choose_slot((0, 0, 0, 0)) == 1
+    push, engine = DoubleBufferPush(slots=4), FakeEngine(slots=4)
+    push.initial(engine, Policy(0))
+    assert push.choose_slot(0, (0, 0, 0, 0)) == 1
     push.target = 1
-    push.apply(FakeEngine(slots=4), Policy(1), None)  # active 1; slot 0 deactivated at flip 1
-    assert push.choose_slot((0, 0, 0, 0)) == 2  # never used: inactive longest
-    assert push.choose_slot((0, 0, 3, 0)) == 3  # slot 2 still has requests of its own
-    assert push.choose_slot((5, 0, 5, 5)) == 2  # all busy: the one inactive longest (its requests wait or abort)
+    push.apply(engine, Policy(1), None)  # active 1; slot 0 deactivated at flip 1
+    assert push.choose_slot(1, (0, 0, 0, 0)) == 2  # never used: inactive longest
+    assert push.choose_slot(1, (0, 0, 3, 0)) == 3  # slot 2 still has requests of its own
+    assert push.choose_slot(1, (5, 0, 5, 5)) == 2  # all busy: the one inactive longest (its requests wait or abort)
+    push.target = 2
+    push.apply(engine, Policy(2), None)
+    assert push.choose_slot(2, (0, 0, 0, 0)) == 3 and push.choose_slot(2, (0, 0, 0, 5)) == 0
 
 
 def test_an_adapter_push_on_sglang_loads_while_generation_runs():
@@ -251,7 +256,7 @@ def test_a_dead_engine_is_restarted_brought_to_the_newest_version_and_rejoins():
     pool.drop(pool.members[1], "engine process 9 died")
     _wait(lambda: pool.rejoined == 1)
     assert pool.members[1].engine is fresh and pool.versions() == [1, 1]
-    assert _kinds(fresh)[:2] == [("load", 1), "activate"]  # v1 before it serves anything
+    assert _kinds(fresh)[:2] == [("load", 0), "activate"]  # v1 (into its first slot) before it serves anything
     push.push(Policy(2))  # and it flips with the others from then on
     _wait(lambda: pool.versions() == [2, 2])
     revival.stop()

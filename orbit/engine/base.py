@@ -188,3 +188,19 @@ def resolve(fut: Future, result: object = None, exc: BaseException | None = None
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+_SUMMED = ("tokens_generated", "busy_s", "paused_s", "running", "waiting", "prefix_cache_entries",
+           "prefix_cache_hits", "prefill_tokens", "aborted", "aborted_on_load", "retracted")
+
+
+def summed(parts: list[EngineStats]) -> EngineStats:
+    """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""
+    first = parts[0]
+    total = EngineStats(active_slot=first.active_slot, slot_versions=first.slot_versions,
+                        slot_requests=first.slot_requests, base_version=first.base_version,
+                        paused=any(p.paused for p in parts))
+    for name in _SUMMED:
+        setattr(total, name, sum(getattr(p, name) for p in parts))
+    return total
+

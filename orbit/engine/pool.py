@@ -36,8 +36,10 @@ from orbit.engine.base import (
     SamplingParams,
     Slot,
     resolve,
+    summed,
 )
-from orbit.engine.member import Member, Request, bounded, outcome, quietly, summed
+from orbit.engine.calls import bounded, outcome, quietly
+from orbit.engine.member import Member, Request
 
 PING_S = 1.0  # liveness check of every member this often
 

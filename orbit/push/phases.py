@@ -191,25 +191,29 @@ class DoubleBufferPush(Push):
         super().__init__(engine_index)
         self.slots = slots
         self.flush = flush  # False where flush_cache refuses running requests (its cache is per adapter load)
-        self.active = 0
         self.target = 1
-        self._deactivated = [0] * slots  # the flip count at which each slot last stopped being active
+        # The ring's own memory: the flip at which each slot was last activated (-1: never). Which slot is
+        # active now is the engine's to say (`stats().active_slot`); the push keeps no copy of it.
+        self._activated = [-1] * slots
         self._flips = 0
 
     def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
-        self._load(engine, self.active, policy, timeline)
-        engine.activate(self.active)
+        self._load(engine, 0, policy, timeline)
+        engine.activate(0)
+        self._activated[0] = self._flips
 
-    def choose_slot(self, slot_requests: tuple[int, ...]) -> int:
+    def choose_slot(self, active: int | None, slot_requests: tuple[int, ...]) -> int:
         """The ring: the slot inactive longest among those with no request of their own left, else
-        the one inactive longest (its requests are then aborted, or waited for, by the engine)."""
-        others = [s for s in range(self.slots) if s != self.active]
+        the one inactive longest (its requests are then aborted, or waited for, by the engine). A slot
+        stops being active when the next one is activated, so the earliest activated is inactive longest."""
+        others = [s for s in range(self.slots) if s != active]
         return min(others, key=lambda s: (slot_requests[s] > 0 if s < len(slot_requests) else False,
-                                          self._deactivated[s]))
+                                          self._activated[s]))
 
     def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
         # The active slot keeps serving while another one is written.
-        self.target = self.choose_slot(engine.stats().slot_requests)
+        stats = engine.stats()
+        self.target = self.choose_slot(stats.active_slot, stats.slot_requests)
         self._load(engine, self.target, policy, timeline)
 
     def apply(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
@@ -217,8 +221,7 @@ class DoubleBufferPush(Push):
             engine.flush_cache()
         engine.activate(self.target)
         self._flips += 1
-        self._deactivated[self.active] = self._flips
-        self.active = self.target
+        self._activated[self.target] = self._flips
 
 
 def make_push(name: str, adapter_type: str, capabilities: Capabilities, engine_index: int = 0) -> Push:

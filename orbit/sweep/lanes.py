@@ -21,6 +21,7 @@ import torch
 
 from orbit.engine.base import ACTIVE, Completion, Engine, EngineError, EngineStats, PauseMode, SamplingParams, Slot
 from orbit.engine.pool import EnginePool
+from orbit.engine.serving import ActiveSlot
 from orbit.metrics import Timeline
 from orbit.push.fleet import FleetPush
 from orbit.revive import Revival
@@ -34,7 +35,7 @@ class LaneEngine:
         self.info = engine.info
         self.capabilities = dataclasses.replace(engine.capabilities, slots=slots, flush_while_running=False)
         self.adapter_transport = engine.adapter_transport
-        self._active: int | None = None
+        self.active = ActiveSlot()  # this run's pointer; the engine checks the slot it names
         self._tokens = 0  # generated for this run: its finished requests' output tokens
         self._lock = threading.Lock()
 
@@ -47,8 +48,7 @@ class LaneEngine:
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
                  meta: dict | None = None) -> Future[Completion]:
-        with self._lock:  # bound at submission, as an engine binds ACTIVE
-            bound = self._active if slot == ACTIVE else slot
+        bound = self.active.bind(slot)  # at submission, as an engine binds ACTIVE
         future = self.engine.generate(prompt_ids, sampling, self._engine_slot(bound), meta)
         future.add_done_callback(self._count)
         return future
@@ -63,8 +63,7 @@ class LaneEngine:
 
     def activate(self, slot: int | None) -> None:
         self._engine_slot(slot)  # checks it
-        with self._lock:
-            self._active = slot
+        self.active.set(slot)
 
     # The flip of one run pauses and flushes nothing (module docstring).
     def pause_generation(self, mode: PauseMode = "in_place") -> None:  # noqa: ARG002 - protocol
@@ -91,8 +90,8 @@ class LaneEngine:
         s = self.engine.stats()
         lane = slice(self.first, self.first + self.slots)
         with self._lock:
-            active, tokens = self._active, self._tokens
-        return dataclasses.replace(s, active_slot=active, slot_versions=tuple(s.slot_versions[lane]),
+            tokens = self._tokens
+        return dataclasses.replace(s, active_slot=self.active.get(), slot_versions=tuple(s.slot_versions[lane]),
                                    slot_requests=tuple(s.slot_requests[lane]), tokens_generated=tokens)
 
     def shutdown(self) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from orbit.rl import LossStats
 from orbit.rollout.sample import Sample
 from orbit.train.batch import Batch
-from orbit.train.ranks import Ranks
+from orbit.train.ranks import Alone, Ranks
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Totals:
             optimizer_steps=n_steps,
         )
 
-    def sum_over(self, ranks: Ranks) -> None:
+    def sum_over(self, ranks: Ranks | Alone) -> None:
         """The whole batch's sums, from every rank's share."""
         sums = torch.tensor([self.loss, self.tokens, self.ratio_sum, self.clipped, self.kl_sum, self.entropy_sum,
                              self.masked, *self.diff, *self.diff_tokens], dtype=torch.float64)

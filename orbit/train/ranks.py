@@ -84,6 +84,34 @@ def padded_micro_batches(samples: list[Sample], world: int, rank: int, budget: i
     return mine
 
 
+class Alone:
+    """A trainer with no other rank: what the trainer asks of its ranks, with no one to tell. The trainer is
+    given this or `Ranks`, so a single run, a sweep's run and a rank run one code path."""
+
+    world, rank, leader, lost = 1, 0, True, None
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+
+    def send(self, what: str, payload: object = None) -> None:
+        pass
+
+    def share(self, samples: list[Sample], budget: int, pad: bool) -> list[tuple[list[Sample], bool]]:  # noqa: ARG002
+        return [(chunk, True) for chunk in micro_batches(samples, budget)]
+
+    def sum_grads(self, params: list[Tensor]) -> None:
+        pass
+
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        pass
+
+    def broadcast_params(self, params: list[Tensor]) -> None:
+        pass
+
+    def shard_base(self, decoder: torch.nn.Module, keep: list[Tensor]) -> None:
+        raise ValueError("trainer.shard: fsdp shards the base over several ranks; this trainer is alone")
+
+
 class Ranks:
     """This process's place among the trainer ranks, the collectives a step needs, and the heartbeat."""
 
@@ -146,8 +174,14 @@ class Ranks:
 
     # -- the collectives of a step --------------------------------------------------------------
 
+    def share(self, samples: list[Sample], budget: int, pad: bool) -> list[tuple[list[Sample], bool]]:
+        """This rank's micro-batches of the batch, each with whether it counts (`padded_micro_batches`)."""
+        return padded_micro_batches(samples, self.world, self.rank, budget, pad)
+
     def sum_grads(self, params: list[Tensor]) -> None:
-        """Sum the adapter's gradients over the ranks, in one flat buffer (a rank with nothing to train has zeros)."""
+        """Sum the adapter's gradients over the ranks, in one flat buffer (a rank with nothing to train has zeros).
+        Not DDP's reducer: DDP wraps the module and reduces buckets during a backward that every rank runs alike;
+        here ranks run different numbers of micro-batches and only the adapter's few tensors need one sum."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.all_reduce(flat)
@@ -211,6 +245,9 @@ class Ranks:
             return []
 
     def _heartbeat(self) -> None:
+        # Not `monitored_barrier`: every rank must enter it, and rank 0 spends most of its time outside any
+        # collective (waiting for rollouts); nor the elastic agent's monitoring, which sees a worker exit but
+        # not one that hangs. A count in the launcher's store shows both, wherever the other rank is.
         watched = range(1, self.world) if self.leader else [0]
         seen = {r: (-1, time.monotonic()) for r in watched}
         while not self._stopped.wait(BEAT_S):

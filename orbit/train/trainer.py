@@ -34,7 +34,7 @@ from orbit.train.batch import (
 )
 from orbit.train.cores import Cores
 from orbit.train.measure import StepResult, Totals, saved_rows
-from orbit.train.ranks import RankLost, Ranks, padded_micro_batches
+from orbit.train.ranks import Alone, RankLost, Ranks
 from orbit.train.schedule import scheduler
 from orbit.train.shared import SharedBase
 from orbit.train.state import DEFAULT_ADAPTER
@@ -60,8 +60,9 @@ def recipe_trainer(recipe: Recipe, ranks: Ranks | None = None, shared: SharedBas
 
 
 class Trainer:
-    """Trains a LoRA or OFT adapter on scored samples (see `step`). With `ranks`, one of several trainer
-    ranks (ranks.py): rank 0's `step`, `logprobs` and `load` make the other ranks, in `follow`, do the same."""
+    """Trains a LoRA or OFT adapter on scored samples (see `step`). Composed of its base (`shared`: its own, or
+    a sweep's shared by every run) and its ranks (`ranks`: `Alone`, or one of several trainer ranks, ranks.py,
+    where rank 0's `step`, `logprobs` and `load` make the other ranks, in `follow`, do the same)."""
 
     def __init__(
         self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int,
@@ -76,9 +77,9 @@ class Trainer:
         self.algo = algorithm or AlgorithmConfig()
         self.norm_length = self.algo.norm(max_new_tokens)
         self.adapter = adapter
-        self.ranks = ranks
+        self.ranks: Ranks | Alone = ranks or Alone(cfg.device)
         self._closed = False
-        self.device = ranks.device if ranks is not None else torch.device(cfg.device)
+        self.device = self.ranks.device
         # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated logprobs.
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p, self.top_k = (top_p, top_k) if temperature > 0 else (1.0, 0)
@@ -92,14 +93,13 @@ class Trainer:
         # The decoder stack (with its final norm) and the output projection, run apart (batch.py).
         self._decoder = base.model
         self._head = base.get_output_embeddings().weight
-        self._sharded = ranks is not None and cfg.shard == "fsdp"
+        self._sharded = cfg.shard == "fsdp" and self.ranks.world > 1
         if self._sharded:
             # The head is frozen and often tied to the (sharded) embedding: every rank keeps it whole.
             self._head = self._head.detach().clone().to(self.device)
-            ranks.shard_base(self._decoder, self.params)
+            self.ranks.shard_base(self._decoder, self.params)
         self.model.to(self.device)
-        if ranks is not None:
-            ranks.broadcast_params(self.params)
+        self.ranks.broadcast_params(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = scheduler(self.optimizer, self.algo.optimizer_steps, cfg.steps, cfg.warmup_steps,
                                    cfg.schedule)
@@ -124,8 +124,7 @@ class Trainer:
         tokens (batch.py); with ranks, each on its share and the gradients summed."""
         if not samples:
             raise ValueError("step needs at least one sample")
-        if self.ranks is not None:
-            self.ranks.send("step", samples)
+        self.ranks.send("step", samples)
         with self.shared.turn(self.name) as waited:  # after the adapters (of a sweep) that asked first
             result = self._step(samples)
         result.queue_s = waited
@@ -180,9 +179,8 @@ class Trainer:
             step.add(loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch)
             if measure:
                 _keep(chunk, logp)
-        if self.ranks is not None:
-            self.ranks.sum_grads(self.params)
-            step.sum_over(self.ranks)
+        self.ranks.sum_grads(self.params)
+        step.sum_over(self.ranks)
         if measure and (step.diff_tokens[0] == 0 or self.adapter.dropout > 0):
             # No fresh token, or the training forward ran with dropout: measure agreement apart.
             step.diff[0], step.diff_tokens[0] = 0.0, 0
@@ -221,8 +219,7 @@ class Trainer:
                         _keep(chunk, logp)
         finally:
             self.model.train(was_training)
-        if self.ranks is not None:
-            step.sum_over(self.ranks)
+        step.sum_over(self.ranks)
         if step.diff_tokens[0] == 0:
             self._rescore(samples, step)
         totals.diff, totals.diff_tokens = step.diff, step.diff_tokens
@@ -243,10 +240,7 @@ class Trainer:
 
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
         """(micro-batch, whether it counts): all of them, or with ranks this rank's share's (ranks.py)."""
-        if self.ranks is None:
-            return [(chunk, True) for chunk in micro_batches(samples, self.cfg.micro_batch_tokens)]
-        return padded_micro_batches(samples, self.ranks.world, self.ranks.rank, self.cfg.micro_batch_tokens,
-                                    pad=self._sharded)
+        return self.ranks.share(samples, self.cfg.micro_batch_tokens, pad=self._sharded)
 
     def _snapshot(self) -> None:
         """Keep a copy of the adapter at this version (adapters are small)."""
@@ -282,8 +276,7 @@ class Trainer:
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Trainer logprobs of each sample's output tokens under the current adapter (eval mode)."""
-        if self.ranks is not None:  # every rank runs the same forwards (they are collectives under FSDP)
-            self.ranks.send("logprobs", samples)
+        self.ranks.send("logprobs", samples)  # every rank runs the same forwards (collectives under FSDP)
         with self.shared.turn(self.name):
             return self._sample_logprobs(samples)
 
@@ -354,8 +347,7 @@ class Trainer:
         """Restore what `save` wrote, so training continues exactly where it stopped (with ranks: on
         every rank, however many ranks wrote it); returns the saved `run_state`."""
         saved = state.read(Path(directory), self.model, self.name)
-        if self.ranks is not None:
-            self.ranks.send("load", saved)
+        self.ranks.send("load", saved)
         self._restore(saved)
         return saved.state.get("run", {})
 
@@ -374,7 +366,7 @@ class Trainer:
 
     def close(self) -> None:
         """Rank 0: the other ranks stop following (when they can still hear it). Idempotent."""
-        if self.ranks is not None and self.ranks.leader and self.ranks.lost is None and not self._closed:
+        if self.ranks.world > 1 and self.ranks.leader and self.ranks.lost is None and not self._closed:
             self._closed = True
             try:
                 self.ranks.send("stop")

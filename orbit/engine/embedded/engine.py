@@ -30,6 +30,7 @@ from orbit.engine.embedded.model import Decoder, Project, plain_linear, validate
 from orbit.engine.embedded.sampler import sample
 from orbit.engine.embedded.scheduler import Scheduler, Sequence
 from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
+from orbit.engine.serving import ActiveSlot
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class EngineCore:
         if opts.slots < 1:
             raise EngineError(f"slots must be >= 1, got {opts.slots}")
         self.slots: list[SlotWeights | None] = [None] * opts.slots
-        self.active: int | None = None
+        self.active = ActiveSlot(holds=lambda slot: self.slots[slot] is not None)
         self.base_version = 0
         self.paused = False
         self.released = False
@@ -106,14 +107,7 @@ class EngineCore:
             raise EngineError(f"seed must be an int or None, got {sampling.seed!r}")
 
     def _resolve_slot(self, slot: Slot) -> int | None:
-        if slot == ACTIVE:
-            return self.active
-        if slot is None:
-            return None
-        slot = check_slot(slot, len(self.slots))
-        if self.slots[slot] is None:
-            raise EngineError(f"slot {slot} is empty: load_adapter into it first")
-        return slot
+        return self.active.bind(slot if slot in (ACTIVE, None) else check_slot(slot, len(self.slots)))
 
     def _version(self, slot: int | None) -> int:
         weights = self.slots[slot] if slot is not None else None
@@ -281,11 +275,7 @@ class EngineCore:
 
     def activate(self, slot: int | None) -> None:
         """New ACTIVE requests bind to `slot` (None = base weights). Moves no tensors."""
-        if slot is not None:
-            slot = check_slot(slot, len(self.slots))
-            if self.slots[slot] is None:
-                raise EngineError(f"cannot activate slot {slot}: it is empty")
-        self.active = slot
+        self.active.set(None if slot is None else check_slot(slot, len(self.slots)))
 
     def pause_generation(self, mode: str = "in_place") -> None:
         """Stop stepping. in_place: running requests keep rows and KV; retract: their KV is dropped
@@ -358,7 +348,7 @@ class EngineCore:
         return EngineStats(
             tokens_generated=c["tokens_generated"], busy_s=c["busy_s"], paused_s=paused_s,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefix_cache_entries=len(self.cache), prefix_cache_hits=self.cache.hits, active_slot=self.active,
+            prefix_cache_entries=len(self.cache), prefix_cache_hits=self.cache.hits, active_slot=self.active.get(),
             slot_versions=tuple(None if w is None else w.version for w in self.slots),
             slot_requests=tuple(sum(1 for q in (*self.scheduler.running, *self.scheduler.waiting) if q.slot == i)
                                 for i in range(len(self.slots))),

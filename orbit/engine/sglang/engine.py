@@ -28,6 +28,7 @@ from orbit.engine.base import (
     resolve,
 )
 from orbit.engine.checks import check_pause_mode, check_slot, check_tensor, check_version
+from orbit.engine.serving import ActiveSlot
 from orbit.engine.sglang.adapters import prepare_adapter
 from orbit.engine.sglang.gate import SlotGate, slot_name
 from orbit.engine.sglang.loop import POLL_S, EngineLoop
@@ -69,7 +70,7 @@ class SGLangEngine:
         )
         self.gate = SlotGate(options.slots)  # loop-thread state
         self._lock = threading.Lock()  # guards what caller threads read and write below
-        self._active: int | None = None
+        self.active = ActiveSlot(holds=lambda slot: self.gate.version[slot] is not None)
         self._base_version = 0
         self._paused = False
         self._pause_t0 = 0.0
@@ -99,13 +100,6 @@ class SGLangEngine:
             self._busy_t0 = now
 
     # ---- requests ------------------------------------------------------------------------------
-
-    def _bound(self, slot: Slot) -> int | None:
-        with self._lock:
-            bound = self._active if slot == ACTIVE else slot
-        if bound is not None and self.gate.version[bound] is None:
-            raise EngineError(f"slot {bound} is empty: load_adapter into it first")
-        return bound  # type: ignore[return-value]
 
     async def _on_slot(self, slot: int | None, body: dict) -> tuple[dict, int, float]:
         """One request on SGLang: wait for its slot, carry its adapter name, count it in and out."""
@@ -141,7 +135,7 @@ class SGLangEngine:
         requests, the base version SGLang stamped on its last token.
         """
         req = build_request(prompt_ids, sampling, slot, self.spec.vocab_size, self.max_context, self.num_slots)
-        bound = self._bound(req.slot)
+        bound = self.active.bind(req.slot)
 
         async def run() -> None:
             out, version, t_start = await self._on_slot(bound, req.body(None))
@@ -184,11 +178,8 @@ class SGLangEngine:
         """New ACTIVE requests carry this slot's adapter (None = base weights) from now on."""
         if slot is not None:
             slot = check_slot(slot, self.num_slots)
-        with self._lock:
-            self.loop.check_alive()
-            if slot is not None and self.gate.version[slot] is None:
-                raise EngineError(f"cannot activate slot {slot}: it is empty")
-            self._active = slot
+        self.loop.check_alive()
+        self.active.set(slot)
 
     def clear_slots(self) -> None:
         """Unload adapters a previous Orbit engine left under this engine's slot names (a server that
@@ -272,7 +263,7 @@ class SGLangEngine:
         gate = self.gate
         return EngineStats(
             tokens_generated=c["tokens_generated"], busy_s=busy, paused_s=paused, running=self._inflight,
-            waiting=sum(gate.held), prefix_cache_hits=c["prefix_cache_hits"], active_slot=self._active,
+            waiting=sum(gate.held), prefix_cache_hits=c["prefix_cache_hits"], active_slot=self.active.get(),
             slot_versions=tuple(gate.version), slot_requests=gate.requests(), base_version=self._base_version,
             paused=self._paused, prefill_tokens=c["prefill_tokens"], aborted=c["aborted"], retracted=c["retracted"],
         )
