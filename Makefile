@@ -18,7 +18,12 @@ GGUF_OF_WHEEL := import importlib.metadata as m; \
 SGLANG := $(VENV)/.orbit-sglang-stamp
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install sglang smollm2 browser demo test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
+# verifiers environments (task.name: verifiers) run in a virtualenv of their own: verifiers 0.4 needs openai
+# and transformers newer than SGLang's pins. No torch in it.
+VF_VENV := .venv-verifiers
+VERIFIERS := verifiers==0.4.0
+
+.PHONY: install sglang smollm2 browser verifiers demo test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -52,6 +57,13 @@ smollm2: $(SMOLLM2)/model.safetensors
 $(TINY)/model.safetensors: | $(BIN)/orbit
 	$(BIN)/orbit model tiny $(TINY) --arch llama --seed 0
 
+$(VF_VENV)/bin/vf-eval:
+	$(PY) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/pip install -q $(VERIFIERS)
+	touch $@
+
+verifiers: $(VF_VENV)/bin/vf-eval
+
 demo: install $(TINY)/model.safetensors
 	rm -rf runs/tiny
 	$(BIN)/orbit train recipes/tiny.yaml --mode double-buffer
@@ -71,7 +83,7 @@ browser:
 			apt-get install -y -q chromium; } || \
 		{ echo "make browser: install Debian's chromium package (apt-get install chromium) for the page tests"; exit 1; }
 
-test: install sglang smollm2 browser
+test: install sglang smollm2 browser verifiers
 	$(BIN)/ruff check orbit tests bench scripts
 	$(BIN)/pytest -q
 
@@ -114,4 +126,4 @@ bench-sglang: install sglang
 	$(BIN)/python bench/sglang_vs_embedded.py
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(VF_VENV) .cache runs

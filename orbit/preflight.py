@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from orbit.config import EngineConfig, Recipe, RecipeError, TaskConfig
 from orbit.devices import check_devices, choose_backend
@@ -139,6 +140,16 @@ def check_oft_block_size(recipe: Recipe) -> None:
     )
 
 
+def check_verifiers(python: str, taskset: str) -> None:
+    """The environment's interpreter can run and a taskset file exists (loading it is the bridge's, at start)."""
+    exe = Path(python)
+    if not (exe.is_file() and os.access(exe, os.X_OK)):
+        raise RecipeError(f"task.python: {python!r} is not a Python to run (make verifiers sets up "
+                          ".venv-verifiers/bin/python)")
+    if taskset.endswith(".py") and not Path(taskset).is_file():
+        raise RecipeError(f"task.taskset: no file {taskset!r}")
+
+
 def check_task(task: TaskConfig) -> None:
     """What can be checked without the model: a user task imports, a dataset's rows are valid (every
     row of a math dataset has its fields and a gold answer math-verify can read)."""
@@ -163,6 +174,8 @@ def check_task(task: TaskConfig) -> None:
                 raise
             except ValueError as err:
                 raise RecipeError(str(err)) from None
+        if task.name == "verifiers":
+            check_verifiers(task.python, task.taskset)
         if task.name in ("jsonl", "math"):
             for key in ("path", "eval_path"):
                 path = task.path if key == "path" else task.eval_path

@@ -28,7 +28,7 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     name: str = Field("pattern", min_length=1, description="pattern | arith | zorplex | jsonl | math | agent | "
-                      "reasoning-gym | module:factory")
+                      "reasoning-gym | verifiers | module:factory")
 
     def __new__(cls, *args, **data):
         if cls is TaskConfig:  # the model for this name, validated (its own __init__ then runs again: idempotent)
@@ -147,6 +147,18 @@ class GymTaskConfig(TaskConfig):
                                         "and 0 otherwise (false)")
 
 
+class VerifiersTaskConfig(TaskConfig):
+    name: Literal["verifiers"]
+    taskset: str = Field(..., min_length=1, description="a verifiers taskset: its importable id, or a FILE.py "
+                         "that defines it")
+    python: str = Field(..., min_length=1, description="the Python of the virtualenv verifiers is installed in "
+                        "(make verifiers: .venv-verifiers/bin/python)")
+    harness: str | None = Field(None, min_length=1, description="a verifiers harness id (default: one chat turn, "
+                                "made in-process)")
+    holdout_every: int | None = _HOLDOUT
+    success: float | None = Field(None, description="the reward at which an episode counts as a success (1)")
+
+
 class UserTaskConfig(TaskConfig):
     """`name` is `module:factory` (or `file.py:factory`), called as `factory(tokenizer, **options)` with every
     other key set here."""
@@ -165,6 +177,7 @@ class UserTaskConfig(TaskConfig):
 BUILTINS: dict[str, type[TaskConfig]] = {
     "pattern": PatternTaskConfig, "arith": ArithTaskConfig, "zorplex": ZorplexTaskConfig, "jsonl": JsonlTaskConfig,
     "math": MathTaskConfig, "agent": AgentTaskConfig, "reasoning-gym": GymTaskConfig,
+    "verifiers": VerifiersTaskConfig,
 }
 BUILTIN_TASKS = tuple(BUILTINS)
 
@@ -178,7 +191,8 @@ TaskSection = Annotated[
     Annotated[PatternTaskConfig, Tag("pattern")] | Annotated[ArithTaskConfig, Tag("arith")]
     | Annotated[ZorplexTaskConfig, Tag("zorplex")] | Annotated[JsonlTaskConfig, Tag("jsonl")]
     | Annotated[MathTaskConfig, Tag("math")] | Annotated[AgentTaskConfig, Tag("agent")]
-    | Annotated[GymTaskConfig, Tag("reasoning-gym")] | Annotated[UserTaskConfig, Tag("user")],
+    | Annotated[GymTaskConfig, Tag("reasoning-gym")] | Annotated[VerifiersTaskConfig, Tag("verifiers")]
+    | Annotated[UserTaskConfig, Tag("user")],
     Discriminator(_kind),
 ]
 TASK_ADAPTER: TypeAdapter = TypeAdapter(TaskSection)

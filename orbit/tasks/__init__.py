@@ -26,6 +26,7 @@ from orbit.tasks.jsonl import DatasetError, JsonlTask
 from orbit.tasks.loader import TaskLoadError, resolve_factory
 from orbit.tasks.math import MathTask
 from orbit.tasks.pattern import PatternTask
+from orbit.tasks.verifiers import VerifiersTask
 from orbit.tasks.zorplex import ZorplexTask
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask, "math": MathTask,
-            "agent": AgentTask, "reasoning-gym": GymTask}
+            "agent": AgentTask, "reasoning-gym": GymTask, "verifiers": VerifiersTask}
 
 
 def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
@@ -53,7 +54,8 @@ def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
     except TaskLoadError as err:
         raise RecipeError(f"task.{'entry' if cfg.name == 'agent' else 'name'}: {err}") from None
     except DatasetError as err:
-        raise RecipeError(f"task.{'data' if cfg.name == 'agent' else 'path'}: {err}") from None
+        field = {"agent": "data", "verifiers": "taskset"}.get(cfg.name, "path")
+        raise RecipeError(f"task.{field}: {err}") from None
     except ValueError as err:
         if isinstance(err, RecipeError):
             raise

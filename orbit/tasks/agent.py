@@ -45,11 +45,7 @@ class AgentTask:
         if eval_data is not None:
             self.train, self.eval = rows, _rows(eval_data)
         else:
-            self.train = [r for i, r in enumerate(rows) if i % holdout_every != holdout_every - 1]
-            self.eval = [r for i, r in enumerate(rows) if i % holdout_every == holdout_every - 1]
-        if not self.train or not self.eval:
-            raise DatasetError(f"{data}: {len(rows)} row(s) leave no {'training' if not self.train else 'held-out'} "
-                               f"rows (holdout_every {holdout_every}; or give eval_data)")
+            self.train, self.eval = held_out(rows, holdout_every, data)
 
     def prompts(self, seed: int, split: str = "train") -> Iterator[Prompt]:
         """The split's rows, shuffled by `seed`, again and again (each pass in a new order)."""
@@ -74,19 +70,34 @@ class AgentTask:
         """One episode: the agent function on the prompt's row. What it returns, checked."""
         result = await self.function(client, model, dict(prompt.meta["example"]))
         reward, info = (result if isinstance(result, tuple) and len(result) == 2 else (result, {}))
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise TaskError(f"the agent {self.entry} returned {type(reward).__name__} {reward!r}; it must return a "
-                            "float reward, or (reward, info)")
-        if not math.isfinite(reward):
-            raise TaskError(f"the agent {self.entry} returned a non-finite reward ({reward})")
-        if not isinstance(info, dict):
-            raise TaskError(f"the agent {self.entry} returned info of type {type(info).__name__}; info is a dict")
-        correct = bool(info.get("correct", reward >= self.success))
-        return Score(float(reward), {**info, "correct": correct,
-                                     "failure_mode": "success" if correct else "wrong_answer"})
+        return episode_score(reward, info, f"the agent {self.entry}", self.success)
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
         raise TaskError("an agent task's reward is what its agent returns: its episodes are run, not scored")
+
+
+def episode_score(reward: object, info: object, who: str, success: float) -> Score:
+    """An episode's reward and figures, checked: a success when the reward reaches `success` (a `correct` in
+    `info` overrides it)."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TaskError(f"{who} returned {type(reward).__name__} {reward!r}; it must return a float reward, or "
+                        "(reward, info)")
+    if not math.isfinite(reward):
+        raise TaskError(f"{who} returned a non-finite reward ({reward})")
+    if not isinstance(info, dict):
+        raise TaskError(f"{who} returned info of type {type(info).__name__}; info is a dict")
+    correct = bool(info.get("correct", reward >= success))
+    return Score(float(reward), {**info, "correct": correct, "failure_mode": "success" if correct else "wrong_answer"})
+
+
+def held_out(rows: list, every: int, source: str) -> tuple[list, list]:
+    """(training rows, held-out rows): every `every`-th row held out."""
+    train = [r for i, r in enumerate(rows) if i % every != every - 1]
+    held = [r for i, r in enumerate(rows) if i % every == every - 1]
+    if not train or not held:
+        raise DatasetError(f"{source}: {len(rows)} row(s) leave no {'training' if not train else 'held-out'} rows "
+                           f"(holdout_every {every}; or give eval_data)")
+    return train, held
 
 
 def _rows(path: str) -> list[dict]:
