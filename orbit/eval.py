@@ -13,6 +13,7 @@ the adapter directory) together with `eval_samples.jsonl` (every episode's text 
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -58,6 +59,7 @@ class Target:
     task: TaskConfig
     max_new_tokens: int
     out: Path  # where eval.json goes
+    episode_timeout_s: float = 300.0  # an agent episode's bound: the run's rollout.episode_timeout_s
 
 
 def run_episodes(engine: Engine, task: Task, prompts: list[Prompt], sampling: SamplingParams, slot,
@@ -98,34 +100,42 @@ def summarize(scores: list, episodes: list[Episode], seconds: float = 0.0) -> Ev
 
 
 def run_agents(engine: Engine, task: Task, prompts: list[Prompt], sampling: SamplingParams, slot,
-               max_context: int | None, timeout_s: float) -> tuple[list, list]:
-    """An agent task's episodes, all at once, through an endpoint over `engine`; a lost episode scores 0."""
+               max_context: int | None, timeout_s: float, concurrent: int = 64) -> tuple[list, list]:
+    """An agent task's episodes through an endpoint over `engine`, `concurrent` at a time (an episode's timeout
+    runs from its start, so none waits out its time behind the others); a lost episode scores 0."""
     from orbit.agents import AgentRunner, Endpoint, EpisodeFailed
 
     def submit(ids, s, episode_slot, _engine, meta):
         return engine.generate(ids, s, slot=episode_slot, meta=meta)
 
-    episodes, scores = [], []
+    results: list = [None] * len(prompts)
     with Endpoint(task.tokenizer, submit, model="orbit-eval", max_context=max_context) as endpoint:
         runner = AgentRunner(endpoint, task, sampling, timeout_s)
-        for fut in [runner.start(p, None, slot) for p in prompts]:
-            try:
-                done = fut.result()
-                episodes.append(done)
-                scores.append(done.score)
-            except EpisodeFailed as err:
-                episodes.append(Episode([]))
-                scores.append(Score(0.0, {"correct": False, "failure_mode": "lost", "error": str(err)[:2000]}))
-    return episodes, scores
+        todo = iter(enumerate(prompts))
+        running = {runner.start(p, None, slot): i for i, p in itertools.islice(todo, concurrent)}
+        while running:
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = running.pop(fut)
+                try:
+                    results[i] = fut.result()
+                except EpisodeFailed as err:
+                    results[i] = (Episode([]), Score(0.0, {"correct": False, "failure_mode": "lost",
+                                                            "error": str(err)[:2000]}))
+                for j, p in itertools.islice(todo, 1):
+                    running[runner.start(p, None, slot)] = j
+    episodes = [r[0] if isinstance(r, tuple) else r for r in results]
+    return episodes, [r[1] if isinstance(r, tuple) else r.score for r in results]
 
 
 def evaluate(engine: Engine, task: Task, prompts: list[Prompt], slot, max_new_tokens: int,
-             max_context: int | None = None, timeout_s: float = 300.0) -> tuple[EvalSummary, list[dict]]:
+             max_context: int | None = None, timeout_s: float = 300.0,
+             concurrent: int = 64) -> tuple[EvalSummary, list[dict]]:
     """Greedy episodes on one slot (None = base), scored; the summary and one record per prompt."""
     t0 = time.time()
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     if is_agent(task):
-        episodes, scores = run_agents(engine, task, prompts, sampling, slot, max_context, timeout_s)
+        episodes, scores = run_agents(engine, task, prompts, sampling, slot, max_context, timeout_s, concurrent)
     else:
         episodes = run_episodes(engine, task, prompts, sampling, slot, max_context)
         scores = [score_sample(task, p, e.output_ids) for p, e in zip(prompts, episodes, strict=True)]
@@ -225,9 +235,11 @@ def resolve_target(path: Path, task: str | None = None, model: Path | None = Non
         raise RecipeError(f"model: {str(model)!r} is not a model directory (pass --model)")
     recipe_task = (recipe or {}).get("task") or None
     task_cfg = _task_config(task, recipe_task)
+    rollout = (recipe or {}).get("rollout") or {}
     if max_new_tokens is None:
-        max_new_tokens = ((recipe or {}).get("rollout") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-    return Target(kind, path, Path(model), adapter, task_cfg, int(max_new_tokens), out)
+        max_new_tokens = rollout.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    return Target(kind, path, Path(model), adapter, task_cfg, int(max_new_tokens), out,
+                  float(rollout.get("episode_timeout_s") or 300.0))
 
 
 def _task_config(task: str | None, recipe_task: dict | None) -> TaskConfig:
@@ -275,18 +287,19 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
     if len(prompts) < n:
         console.print(f"note: the held-out split has only {len(prompts)} distinct prompts; evaluating those")
         n = len(prompts)
-    engine = start_embedded_engine(target.model, max_running=min(n, 64), threads=threads, seed=seed)
+    running = min(n, 64)
+    engine = start_embedded_engine(target.model, max_running=running, threads=threads, seed=seed)
     results, samples = {}, {}
     version = None
     try:
-        max_context = engine.info.max_context
+        bounds = {"max_context": engine.info.max_context, "timeout_s": target.episode_timeout_s,
+                  "concurrent": running}
         if target.kind != "adapter":
-            results["base"], samples["base"] = evaluate(engine, task, prompts, None, target.max_new_tokens,
-                                                        max_context)
+            results["base"], samples["base"] = evaluate(engine, task, prompts, None, target.max_new_tokens, **bounds)
         if target.adapter is not None:
             version = _load_adapter(engine, target.adapter)
             results["trained"], samples["trained"] = evaluate(engine, task, prompts, 0, target.max_new_tokens,
-                                                              max_context)
+                                                              **bounds)
     finally:
         engine.shutdown()
     return results, samples, version, n

@@ -36,8 +36,10 @@ class ThreadServer:
             except OSError as err:
                 raise OSError(f"{self.name} cannot listen on {self.host}:{self.port}: {err.strerror}") from None
 
+        # A stop waits at most a second for requests still open (an agent's call waiting on an engine that is
+        # going too): they are cut, not waited for.
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="critical", access_log=False,
-                                lifespan="off")
+                                lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         failed: list[BaseException] = []
 
@@ -65,6 +67,10 @@ class ThreadServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+            if self._thread.is_alive():  # a daemon thread: it goes with the process, but say so
+                import sys
+
+                sys.stderr.write(f"warning: {self.name} on {self.host}:{self.port} did not stop within 10 s\n")
 
     @property
     def url(self) -> str:

@@ -183,6 +183,21 @@ def test_requests_the_endpoint_refuses_or_serves(chat_model, tiny_llama):
     no_tools.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     with pytest.raises(ChatError, match="does not render tools"):
         Renderer(no_tools).prompt([{"role": "user", "content": "hi"}], TOOLS)
+    strict = AutoTokenizer.from_pretrained(chat_model)  # a template that refuses, as Llama's does out of turn
+    strict.chat_template = ("{% if messages[0].role != 'user' %}{{ raise_exception('Conversation roles must "
+                            "alternate user/assistant') }}{% endif %}"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with Endpoint(strict, Script([ids]), model="m") as endpoint:
+        eid = endpoint.open(0, None, SamplingParams())
+        client = openai.OpenAI(base_url=endpoint.base_url(eid), api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="chat template refused these messages: Conversation roles"):
+            client.chat.completions.create(model="m", messages=[{"role": "assistant", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="sampling_params.n: an integer from 1 to 64"):
+            client.post("/inference/v1/generate", cast_to=object,
+                        body={"token_ids": [5], "sampling_params": {"n": 1000}})
+        with pytest.raises(openai.BadRequestError, match="ValueError: could not convert"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                           temperature="hot")
 
 
 # ---- agent tasks, end to end ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ the warm start."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -505,3 +506,22 @@ def test_warm_start_is_cached(tmp_path, warm_arith, monkeypatch):
                              env={"ORBIT_CACHE": str(warm_arith.parent.parent)})
     assert res.exit_code == 0, res.output
     assert (out / "model.safetensors").read_bytes() == (warm_arith / "model.safetensors").read_bytes()
+
+
+def _answers_or_dies(conn) -> None:
+    """A worker (spawned: module level) that answers, or exits at once on "die" as a crash in the code it runs."""
+    from orbit.tasks.worker import serve_requests
+
+    serve_requests(conn, lambda r: os._exit(3) if r == "die" else ("ok", r))
+
+
+def test_a_worker_that_dies_is_an_error_not_a_timeout():
+    from orbit.tasks.worker import Worker
+
+    worker = Worker(_answers_or_dies, (), "test-worker", 60)
+    try:
+        assert worker.ask("hi") == ("ok", "hi")
+        assert worker.ask("die") == ("error", "the test-worker process exited (exit code 3)")
+        assert worker.ask("again") == ("ok", "again")  # a fresh process
+    finally:
+        worker.close()

@@ -18,6 +18,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 SENTINEL = "\u27e6orbit-reply\u27e7"
 _TOOL_OPEN, _TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -116,8 +118,11 @@ class Renderer:
         if tools and not self.supports_tools:
             raise ChatError("tools: this model's chat template does not render tools (it never mentions them); "
                             "leave tools out, or use a model whose template has tool support")
-        return self.tokenizer.apply_chat_template(for_template(messages), tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=generation)
+        try:
+            return self.tokenizer.apply_chat_template(for_template(messages), tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=generation)
+        except TemplateError as err:  # e.g. "Conversation roles must alternate user/assistant/..."
+            raise ChatError(f"the model's chat template refused these messages: {err}") from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -91,6 +91,15 @@ def app_for(endpoint: Episodes) -> FastAPI:
     async def _engine(_: Request, err: EngineError) -> JSONResponse:  # the run stops, saying why; the agent sees why
         return _error(503, f"the engine could not generate: {err}", "service_unavailable_error")
 
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, err: ValueError) -> JSONResponse:  # a request field of the wrong kind
+        return _error(400, f"{type(err).__name__}: {err}")
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, err: Exception) -> JSONResponse:
+        # Orbit's own failure: the agent's error (and so the lost episode's reason) says what it was.
+        return _error(500, f"Orbit's endpoint failed: {type(err).__name__}: {err}", "server_error")
+
     def episode(eid: str) -> EpisodeRecord:
         record = endpoint.episode(eid)
         if record is None:
@@ -179,9 +188,11 @@ def app_for(endpoint: Episodes) -> FastAPI:
         if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) for t in prompt_ids):
             raise ChatError("token_ids: a non-empty list of token ids")
         params = data.get("sampling_params") or {}
+        n = params.get("n") or 1
+        if not isinstance(n, int) or not 1 <= n <= 64:
+            raise ChatError(f"sampling_params.n: an integer from 1 to 64, got {n!r}")
         stop_ids, cut = endpoint.stops(params.get("stop"))
-        call, done = await endpoint.generate(record, prompt_ids, endpoint.sampling(record, params, stop_ids),
-                                             int(params.get("n") or 1))
+        call, done = await endpoint.generate(record, prompt_ids, endpoint.sampling(record, params, stop_ids), n)
         choices = []
         for i, completion in enumerate(done):
             completion, at = endpoint.cut(completion, cut)

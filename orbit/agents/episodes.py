@@ -73,17 +73,23 @@ class Episodes:
     async def generate(self, record: EpisodeRecord, prompt_ids: list[int], sampling: SamplingParams,
                        n: int) -> tuple[int, list[Completion]]:
         """The call's number in the episode, and `n` completions of the prompt on the episode's engine and
-        slot (aborted ones generated again)."""
-        if self.max_context is not None:
-            room = self.max_context - len(prompt_ids) - 1
-            if room < 1:
-                raise ChatError(f"the prompt is {len(prompt_ids)} tokens; the engine's context is "
-                                f"{self.max_context} (engine.max_context)")
-            sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
-        with record.lock:
-            call = record.calls
-            record.calls += 1
-        return call, list(await asyncio.gather(*(self._one(record, prompt_ids, sampling, call, i) for i in range(n))))
+        slot (aborted ones generated again). A call that fails is remembered on the record: an episode lost
+        with no turn says why its calls failed."""
+        try:
+            if self.max_context is not None:
+                room = self.max_context - len(prompt_ids) - 1
+                if room < 1:
+                    raise ChatError(f"the prompt is {len(prompt_ids)} tokens; the engine's context is "
+                                    f"{self.max_context} (engine.max_context)")
+                sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+            with record.lock:
+                call = record.calls
+                record.calls += 1
+            return call, list(await asyncio.gather(*(self._one(record, prompt_ids, sampling, call, i)
+                                                     for i in range(n))))
+        except Exception as err:
+            record.failed = f"{type(err).__name__}: {err}"
+            raise
 
     async def _one(self, record: EpisodeRecord, prompt_ids: list[int], sampling: SamplingParams, call: int,
                    choice: int) -> Completion:
@@ -136,13 +142,17 @@ class Episodes:
         text = self.tokenizer.decode(completion.output_ids, skip_special_tokens=True)
         if not any(s in text for s in strings):
             return completion, None
-        for j in range(1, len(completion.output_ids) + 1):
-            part = self.tokenizer.decode(completion.output_ids[:j], skip_special_tokens=True)
-            hits = [part.index(s) for s in strings if s in part]
-            if hits:
-                return dataclasses.replace(completion, output_ids=completion.output_ids[:j],
-                                           logprobs=completion.logprobs[:j], finish_reason="stop"), min(hits)
-        return completion, None
+        # The shortest prefix whose text holds a stop string: found by bisection, as a prefix that holds one
+        # stays holding it (each decode is of one prefix; trying every prefix would be quadratic).
+        low, high = 1, len(completion.output_ids)
+        while low < high:
+            mid = (low + high) // 2
+            part = self.tokenizer.decode(completion.output_ids[:mid], skip_special_tokens=True)
+            low, high = (low, mid) if any(s in part for s in strings) else (mid + 1, high)
+        part = self.tokenizer.decode(completion.output_ids[:low], skip_special_tokens=True)
+        return dataclasses.replace(completion, output_ids=completion.output_ids[:low],
+                                   logprobs=completion.logprobs[:low], finish_reason="stop"), \
+            min(part.index(s) for s in strings if s in part)
 
     def text(self, completion: Completion, at: int | None = None) -> str:
         """What the caller reads: the tokens as text, special tokens (the end of turn) left out, a stop

@@ -51,6 +51,7 @@ class EpisodeRecord:
     forks: list[str] = field(default_factory=list)  # why each fork happened
     overridden: set[str] = field(default_factory=set)  # request fields the recipe's sampling replaced
     aborted_tokens: int = 0
+    failed: str | None = None  # why its last failed call failed
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def parent_of(self, prompt_ids: list[int]) -> int | None:

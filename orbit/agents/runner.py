@@ -59,23 +59,24 @@ class AgentRunner:
     def _run(self, episode: str, prompt: Prompt, fut: Future) -> None:
         try:
             score = asyncio.run(self._episode(episode, prompt))
+            record = self._forget(episode)
+            if record is None:
+                return  # given up already
+            path = trajectory(record)
+            if path is None:
+                why = (f"the agent's {record.calls} call(s) all failed; the last: {record.failed}" if record.failed
+                       else "the agent returned without calling the model")
+                _settle(fut, error=EpisodeFailed(why))
+                return
+            info = {**score.info, "calls": record.calls, "forks": len(record.forks)}
+            if record.forks:
+                info["fork_reasons"] = record.forks
+            if record.overridden:
+                info["sampling_overridden"] = sorted(record.overridden)
+            _settle(fut, result=AgentEpisode(**vars(path), score=Score(score.reward, info), episode=episode))
         except BaseException as err:  # noqa: BLE001 - whatever the agent did, the episode is lost, not the run
             _settle(fut, error=EpisodeFailed(_why(err)))
             self._forget(episode)
-            return
-        record = self._forget(episode)
-        if record is None:
-            return  # given up already
-        path = trajectory(record)
-        if path is None:
-            _settle(fut, error=EpisodeFailed("the agent returned without calling the model"))
-            return
-        info = {**score.info, "calls": record.calls, "forks": len(record.forks)}
-        if record.forks:
-            info["fork_reasons"] = record.forks
-        if record.overridden:
-            info["sampling_overridden"] = sorted(record.overridden)
-        _settle(fut, result=AgentEpisode(**vars(path), score=Score(score.reward, info), episode=episode))
 
     async def _episode(self, episode: str, prompt: Prompt) -> Score:
         import openai
@@ -84,7 +85,7 @@ class AgentRunner:
                                     timeout=self.timeout_s)
         try:
             return await asyncio.wait_for(self.task.run(client, self.endpoint.model, prompt), self.timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
             raise EpisodeFailed(f"the agent ran past rollout.episode_timeout_s ({self.timeout_s:g} s)") from None
         finally:
             await client.close()

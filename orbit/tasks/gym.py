@@ -62,11 +62,15 @@ class GymTask:
         self.chat = check_chat(tokenizer, chat)
         self.system = system if system is not None or answer != "tag" or not chat else TAG_SYSTEM
         self._worker = Worker(_serve, (dataset, self.config), "orbit-reasoning-gym", SCORE_TIMEOUT_S)
-        self.held_out = self._make(EVAL_SEED, eval_size)
-        self._held_questions = {e["question"] for e in self.held_out}
-        if not any(e["question"] not in self._held_questions for e in self._make(1, CHUNK)):
-            raise ValueError(f"task.config: {dataset} with this config has too few distinct problems: {eval_size} "
-                             "held out leave none to train on (lower eval_size, or widen the config)")
+        try:
+            self.held_out = self._make(EVAL_SEED, eval_size)
+            self._held_questions = {e["question"] for e in self.held_out}
+            if not any(e["question"] not in self._held_questions for e in self._make(1, CHUNK)):
+                raise ValueError(f"task.config: {dataset} with this config has too few distinct problems: "
+                                 f"{eval_size} held out leave none to train on (lower eval_size, or widen the config)")
+        except BaseException:
+            self._worker.close()  # no task holds it: nobody else would stop it
+            raise
 
     def _make(self, seed: int, size: int) -> list[dict]:
         kind, value = self._worker.ask(("make", seed, size), timeout_s=MAKE_TIMEOUT_S)

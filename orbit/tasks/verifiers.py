@@ -17,7 +17,7 @@ import json
 import subprocess
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
 from orbit.tasks.agent import AgentTask, episode_score, held_out
@@ -59,7 +59,12 @@ class Bridge:
             self.close()
             why = f"did not answer within {START_TIMEOUT_S:g} s" if not box else "exited"
             raise ValueError(f"task.python: the verifiers bridge {why}: {self.stderr()}")
-        return json.loads(box[0])
+        try:
+            return json.loads(box[0])
+        except json.JSONDecodeError:
+            self.close()
+            raise ValueError(f"task.python: the verifiers bridge said {box[0].strip()[:200]!r} where its task list "
+                             f"was due: {self.stderr()}") from None
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
@@ -70,15 +75,19 @@ class Bridge:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            answer = json.loads(line)
-            with self._lock:
-                fut = self._pending.pop(answer["id"], None)
+            try:
+                answer = json.loads(line)
+                with self._lock:
+                    fut = self._pending.pop(answer["id"], None)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                self._stderr.append(line.rstrip())  # not the protocol's: kept for the next error message
+                continue
             if fut is not None:
-                fut.set_result(answer)
+                _settle(fut, result=answer)
         with self._lock:  # the bridge is gone: every episode waiting on it is lost
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(TaskError(f"the verifiers bridge exited: {self.stderr()}"))
+            _settle(fut, error=TaskError(f"the verifiers bridge exited: {self.stderr()}"))
 
     def episode(self, task: int, base_url: str, model: str) -> Future:
         """A Future of the bridge's answer for one episode of task `task`."""
@@ -104,6 +113,14 @@ class Bridge:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def _settle(fut: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Answer an episode's future once: one its episode gave up on (a timeout cancels it) keeps what it has."""
+    try:
+        fut.set_exception(error) if error is not None else fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class VerifiersTask(AgentTask):

@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 
 KEY_VAR = "ORBIT_VERIFIERS_KEY"  # verifiers reads a client's API key from a named variable
+_protocol = sys.stdout  # main() gives the protocol a stdout of its own; user code's print() goes to stderr
 
 
 def _orbit_chat(vf) -> str:
@@ -88,8 +89,8 @@ def _text(value) -> str:
 
 
 def _write(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    _protocol.write(json.dumps(message) + "\n")
+    _protocol.flush()
 
 
 async def _episode(vf, env, tasks: list, request: dict) -> None:
@@ -133,6 +134,10 @@ def main() -> None:
     parser.add_argument("--taskset", required=True)
     parser.add_argument("--harness", default=None)
     args = parser.parse_args()
+    global _protocol
+    _protocol = os.fdopen(os.dup(1), "w")  # the JSON lines; fd 1 then becomes stderr, so a print() in a taskset
+    os.dup2(2, 1)  # or a library cannot break the protocol
+    sys.stdout = sys.stderr
     os.environ.setdefault(KEY_VAR, "orbit")
     asyncio.run(serve(args.taskset, args.harness))
 

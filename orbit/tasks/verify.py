@@ -53,7 +53,8 @@ class MathChecker:
         """The indices of gold answers math-verify cannot read a value from (one round trip for all)."""
         kind, value = self._worker.ask(("golds", golds, ""), timeout_s=max(self.timeout_s, 0.05 * len(golds)))
         if kind != "ok":
-            raise RuntimeError(f"math-verify did not read {len(golds)} gold answers within its time limit")
+            why = "within its time limit" if kind == "timeout" else f"({value})"
+            raise RuntimeError(f"math-verify did not read {len(golds)} gold answers {why}")
         return list(value)
 
     def check(self, completion: str, gold: str) -> Verdict:
@@ -61,7 +62,7 @@ class MathChecker:
         if given is None:
             return Verdict(False, None)
         kind, value = self._worker.ask(("check", given, gold))
-        if kind == "timeout":
+        if kind != "ok":  # it ran out of time, or its process died on this completion: not a correct one
             return Verdict(False, None, timed_out=True)
         correct, given = value
         return Verdict(bool(correct), given)

@@ -28,7 +28,8 @@ class Worker:
         self._conn: Connection | None = None
 
     def ask(self, request: object, timeout_s: float | None = None) -> tuple[str, object]:
-        """The worker's answer to `request`, or ("timeout", None) when none came in time."""
+        """The worker's answer to `request`; ("timeout", None) when none came in time, ("error", why) when the
+        process died."""
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
@@ -36,9 +37,12 @@ class Worker:
             if self._conn.poll(timeout_s or self.timeout_s):
                 try:
                     return self._conn.recv()
-                except EOFError:
-                    pass
-            self._stop()  # stuck (or dead): the next request gets a fresh process
+                except EOFError:  # it died (killed for memory, a crash in the code it runs): not a timeout
+                    self._proc.join(5)
+                    code = self._proc.exitcode
+                    self._stop()
+                    return "error", f"the {self.name} process exited (exit code {code})"
+            self._stop()  # stuck: the next request gets a fresh process
             return "timeout", None
 
     def _start(self) -> None:
