@@ -47,12 +47,20 @@ ENDS: tuple[End, ...] = (
 BY_NAME = {e.name: e for e in ENDS}
 
 
+class RunStopped(RuntimeError):
+    """The run could not go on (an engine died, rollouts stalled or kept failing). The message
+    says what happened and what was saved; `end` names the way it ended (orbit/ends.py)."""
+
+    def __init__(self, message: str, end: str = "stall") -> None:
+        super().__init__(message)
+        self.end = end
+
+
 def end_of(err: BaseException) -> End:
     """The way an error that stopped a run ends it."""
     from orbit.config import RecipeError
     from orbit.engine.base import EngineDeadError, EngineError, EngineStartError
     from orbit.interrupts import Interrupted
-    from orbit.run import RunStopped
     from orbit.tasks import TaskError
 
     if isinstance(err, Interrupted | KeyboardInterrupt):
@@ -77,3 +85,24 @@ def table() -> str:
     rows = ["| how the run ends | exit code | when | what is saved |", "|---|---|---|---|"]
     rows += [f"| {e.name} | {e.code} | {e.when} | {e.saved} |" for e in ENDS]
     return "\n".join(rows)
+
+
+def stopped_by(cause: BaseException) -> tuple[str, str]:
+    """The way an error that stopped the loop ends the run, and how the message says it."""
+    from orbit.engine.base import EngineDeadError, EngineError
+    from orbit.train.ranks import RankLost
+
+    if isinstance(cause, EngineDeadError):
+        return "engine-lost", "the engine died"
+    if isinstance(cause, EngineError):
+        return "bad-push", "an engine refused the new version"
+    if isinstance(cause, FloatingPointError):
+        return "non-finite", "training cannot go on"
+    if isinstance(cause, RankLost):
+        return "rank-lost", "a trainer rank was lost"
+    return "stall", "rollouts cannot go on"
+
+
+def sentence(text: str) -> str:
+    """`text` ending in a full stop, so that the next line reads as a sentence of its own."""
+    return text if text.rstrip().endswith((".", "!", "?")) else text.rstrip() + "."

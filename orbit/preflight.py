@@ -193,3 +193,15 @@ def check_task(task: TaskConfig) -> None:
         raise RecipeError(f"task.name: {err}") from None
     except DatasetError as err:
         raise RecipeError(f"task.{key}: {err}") from None
+
+
+def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
+    """eos plus the recipe's stop strings, each of which must be exactly one token."""
+    ids = [tokenizer.eos_token_id]
+    for text in stop:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise RecipeError(f"rollout.stop: {text!r} is {len(encoded)} tokens {encoded} for this tokenizer; "
+                              "each stop string must be exactly one token")
+        ids.append(encoded[0])
+    return tuple(ids)

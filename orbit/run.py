@@ -24,16 +24,17 @@ from rich.console import Console
 
 from orbit import interrupts
 from orbit.agents import AgentRunner, Endpoint
-from orbit.config import EngineConfig, Recipe, RecipeError, dump_recipe
+from orbit.config import EngineConfig, Recipe, dump_recipe
 from orbit.devices import colocate
+from orbit.ends import RunStopped, sentence, stopped_by
 from orbit.engine import EngineStarter, start_pool
-from orbit.engine.base import EngineDeadError, EngineError
+from orbit.engine.base import EngineError
 from orbit.engine.pool import EnginePool
 from orbit.interrupts import Interrupted
 from orbit.loop import LoopParts, run_steps, save_checkpoint
 from orbit.metrics import JsonlWriter, Timeline
 from orbit.modes import MODES
-from orbit.preflight import Checked
+from orbit.preflight import Checked, stop_token_ids
 from orbit.push.fleet import FleetPush
 from orbit.revive import Revival
 from orbit.rollout.groups import Signal
@@ -49,15 +50,6 @@ from orbit.train.launcher import launched
 from orbit.train.ranks import RankLost, Ranks
 from orbit.train.trainer import Trainer, recipe_trainer
 from orbit.truncation import truncates
-
-
-class RunStopped(RuntimeError):
-    """The run could not go on (an engine died, rollouts stalled or kept failing). The message
-    says what happened and what was saved; `end` names the way it ended (orbit/ends.py)."""
-
-    def __init__(self, message: str, end: str = "stall") -> None:
-        super().__init__(message)
-        self.end = end
 
 
 @dataclass
@@ -90,18 +82,6 @@ class StartedRun:
         self.timeline.close()
         if self.trackers is not None:
             self.trackers.close()
-
-
-def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
-    """eos plus the recipe's stop strings, each of which must be exactly one token."""
-    ids = [tokenizer.eos_token_id]
-    for text in stop:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise RecipeError(f"rollout.stop: {text!r} is {len(encoded)} tokens {encoded} for this tokenizer; "
-                              "each stop string must be exactly one token")
-        ids.append(encoded[0])
-    return tuple(ids)
 
 
 def train(checked: Checked, resume: bool = False, live: bool = True, console: Console | None = None,
@@ -343,7 +323,7 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         if lost is not None:  # the heartbeat interrupted the run: a rank is gone
             stepped = _stop(run, run_dir, created, resume)
             saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
-            raise RunStopped(f"{_sentence(f'a trainer rank was lost: {lost}')}\n{saved}", "rank-lost") from None
+            raise RunStopped(f"{sentence(f'a trainer rank was lost: {lost}')}\n{saved}", "rank-lost") from None
         if not _stop(run, run_dir, created, resume):
             raise Interrupted(f"interrupted before the first step: nothing was trained{left(run_dir, resume)}") \
                 from None
@@ -353,30 +333,17 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         cause = err.__cause__ if isinstance(err, RolloutError) and err.__cause__ is not None else err
         if isinstance(cause, CheckpointError):  # saving again would fail again: the previous one stands
             shut_down(run)
-            raise RunStopped(f"{_sentence(str(cause))}\ncontinue with `orbit train RECIPE --resume {run_dir}` once "
+            raise RunStopped(f"{sentence(str(cause))}\ncontinue with `orbit train RECIPE --resume {run_dir}` once "
                              "the directory can be written", "save-failed") from cause
         stepped = _stop(run, run_dir, created, resume)
         saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
         if isinstance(cause, TaskError):
             raise TaskError(f"{cause}\nthe run stopped after step {trainer.version}; {saved}") from cause
         if isinstance(cause, EngineError | RolloutError | FloatingPointError | RankLost):
-            end, what = _ended_by(cause)
-            raise RunStopped(f"{_sentence(f'{what}: {cause}')}\n{saved}", end) from cause
+            end, what = stopped_by(cause)
+            raise RunStopped(f"{sentence(f'{what}: {cause}')}\n{saved}", end) from cause
         raise
     shut_down(run)
-
-
-def _ended_by(cause: BaseException) -> tuple[str, str]:
-    """The way (orbit/ends.py) an error that stopped the loop ends the run, and how the message says it."""
-    if isinstance(cause, EngineDeadError):
-        return "engine-lost", "the engine died"
-    if isinstance(cause, EngineError):
-        return "bad-push", "an engine refused the new version"
-    if isinstance(cause, FloatingPointError):
-        return "non-finite", "training cannot go on"
-    if isinstance(cause, RankLost):
-        return "rank-lost", "a trainer rank was lost"
-    return "stall", "rollouts cannot go on"
 
 
 def _stop(run: StartedRun, run_dir: Path, created: bool, resume: bool) -> bool:
@@ -390,11 +357,6 @@ def _stop(run: StartedRun, run_dir: Path, created: bool, resume: bool) -> bool:
     if run.parts is not None:
         save_checkpoint(run.parts)
     return True
-
-
-def _sentence(text: str) -> str:
-    """`text` ending in a full stop, so that the next line reads as a sentence of its own."""
-    return text if text.rstrip().endswith((".", "!", "?")) else text.rstrip() + "."
 
 
 def shut_down(run: StartedRun) -> None:

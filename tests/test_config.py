@@ -184,7 +184,8 @@ def test_oft_block_size_must_divide_targets(tiny_llama):
 def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
     from transformers import AutoTokenizer
 
-    from orbit.run import stop_token_ids, train
+    from orbit.preflight import stop_token_ids
+    from orbit.run import train
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     assert stop_token_ids(tok, ["=", "]"]) == (tok.eos_token_id, tok.encode("=")[0], tok.encode("]")[0])

@@ -31,7 +31,8 @@ from orbit.devices import colocate
 from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.engine.base import Engine
 from orbit.interrupts import Interrupted
-from orbit.run import RunStopped, StartedRun, finish, shut_down, start, stop_token_ids
+from orbit.preflight import stop_token_ids
+from orbit.run import RunStopped, StartedRun, finish, shut_down, start
 from orbit.run_dir import prepare_run_dir, resumable, undo_start
 from orbit.sweep.lanes import SharedEngines
 from orbit.sweep.plan import SWEEP_FILE, SweepPlan, dump_sweep
