@@ -96,6 +96,7 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(tmp_path, t
 
 DRIVER = '''
 import sys, time, os
+import orbit.files as files
 import orbit.train.checkpoint as ckpt
 from orbit.train.trainer import Trainer
 
@@ -105,7 +106,7 @@ def mark(what):
     print(f"MARK {at['version']} {at['mark']} {what}", flush=True)
     time.sleep(0.2)
 
-real_save, real_fsync, real_rename, real_replace = Trainer.save, ckpt._fsync, ckpt.os.rename, ckpt.os.replace
+real_save, real_fsync, real_rename, real_replace = Trainer.save, files.fsync, os.rename, os.replace
 def save(self, directory, run_state=None):
     at["version"], at["mark"] = self.version, 0
     mark("writing"); out = real_save(self, directory, run_state); mark("written"); return out
@@ -116,7 +117,7 @@ class Os:
     def rename(self, a, b): real_rename(a, b); mark("renamed")
     def replace(self, a, b): real_replace(a, b); mark("latest")
 if __name__ == "__main__":  # (the engine's spawned process imports this file too)
-    Trainer.save, ckpt._fsync, ckpt.os = save, fsync, Os()
+    Trainer.save, files.fsync, ckpt.fsync, files.os, ckpt.os = save, fsync, fsync, Os(), Os()
     from orbit.cli import app
     sys.argv = ["orbit", "train", sys.argv[1], "--quiet"]
     app()

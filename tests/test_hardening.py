@@ -20,6 +20,7 @@ from run_helpers import checked, recipe_dict, run_metrics
 from safetensors.torch import load_file
 
 import orbit.run
+from orbit.config import RecipeError
 from orbit.engine.base import EngineDeadError
 from orbit.engine.pool import EnginePool
 from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
@@ -309,7 +310,7 @@ def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypa
     # --resume of a run that never stepped says so
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("")  # what older versions left behind
-    with pytest.raises(orbit.run.RecipeError, match="never completed a step, so there is nothing to resume"):
+    with pytest.raises(RecipeError, match="never completed a step, so there is nothing to resume"):
         train(recipe, resume=True, live=False)
     # and the plain re-run just works
     assert train(recipe, live=False).steps_done == 2

@@ -66,7 +66,9 @@ def test_a_slow_engine_holds_nobody_with_independent_flips_and_everybody_with_a_
         figures[flip] = {
             "update_weights_s": median(r["update_weights_s"] for r in rows),
             "step_s": median(r["step_s"] for r in rows),
-            "flip_lag_s": median(r["flip_lag_s"] for r in rows if r["flip_lag_s"] is not None),
+            # None when the slow engine's first flip outlasts the whole run (tiny steps): printed, not checked
+            "flip_lag_s": median(lags) if (lags := [r["flip_lag_s"] for r in rows
+                                                    if r["flip_lag_s"] is not None]) else None,
             "loads": [sum(e["engine"] == i for e in loads) for i in (0, 1)],
         }
     with capsys.disabled():

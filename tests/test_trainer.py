@@ -163,6 +163,17 @@ def test_version_and_logprob_diff(tiny_llama: Path):
     # A sample across a flip (0 -> 1) has no single version to re-score it with.
     result = trainer.step([stale])
     assert math.isnan(result.logprob_diff) and result.logprob_diff_tokens == 0
+    # Unless it records which version made each token (a multi-turn episode: a turn per version, a tool result
+    # between): each token is re-scored under its own version; those of no known version are left out.
+    at0, at3 = lps[1], trainer.logprobs(SAMPLES)[1]  # versions 0 and 3 (now) on a 5-token output
+    turns = _sample(SAMPLES[1].prompt_ids, SAMPLES[1].output_ids,
+                    [at0[0] + 0.125, at0[1] + 0.125, 0.0, at3[3] + 0.125, at3[4] + 0.125], 1.0, (0, 3),
+                    mask=[1, 1, 0, 1, 1])
+    turns.token_versions = [0, 0, -1, 3, 3]
+    result = trainer.step([turns])
+    assert result.logprob_diff == pytest.approx(0.125, abs=1e-5) and result.logprob_diff_tokens == 4
+    result = trainer.step([turns])  # version 3 is stale now and kept; version 0 is no longer kept (SNAPSHOTS)
+    assert result.logprob_diff == pytest.approx(0.125, abs=1e-5) and result.logprob_diff_tokens == 2
 
 
 def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):

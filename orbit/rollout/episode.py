@@ -25,6 +25,7 @@ class Episode:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per output token (Sample.token_versions)
     turns: int = 0  # model turns so far
     tool_results: int = 0  # injections so far
     version_start: int = 0
@@ -46,12 +47,14 @@ class Episode:
         self.output_ids += list(c.output_ids)
         self.logprobs += list(c.logprobs)
         self.loss_mask += [1] * len(c.output_ids)
+        self.versions += [c.version_start if c.version_start == c.version_end else -1] * len(c.output_ids)
         self.turns += 1
 
     def inject(self, ids: list[int]) -> None:
         self.output_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
+        self.versions += [-1] * len(ids)
         self.tool_results += 1
 
 

@@ -67,6 +67,7 @@ def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) ->
             group_id=group_id,
             finish_reason=c.finish_reason,
             loss_mask=list(getattr(c, "loss_mask", None) or []),
+            token_versions=list(getattr(c, "versions", None) or []),
             info={**s.info, "turns": getattr(c, "turns", 1), "tool_results": getattr(c, "tool_results", 0)},
         )
         for c, s in zip(completions, scores, strict=True)
