@@ -77,6 +77,31 @@ def test_group_shares_prompt_prefill_and_flush_drops_it(tiny_llama):
 # ---- pause modes ----------------------------------------------------------------------------------
 
 
+def test_a_steps_prefill_takes_about_a_second_at_the_measured_speed(tiny_llama):
+    """The loop answers control calls only between steps: 32 prompts prefilled at once took 17 s on SmolLM2 on one
+    core (the pool's 5 s ping then called the engine hung). A step admits what its measured prefill speed does in
+    PREFILL_STEP_S, FIRST_PREFILL_TOKENS before it has a speed, and never more than max_prefill_tokens."""
+    from orbit.engine.embedded.engine import FIRST_PREFILL_TOKENS, PREFILL_STEP_S
+
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
+    core = engine_core(tiny_llama, max_running=32)
+    for p in prompts(32, seed=5, low=30, high=31):  # 30 tokens each
+        core.submit(p, sp, slot=None)
+    core.step()
+    assert len(core.scheduler.running) == FIRST_PREFILL_TOKENS // 30  # as many whole prompts as fit
+    core._prefill_rate = 100 / PREFILL_STEP_S  # as if prefills had run at 100 tokens a second
+    core.step()
+    assert len(core.scheduler.running) == FIRST_PREFILL_TOKENS // 30 + 3  # 100 tokens: 3 more prompts
+    core = engine_core(tiny_llama, max_running=32, max_prefill_tokens=60)
+    core._prefill_rate = 1e9
+    for p in prompts(4, seed=6, low=30, high=31):
+        core.submit(p, sp, slot=None)
+    core.step()
+    assert len(core.scheduler.running) == 2  # the option caps a fast engine
+    _steps(core, 40)
+    assert not core.has_work()
+
+
 def test_pause_in_place_resumes_without_recompute(tiny_llama):
     ps, late = prompts(3, seed=40), prompts(1, seed=41)[0]
     ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 5)

@@ -32,6 +32,12 @@ from orbit.engine.embedded.scheduler import Scheduler, Sequence
 from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
 from orbit.engine.serving import ActiveSlot
 
+# A step's prefill is sized to take about this long at the speed the engine's prefills have run: the loop answers
+# control calls (the pool's liveness ping among them) only between steps, and on a CPU a 135M model prefills a few
+# hundred tokens a second per thread, so 32 prompts at once would hold the loop for many seconds.
+PREFILL_STEP_S = 1.0
+FIRST_PREFILL_TOKENS = 512  # before any prefill was timed
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -71,6 +77,7 @@ class EngineCore:
         self._finished: list[tuple[int, Completion]] = []
         self._next_rid = 0
         self._pause_t0 = 0.0
+        self._prefill_rate: float | None = None  # prompt tokens per second of the prefills so far (smoothed)
         self.counters = {"tokens_generated": 0, "busy_s": 0.0, "paused_s": 0.0, "prefill_tokens": 0,
                          "aborted": 0, "aborted_on_load": 0, "retracted": 0}
 
@@ -134,12 +141,18 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         with torch.inference_mode():
-            admitted = self.scheduler.admit()
+            admitted = self.scheduler.admit(self._prefill_budget())
             if admitted:
                 self._prefill(admitted)
             if self.scheduler.running:
                 self._decode()
         self.counters["busy_s"] += time.perf_counter() - t0
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens for this step's prefill: about PREFILL_STEP_S of work (the scheduler caps it)."""
+        if self._prefill_rate is None:
+            return FIRST_PREFILL_TOKENS
+        return max(1, int(self._prefill_rate * PREFILL_STEP_S))
 
     def _project(self, slots: list[int | None], tokens_per_row: int) -> Project:
         """The adapter application for a batch whose row i is bound to slots[i]."""
@@ -208,13 +221,17 @@ class EngineCore:
         for i, s in enumerate(seqs):
             tokens[i, : lengths[i]] = torch.tensor(s.tokens)
         rows = torch.tensor([s.row for s in seqs], device=device)
+        t0 = time.perf_counter()
         hidden = self.decoder.prefill(
             tokens.to(device), self._project([s.slot for s in seqs], width),
             store=lambda layer, k, v: self.pool.store_prefill(rows, layer, k, v),
         )
         last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lengths, device=device) - 1]
+        logits = self.decoder.logits(last)
+        rate = sum(lengths) / max(time.perf_counter() - t0, 1e-6)
+        self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
         self.counters["prefill_tokens"] += sum(lengths)
-        return self.decoder.logits(last)
+        return logits
 
     def _decode(self) -> None:
         running = list(self.scheduler.running)

@@ -76,13 +76,14 @@ class Scheduler:
     def add(self, seq: Sequence, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free rows, FIFO, within the prefill token budget.
+    def admit(self, budget: int | None = None) -> list[Sequence]:
+        """Move waiting sequences into free rows, FIFO, within the prefill token budget (`budget`, at most
+        `max_prefill_tokens`).
 
         At least one is admitted whenever a row is free, so a long prompt cannot starve.
         """
         admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
+        budget = self.max_prefill_tokens if budget is None else min(budget, self.max_prefill_tokens)
         while self.waiting and len(self.running) < self.max_running:
             cost = self.waiting[0].num_tokens
             if admitted and cost > budget:
