@@ -116,8 +116,7 @@ def trajectory(record: EpisodeRecord) -> Trajectory | None:
         out += extra + c.output_ids
         logprobs += [0.0] * len(extra) + list(c.logprobs)
         mask += [0] * len(extra) + [1] * len(c.output_ids)
-        one = c.version_start if c.version_start == c.version_end else -1  # a call across a flip: unknown
-        versions += [-1] * len(extra) + [one] * len(c.output_ids)
+        versions += [-1] * len(extra) + [c.token_version] * len(c.output_ids)
         full = turn.full_ids
     first, last = chain[0].completion, chain[-1].completion
     return Trajectory(

@@ -87,6 +87,12 @@ class Completion:
     detail: str = ""  # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
     engine: int = 0  # which engine of the pool ran it (the pool sets it)
 
+    @property
+    def token_version(self) -> int:
+        """The version every one of its tokens came from; -1 when the weights changed under it (which tokens
+        came before the change is not known)."""
+        return self.version_start if self.version_start == self.version_end else -1
+
 
 @dataclass
 class EngineStats:

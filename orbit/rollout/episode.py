@@ -47,7 +47,7 @@ class Episode:
         self.output_ids += list(c.output_ids)
         self.logprobs += list(c.logprobs)
         self.loss_mask += [1] * len(c.output_ids)
-        self.versions += [c.version_start if c.version_start == c.version_end else -1] * len(c.output_ids)
+        self.versions += [c.token_version] * len(c.output_ids)
         self.turns += 1
 
     def inject(self, ids: list[int]) -> None:

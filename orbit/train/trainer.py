@@ -253,21 +253,22 @@ class Trainer:
         """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples, spread over
         the step's groups, each under the exact adapter version that generated it, so `logprob_diff`
         measures numerics every step (not policy drift) even when every sample is stale."""
+        versions = {id(s): s.versions() for s in samples}
         chosen = spread_over_groups(
-            [s for s in samples if any(v in self._snapshots for v in s.versions())], RESCORE_SAMPLES)
+            [s for s in samples if any(v in self._snapshots for v in versions[id(s)])], RESCORE_SAMPLES)
         current = [p.detach().clone() for p in self.params]
         was_training = self.model.training
         self.model.eval()
         try:  # a multi-turn sample's turns may come from several versions: each token under its own
-            for version in sorted({v for s in chosen for v in s.versions() if v in self._snapshots}):
+            for version in sorted({v for s in chosen for v in versions[id(s)] if v in self._snapshots}):
                 weights = current if version == self.version else self._snapshots[version]  # not stepped yet
                 for p, old in zip(self.params, weights, strict=True):
                     p.copy_(old)
-                these = [s for s in chosen if version in s.versions()]
+                these = [s for s in chosen if version in versions[id(s)]]
                 batch = self._collate(these)
                 ours = torch.zeros_like(batch.generated)
                 for row, s in enumerate(these):
-                    ours[row, : len(s.output_ids)] = torch.tensor([v == version for v in s.versions()])
+                    ours[row, : len(s.output_ids)] = torch.tensor([v == version for v in versions[id(s)]])
                 diff = (self._logprobs(batch)[0] - batch.behaviour).abs()[batch.generated & ours]
                 totals.diff[0] += float(diff.sum())
                 totals.diff_tokens[0] += diff.numel()
