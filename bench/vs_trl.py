@@ -4,7 +4,8 @@ The workload is an Orbit recipe (default the laptop recipe, recipes/smollm2-math
 adapter, prompts (Orbit's stream, in its order) and grader (the task's own), group and batch, sampling and
 optimisation; bench/trl_grpo.py maps each onto GRPOConfig and lists what has no counterpart (OUT/table.md).
 TRL runs with `use_vllm: false` and torch on `--trl-threads` threads; Orbit as the recipe says. Both save a
-checkpoint every 10 steps, and `orbit eval CHECKPOINT --n N` reads every one of both the same way.
+checkpoint every 10 steps, and `orbit eval CHECKPOINT --n N` reads them the same way: every one of Orbit's,
+and of TRL's those the table compares (its last, and its newest at each of Orbit's checkpoint times).
 
     pip install -c constraints.txt -e '.[trl]'              # TRL 1.16.0, never part of make test
     .venv/bin/python bench/vs_trl.py [--seeds 0,1,2] [--steps 60] [--recipe recipes/smollm2-math.yaml]
@@ -111,19 +112,33 @@ def run_trl(args: argparse.Namespace, seed: int) -> dict:
     return result
 
 
-def evaluate(args: argparse.Namespace, result: dict) -> None:
-    """Every checkpoint's held-out accuracy through `orbit eval` (2 engine threads: nothing else runs), and the
-    base model's once, with the first checkpoint (the same held-out prompts every time)."""
-    for i, c in enumerate(result["checkpoints"]):
-        target = Path(c["dir"]) if i == 0 else Path(c["dir"]) / "adapter"  # the adapter alone: no base again
+def evaluate(args: argparse.Namespace, result: dict, steps: set[int] | None = None) -> None:
+    """Held-out accuracy through `orbit eval` (2 engine threads: nothing else runs) of the checkpoints at `steps`
+    (all when None). The base model is read once for the whole OUT (the same held-out prompts, greedy)."""
+    base = args.out / "base.json"
+    for c in result["checkpoints"]:
+        if steps is not None and c["step"] not in steps:
+            continue
+        with_base = not base.is_file()
+        target = Path(c["dir"]) if with_base else Path(c["dir"]) / "adapter"  # the adapter alone: no base again
         report = target / "eval.json"
         if not report.is_file():
             subprocess.run([*ORBIT, "eval", str(target), "--n", str(args.n), "--threads", "2"], cwd=ROOT,
                            check=True, stdout=subprocess.DEVNULL)
         r = json.loads(report.read_text())["results"]
         c["accuracy"] = r["trained"]["accuracy"]
-        if i == 0:
-            result["base_accuracy"] = r["base"]["accuracy"]
+        if with_base:
+            base.write_text(json.dumps({"accuracy": r["base"]["accuracy"]}))
+    result["base_accuracy"] = json.loads(base.read_text())["accuracy"]
+
+
+def compared(orbit: dict, trl: dict) -> set[int]:
+    """TRL's checkpoints the report reads: the final one, and the newest by each Orbit checkpoint's time."""
+    steps = {trl["checkpoints"][-1]["step"]}
+    for c in orbit["checkpoints"]:
+        ready = [t["step"] for t in trl["checkpoints"] if t["t"] <= c["t"]]
+        steps |= set(ready[-1:])
+    return steps
 
 
 def at(result: dict, t: float) -> float:
@@ -207,9 +222,11 @@ def main() -> None:
     runs: dict = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         runs[seed] = {"orbit": run_orbit(args, seed), "trl": run_trl(args, seed)}
+        # Evaluated before the next seed trains, so that a cut-short sweep keeps whole seeds.
+        evaluate(args, runs[seed]["orbit"])
+        evaluate(args, runs[seed]["trl"], compared(runs[seed]["orbit"], runs[seed]["trl"]))
     for pair in runs.values():
         for result in pair.values():
-            evaluate(args, result)
             result["figures"] = figures(result)
     text = report(args, runs)
     (args.out / "table.md").write_text(text + "\n")
