@@ -134,17 +134,20 @@ def evaluate(args: argparse.Namespace, result: dict, steps: set[int] | None = No
 
 def compared(orbit: dict, trl: dict) -> set[int]:
     """TRL's checkpoints the report reads: the final one, and the newest by each Orbit checkpoint's time."""
-    steps = {trl["checkpoints"][-1]["step"]}
-    for c in orbit["checkpoints"]:
-        ready = [t["step"] for t in trl["checkpoints"] if t["t"] <= c["t"]]
-        steps |= set(ready[-1:])
-    return steps
+    newest = (newest_by(trl, c["t"]) for c in orbit["checkpoints"])
+    return {trl["checkpoints"][-1]["step"]} | {c["step"] for c in newest if c is not None}
+
+
+def newest_by(result: dict, t: float) -> dict | None:
+    """The newest checkpoint saved by wall-clock time `t`, or None before the first."""
+    ready = [c for c in result["checkpoints"] if c["t"] <= t]
+    return ready[-1] if ready else None
 
 
 def at(result: dict, t: float) -> float:
     """Held-out accuracy of the newest checkpoint saved by wall-clock time `t` (the base model before any)."""
-    ready = [c for c in result["checkpoints"] if c["t"] <= t]
-    return ready[-1]["accuracy"] if ready else result["base_accuracy"]
+    c = newest_by(result, t)
+    return c["accuracy"] if c is not None else result["base_accuracy"]
 
 
 def figures(result: dict) -> dict:
@@ -225,8 +228,7 @@ def main() -> None:
         # Evaluated before the next seed trains, so that a cut-short sweep keeps whole seeds.
         evaluate(args, runs[seed]["orbit"])
         evaluate(args, runs[seed]["trl"], compared(runs[seed]["orbit"], runs[seed]["trl"]))
-    for pair in runs.values():
-        for result in pair.values():
+        for result in runs[seed].values():
             result["figures"] = figures(result)
     text = report(args, runs)
     (args.out / "table.md").write_text(text + "\n")
