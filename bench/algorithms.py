@@ -16,8 +16,10 @@ trainer-bound, and the engine's core idles meanwhile. Nothing else differs from 
                                          [--trainer-threads 2]
     .venv/bin/python bench/algorithms.py --report-only --out runs/algorithms     # the table and picture again
 
-It writes OUT/summary.json, OUT/table.md and OUT/curves.png (every preset's reward, the median over seeds of
-its 8-step mean). A seed already trained and evaluated in OUT is not run again. With 2 cores, run nothing else.
+It writes OUT/summary.json, OUT/table.md and OUT/curves.png (a panel per preset: its reward's 8-step mean,
+median and range over seeds). A seed already trained and evaluated in OUT is not run again. With 2 cores, run
+nothing else. `--report-only` reads OUT/seed-N/preset=P_seed=N for each seed and preset, so a table can join
+sweeps run apart: link their run directories into one OUT.
 """
 
 from __future__ import annotations
@@ -129,26 +131,43 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _band(runs: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """The median, lowest and highest 8-step mean reward over the seeds, step by step."""
+    curves = [moving_mean(r["rewards"]) for r in runs]
+    steps = range(min(len(c) for c in curves))
+    return ([statistics.median(c[i] for c in curves) for i in steps], [min(c[i] for c in curves) for i in steps],
+            [max(c[i] for c in curves) for i in steps])
+
+
 def picture(summary: dict, path: Path) -> None:
+    """One small panel per preset (its median and range over seeds), every other preset's median in grey
+    behind it: seven overlapping bands on one axis cannot be told apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for preset, runs in summary["presets"].items():
-        curves = [moving_mean(r["rewards"]) for r in runs]
-        steps = min(len(c) for c in curves)
-        median = [statistics.median(c[i] for c in curves) for i in range(steps)]
-        low = [min(c[i] for c in curves) for i in range(steps)]
-        high = [max(c[i] for c in curves) for i in range(steps)]
-        line, = ax.plot(range(1, steps + 1), median, label=preset, linewidth=2)
-        ax.fill_between(range(1, steps + 1), low, high, color=line.get_color(), alpha=0.12)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"reward ({WINDOW}-step mean): median over seeds, range shaded")
-    ax.set_title(f"Algorithm presets on {Path(summary['recipe']).name}, seeds {summary['seeds']}")
-    ax.legend(ncol=2)
-    ax.grid(alpha=0.3)
+    bands = {preset: _band(runs) for preset, runs in summary["presets"].items()}
+    cols = min(4, len(bands))
+    rows = -(-len(bands) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.7 * rows), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, (preset, (median, low, high)) in zip(axes.flat, bands.items(), strict=False):
+        for other, (curve, _, _) in bands.items():
+            if other != preset:
+                ax.plot(range(1, len(curve) + 1), curve, color="0.8", linewidth=1)
+        steps = range(1, len(median) + 1)
+        ax.fill_between(steps, low, high, color="C0", alpha=0.2)
+        ax.plot(steps, median, color="C0", linewidth=2)
+        accuracy = _med([r["accuracy"] for r in summary["presets"][preset]])
+        ax.set_title(f"{preset}: {accuracy[0]:.1%} [{accuracy[1]:.1%}–{accuracy[2]:.1%}] held out", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(bands):]:
+        ax.axis("off")
+    fig.supxlabel("step")
+    fig.supylabel(f"reward, {WINDOW}-step mean")
+    fig.suptitle(f"{Path(summary['recipe']).name}, seeds {', '.join(map(str, summary['seeds']))}: median (line) "
+                 "and range (band) over seeds; grey, the other presets' medians", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
