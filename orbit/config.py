@@ -136,7 +136,8 @@ class RolloutConfig(_Section):
         600.0, gt=0, description="stop the run when no rollout arrives for this long while the trainer waits")
     episode_timeout_s: float = Field(300.0, gt=0, description="agent tasks: an episode running longer is lost")
     max_lost_frac: float = Field(0.5, gt=0.0, le=1.0, description="agent tasks: stop the run when more than this "
-                                 "share of the episodes that ended since the last batch were lost")
+                                 "share of the episodes that ended since the last batch were lost (judged once a "
+                                 "batch's worth ended)")
 
 
 class TrainerConfig(_Section):

@@ -139,6 +139,25 @@ def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
         pipe.take(1, version=0, stall_s=5)
 
 
+def test_lost_episodes_stop_the_run_only_past_the_share_of_a_batchs_worth():
+    """Losses are judged once a batch's worth of episodes (2 groups of 2) ended since the last batch, each loss
+    counted with its episode's end: three losses ending together first (a timed-out episode beside this batch's
+    failures) do not stop the run, half lost does not, more than half does, naming the last reason."""
+    pipe = _pipeline(_pool(), batch=2, k=None, drop_after=None, max_lost_frac=0.5)
+    pipe.grant(2)
+    for why in ("timed out", "raised", "nan"):
+        pipe.count(episodes_ended=1, episodes_lost=1, why=why)
+    pipe.count(episodes_ended=3)
+    assert pipe._verdict is None  # 3 of 6
+    pipe.count(episodes_ended=1, episodes_lost=1, why="the agent raised ValueError")
+    [gid, gid2] = _start_all(pipe)
+    _complete(pipe, gid)
+    _complete(pipe, gid2)
+    with pytest.raises(RolloutError, match="4 of the last 7 agent episodes were lost .*max_lost_frac 0.5.*"
+                                           "the last: the agent raised ValueError"):
+        pipe.take(2, version=0, stall_s=5)
+
+
 def test_a_group_at_its_deadline_is_waited_for_not_overtaken():
     """B = 1, K = 1: a group started at version 0 must be trained at step 1; the trainer waits for it
     rather than taking a newer complete group past it (overtaken, it would go stale: a length bias)."""

@@ -230,11 +230,13 @@ class Pipeline:
             self._check_losses()
 
     def _check_losses(self) -> None:
-        """Stop when more than `max_lost_frac` of the episodes that ended since the last batch were lost (once
-        a group's worth ended): the agent fails, not an episode now and then."""
+        """Stop when more than `max_lost_frac` of the episodes that ended since the last batch were lost, once
+        a batch's worth ended: the agent fails, not an episode now and then. (A smaller window trips on a few
+        losses that end together, such as a timed-out episode finishing beside this batch's.)"""
         ended = self.counts.episodes_ended - self._since_take[0]
         lost = self.counts.episodes_lost - self._since_take[1]
-        if ended >= self.group_size and lost / ended > self.max_lost_frac and self._verdict is None:
+        enough = ended >= self.group_size * self.admission.batch
+        if enough and lost / ended > self.max_lost_frac and self._verdict is None:
             self._verdict = RolloutError(
                 f"{lost} of the last {ended} agent episodes were lost (more than rollout.max_lost_frac "
                 f"{self.max_lost_frac:g}); the last: {self._last_loss}")

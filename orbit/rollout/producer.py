@@ -136,7 +136,7 @@ class Producer:
         self._done(gid, idx, group, completion)
 
     def _done(self, gid: int, idx: int, group: InFlight, completion) -> None:
-        if self.agents is not None:
+        if self.agents is not None and completion is not LOST:  # a lost one was counted with its loss
             self.pipeline.count(episodes_ended=1)
         group.completions[idx] = completion
         if any(c is None for c in group.completions):
@@ -150,7 +150,8 @@ class Producer:
     def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
         """An agent episode that failed: counted, told, and left out of its group; the run goes on."""
         group = self.pipeline.in_flight[gid]
-        self.pipeline.count(episodes_lost=1, why=str(err))
+        # ended and lost in one count: the loss check must never see a loss before its episode has ended
+        self.pipeline.count(episodes_ended=1, episodes_lost=1, why=str(err))
         if self.on_lost is not None:
             self.on_lost(f"episode {idx} of group {gid} (prompt {group.prompt.id!r}) was lost: {err}")
         self._done(gid, idx, group, LOST)
