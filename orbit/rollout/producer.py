@@ -135,9 +135,9 @@ class Producer:
             completion = episode
         self._done(gid, idx, group, completion)
 
-    def _done(self, gid: int, idx: int, group: InFlight, completion) -> None:
-        if self.agents is not None and completion is not LOST:  # a lost one was counted with its loss
-            self.pipeline.count(episodes_ended=1)
+    def _done(self, gid: int, idx: int, group: InFlight, completion, why: str = "") -> None:
+        if self.agents is not None:  # an episode's end and its loss in one count: the check sees both at once
+            self.pipeline.count(episodes_ended=1, episodes_lost=int(completion is LOST), why=why)
         group.completions[idx] = completion
         if any(c is None for c in group.completions):
             return
@@ -150,11 +150,9 @@ class Producer:
     def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
         """An agent episode that failed: counted, told, and left out of its group; the run goes on."""
         group = self.pipeline.in_flight[gid]
-        # ended and lost in one count: the loss check must never see a loss before its episode has ended
-        self.pipeline.count(episodes_ended=1, episodes_lost=1, why=str(err))
         if self.on_lost is not None:
             self.on_lost(f"episode {idx} of group {gid} (prompt {group.prompt.id!r}) was lost: {err}")
-        self._done(gid, idx, group, LOST)
+        self._done(gid, idx, group, LOST, why=str(err))
 
     def _retry(self, gid: int, idx: int, group: InFlight, completion: Completion) -> None:
         """The engine aborted the sample (a pause in abort mode, its slot overwritten): regenerate it
