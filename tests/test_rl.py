@@ -230,6 +230,30 @@ def test_a_mask_band_drops_what_leaves_it(level):
     assert stats.masked == 6 - sum(kept.values())
 
 
+def test_a_dropped_token_adds_no_kl_and_no_entropy_either():
+    """The band drops a token from every term of the loss, as verl's rejection sampling (its modified response
+    mask feeds every loss term) and slime's reducers rebuilt from the modified mask do: with kl_coef and
+    entropy_coef set, the loss is the kept tokens' policy, k3 KL and entropy terms over the step's 6 tokens."""
+    cfg = AlgorithmConfig(mask=MaskBand(low=0.8, high=1.25), kl_coef=0.04, entropy_coef=0.01)
+    ref = [[-1.1, -2.2, -0.4, 0.0], [-0.9, -5.0, -1.1, 0.0], [-2.2, 0.0, 0.0, 0.0]]
+    ent = [[0.5, 1.0, 1.5, 0.0], [2.0, 9.0, 0.7, 0.0], [1.2, 0.0, 0.0, 0.0]]
+    kept = [(i, t) for i in range(3) for t in TOKENS[i] if 0.8 <= _r(i, t) <= 1.25]
+    assert 0 < len(kept) < 6
+
+    def d(i, t):
+        return ref[i][t] - LOGP[i][t]
+
+    def term(i, t):
+        k3 = math.exp(d(i, t)) - d(i, t) - 1.0
+        return -min(_r(i, t), 2.0) * ADV[i] * LOGP[i][t] + 0.04 * k3 - 0.01 * ent[i][t]
+
+    loss, grad, stats = _loss(cfg, ref_logp=torch.tensor(ref), entropy=torch.tensor(ent))
+    assert loss == pytest.approx(sum(term(i, t) for i, t in kept) / 6, abs=1e-6)
+    _check_grad(grad, {(i, t): (-min(_r(i, t), 2.0) * ADV[i] + 0.04 * (1.0 - math.exp(d(i, t)))) / 6
+                       for i, t in kept})
+    assert stats.masked == 6 - len(kept)
+
+
 def test_the_default_is_the_truncated_weight_over_the_token_mean():
     """Orbit's loss before presets, unchanged: -min(r, truncate_max) A log pi per token, over every trained token."""
     cfg = AlgorithmConfig()

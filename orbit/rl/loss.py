@@ -11,8 +11,8 @@ it enters the loss:
 `ratio_level: sequence` (GSPO) replaces every token's r by its sequence's geometric mean
 exp(mean_t log r_t), the gradient flowing through every token of the sequence.
 
-A `mask` band drops tokens (or sequences) whose behaviour ratio, p_prox / p_engine, leaves it. A masked
-or clipped token adds nothing, but still counts in the normaliser: the normaliser is fixed before the
+A `mask` band drops tokens (or sequences) whose behaviour ratio, p_prox / p_engine, leaves it: such a token
+adds nothing to any term (policy, KL, entropy). A dropped or clipped token still counts in the normaliser: the normaliser is fixed before the
 forward (`Norm`), so that micro-batches and ranks add up to exactly what the whole batch gives.
 
 Aggregation, over the trained tokens l_it of the N sequences of one optimizer step:
@@ -85,9 +85,6 @@ def policy_loss(
     log_ratio = _per_sequence(token_log_ratio, mask) if cfg.ratio_level == "sequence" else token_log_ratio
     per_token, clipped = _surrogate(cfg, logp, log_ratio, prox, behaviour, adv)
 
-    kept = _in_band(cfg, prox - behaviour, mask)
-    if kept is not None:
-        per_token = torch.where(kept, per_token, zero)
     kl = None
     if ref_logp is not None:
         diff = torch.where(mask, ref_logp.to(logp.dtype), zero) - logp
@@ -96,6 +93,12 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * torch.where(mask, entropy, zero)
+    # A token the band drops leaves every term, its KL and entropy ones too: the engine sampled it from a
+    # policy too far from the trainer's to learn from (verl's rejection sampling and slime's reducers drop it
+    # the same way).
+    kept = _in_band(cfg, prox - behaviour, mask)
+    if kept is not None:
+        per_token = torch.where(kept, per_token, zero)
 
     count = int(mask.sum())
     norm = norm or own_norm(mask, cfg.norm_length or 1)
