@@ -71,7 +71,7 @@ demo: install $(TINY)/model.safetensors
 # docs/recipe.md is written from the recipe's schema (tests/test_docs.py fails when it is stale); docs-check runs
 # every command the docs show against the code (scripts/docs_check.py, also a test)
 docs: install
-	$(BIN)/python -m orbit.recipe_doc
+	$(BIN)/python -m orbit.config.doc
 
 docs-check: install
 	$(BIN)/python scripts/docs_check.py
@@ -116,7 +116,7 @@ $(SMALL)/model.safetensors: | $(BIN)/orbit
 # The five panels on both engines, then the engine pool's flips (bench/README.md)
 bench: install sglang $(SMALL)/model.safetensors
 	$(BIN)/orbit bench bench/five-panel.yaml --engines embedded,sglang --steps 8 --warmup 1 --out runs/bench
-	$(BIN)/orbit bench bench/five-panel.yaml --replicas 2 --slow-running 8 --slow-load 0.3 --steps 8 --warmup 1 \
+	$(BIN)/python bench/pool.py bench/five-panel.yaml --replicas 2 --slow-running 8 --slow-load 0.3 --steps 8 --warmup 1 \
 		--out runs/bench-pool
 
 bench-engine: install $(if $(MODEL),sglang)

@@ -1,7 +1,8 @@
 """Admission side by side: the former run-ahead rule against version-gated admission, one run.
 
-For each case (mode, max_staleness) the same recipe, seed and model run twice, once per
-`rollout.admission`; printed per case: groups trained and dropped, the dropped share of all
+For each case (mode, max_staleness) the same recipe, seed and model run twice: with Orbit's admission
+(version: a group starts only when it will be trained within max_staleness versions), and with the former
+run-ahead rule, which lives here (`RunAhead`, `run_ahead()`), not in Orbit; printed per case: groups trained and dropped, the dropped share of all
 generated groups, staleness max, the waste (tokens of dropped or aborted samples / tokens
 generated) and useful tokens per second (tokens trained on / wall time).
 
@@ -16,26 +17,49 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from statistics import median
+from unittest import mock
 
 from rich.console import Console
 from rich.table import Table
 
+import orbit.rollout.pipeline
 from orbit.config import load_recipe
-from orbit.preflight import preflight
-from orbit.run import train
+from orbit.engine.pool import EnginePool
+from orbit.rollout.pipeline import Admission
+from orbit.run.lifecycle import train
+from orbit.run.preflight import preflight
 
 DEFAULT_CASES = ("double-buffer:1", "double-buffer:0", "async-adapter:2", "async-full:2")
+
+
+class RunAhead(Admission):
+    """The former rule: at most (K + 1) batches in flight or buffered, on an engine of any version. It starts
+    groups while the engine is a version behind, so some go stale and are dropped: the tests use it to make
+    that happen."""
+
+    def pick(self, pool: EnginePool, started: int, in_pipeline: int) -> int | None:
+        return pool.pick(None) if in_pipeline < (self.k + 1) * self.batch else None
+
+
+@contextmanager
+def run_ahead() -> Iterator[None]:
+    """Runs started inside the block admit groups by the former rule."""
+    with mock.patch.object(orbit.rollout.pipeline, "Admission", RunAhead):
+        yield
 
 
 def measure(recipe_path: Path, mode: str, k: int, admission: str, steps: int | None, seed: int, out: Path) -> dict:
     run_dir = out / f"{mode}-k{k}-{admission}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = {"mode": mode, "max_staleness": k, "rollout.admission": admission, "out": str(run_dir),
-                 "seed": seed, "trainer.steps": steps, "trainer.save_every": 10_000}
+    overrides = {"mode": mode, "max_staleness": k, "out": str(run_dir), "seed": seed,
+                 "trainer.steps": steps, "trainer.save_every": 10_000}
     recipe = load_recipe(recipe_path, overrides)
-    result = train(preflight(recipe), live=False)
+    with run_ahead() if admission == "run-ahead" else nullcontext():
+        result = train(preflight(recipe), live=False)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = len(rows) * recipe.rollout.prompts_per_step
     dropped = sum(r["stale_dropped"] for r in rows)

@@ -1,7 +1,7 @@
 """Decode throughput: the embedded engine (client + its own process) vs transformers' `generate`, and
 SGLang in-process beside them (`--sglang`).
 
-Same model (the tiny one built offline with orbit.tiny, or `--model DIR`, e.g. the imported SmolLM2),
+Same model (the tiny one built offline with orbit.models.tiny, or `--model DIR`, e.g. the imported SmolLM2),
 same 64 requests with long-tailed output lengths (lognormal max_new_tokens clipped to [8, 256],
 ignore_eos so every request runs to its length), same sampling (temperature 1), same torch thread
 count. transformers runs static batches: a batch lasts as long as its longest request. Only useful
@@ -27,7 +27,7 @@ import torch
 
 from orbit.engine.base import SamplingParams
 from orbit.engine.embedded import EngineCore, EngineOptions, start_embedded_engine
-from orbit.tiny import build_tiny_model
+from orbit.models.tiny import build_tiny_model
 
 
 def workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:

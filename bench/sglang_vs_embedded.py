@@ -1,7 +1,7 @@
 """Decode throughput, start time and push time: the embedded engine, SGLang in-process
 (`engine.backend: sglang`) and an SGLang server over HTTP (`engine.backend: sglang-server`), side by side.
 
-Same tiny model (built offline with orbit.tiny), same workload as bench/engine_throughput.py
+Same tiny model (built offline with orbit.models.tiny), same workload as bench/engine_throughput.py
 (64 requests, prompts of 8-32 tokens, long-tailed output lengths lognormal(3.5, 0.9) clipped to
 [8, 256], ignore_eos, temperature 1), both driven through Orbit's Engine protocol (`generate`
 futures) the way the rollout producer drives them, same max_running, one torch thread for each
@@ -47,7 +47,7 @@ def random_lora(path, r: int = 8) -> tuple[dict, dict]:
     import peft
     from transformers import AutoModelForCausalLM
 
-    from orbit.adapters import adapter_config_dict, adapter_tensors
+    from orbit.train.peft_adapter import adapter_config_dict, adapter_tensors
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj",
@@ -74,7 +74,7 @@ def main() -> None:
     from orbit.engine.sglang import start_sglang_engine
     from orbit.engine.sglang.process import SGLangOptions
     from orbit.engine.sglang.server import start_server_engine
-    from orbit.tiny import build_tiny_model
+    from orbit.models.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     prompts, lengths = workload(args.requests, args.seed)

@@ -23,10 +23,10 @@ from statistics import median
 from rich.console import Console
 from rich.table import Table
 
-from orbit.bench import p90
 from orbit.config import load_recipe
-from orbit.preflight import preflight
-from orbit.run import train
+from orbit.measure.bench import p90
+from orbit.run.lifecycle import train
+from orbit.run.preflight import preflight
 
 
 def measure(recipe_path: Path, engine: str, slots: int, flip: str, steps: int, warmup: int, out: Path) -> dict:

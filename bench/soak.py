@@ -445,7 +445,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the reports here")
     args = parser.parse_args()
     if not (args.model / "model.safetensors").exists():
-        from orbit.tiny import build_tiny_model
+        from orbit.models.tiny import build_tiny_model
 
         build_tiny_model(args.model, arch="llama", seed=0)
     backends = args.backends.split(",")

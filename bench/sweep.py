@@ -51,8 +51,8 @@ def total(run_dir: Path, metric: str) -> float:
 
 def solo(args: argparse.Namespace, out: Path, lr: float, seed: int) -> tuple[float, Path]:
     from orbit.config import parse_recipe
-    from orbit.preflight import preflight
-    from orbit.run import train
+    from orbit.run.lifecycle import train
+    from orbit.run.preflight import preflight
 
     data = recipe_data(args, out)
     data["trainer"]["lr"], data["seed"] = lr, seed

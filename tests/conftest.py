@@ -12,7 +12,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", str(_ROOT / ".cache" / "datasets"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from orbit.tiny import build_tiny_model  # noqa: E402
+from orbit.models.tiny import build_tiny_model  # noqa: E402
 
 pytest_plugins = ["sglang_gate"]  # `sglang` marker: skip without sglang, fail in CI
 
@@ -57,20 +57,20 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# ---- task models (orbit/warmstart.py): built once, cached under .cache/warm by code version --------
+# ---- task models (orbit/models/warmstart.py): built once, cached under .cache/warm by code version --------
 
 
 @pytest.fixture(scope="session")
 def warm_arith() -> Path:
     """The tiny llama warm-started on arith (partial competence), as `orbit model tiny --task arith`."""
-    from orbit.warmstart import warm_model
+    from orbit.models.warmstart import warm_model
 
     return warm_model("arith", root=_CACHE.parent)
 
 
 @pytest.fixture(scope="session")
 def warm_zorplex() -> Path:
-    from orbit.warmstart import warm_model
+    from orbit.models.warmstart import warm_model
 
     return warm_model("zorplex", root=_CACHE.parent)
 
@@ -80,9 +80,9 @@ def tiny_task_tokens() -> Path:
     """A random-init tiny llama with the task tokenizer (digits, <answer>, LOOKUP( as tokens)."""
     import hashlib
 
-    import orbit.tiny
+    import orbit.models.tiny
 
-    version = hashlib.sha256(Path(orbit.tiny.__file__).read_bytes()).hexdigest()[:12]
+    version = hashlib.sha256(Path(orbit.models.tiny.__file__).read_bytes()).hexdigest()[:12]
     path = _CACHE.parent / "tiny-task" / f"llama-s0-{version}"
     if not (path / "model.safetensors").exists():
         build_tiny_model(path, arch="llama", seed=0, task_tokens=True)
@@ -120,7 +120,7 @@ def smollm2() -> Path:
         if in_ci():
             pytest.fail(f"{message}; in CI the real-model tests must run, not skip", pytrace=False)
         pytest.skip(message)
-    from orbit.model_import import import_model
+    from orbit.models.importer import import_model
 
     import_model(gguf, SMOLLM2)
     return SMOLLM2

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from orbit.config import parse_recipe
-from orbit.preflight import Checked, preflight
+from orbit.run.preflight import Checked, preflight
 
 # A small, fast run of the tiny model: what most end-to-end tests start from.
 SMALL_RUN = {

@@ -6,10 +6,13 @@ from pathlib import Path
 from statistics import fmean
 
 import pytest
+from admission import RunAhead
+from engine_helpers import FakeEngine
 from run_helpers import checked, recipe_dict, run_metrics, run_timeline
 
+from orbit.engine.pool import EnginePool
 from orbit.rollout.pipeline import Admission
-from orbit.run import train
+from orbit.run.lifecycle import train
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 
@@ -24,14 +27,19 @@ def _recipe(model: Path, out: Path, **patch) -> dict:
 def test_admission_rule():
     """A group started at version v with g groups before it is trained at step g // B: it may start only
     when g < (v + K + 1) * B. The former rule counted only what was in flight or buffered."""
+    def allows(rule: Admission, version: int, started: int, in_pipeline: int = 0) -> bool:
+        pool = EnginePool([FakeEngine()], [8], monitor=False)
+        pool.serves(pool.members[0], version)
+        return rule.pick(pool, started, in_pipeline) is not None
+
     rule = Admission(batch=4, max_staleness=1)
-    assert [rule.allows(0, started, 0) for started in (0, 7, 8)] == [True, True, False]
-    assert rule.allows(1, 11, 0) and not rule.allows(1, 12, 0)
+    assert [allows(rule, 0, started) for started in (0, 7, 8)] == [True, True, False]
+    assert allows(rule, 1, 11) and not allows(rule, 1, 12)
     on_policy = Admission(batch=4, max_staleness=0)
-    assert on_policy.allows(3, 15, 0) and not on_policy.allows(3, 16, 0)  # exactly one batch per version
-    assert Admission(batch=2, max_staleness=None).allows(0, 3, 0) and not Admission(2, None).allows(0, 4, 0)
-    former = Admission(batch=4, max_staleness=1, policy="run-ahead")
-    assert former.allows(0, 100, 7) and not former.allows(0, 0, 8)  # blind to the version
+    assert allows(on_policy, 3, 15) and not allows(on_policy, 3, 16)  # exactly one batch per version
+    assert allows(Admission(2, None), 0, 3) and not allows(Admission(2, None), 0, 4)
+    former = RunAhead(batch=4, max_staleness=1)
+    assert allows(former, 0, 100, 7) and not allows(former, 0, 0, 8)  # blind to the version
 
 
 @pytest.mark.timeout(300)

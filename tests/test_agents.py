@@ -240,7 +240,7 @@ def test_an_agent_that_always_fails_stops_the_run_saved(chat_model, tmp_path):
 def test_orbit_eval_runs_the_agent_on_held_out_rows(chat_model, tmp_path):
     """`orbit eval RUN` on an agent run: the same agent, greedy, on the held-out rows, base and trained; every
     episode's calls through an endpoint over the engine. (That an agent learns: docs/agents.md, SmolLM2.)"""
-    from orbit.eval import resolve_target, run_eval
+    from orbit.measure.eval import resolve_target, run_eval
 
     out = tmp_path / "run"
     train(checked(_agent_recipe(chat_model, out, "yes", trainer={"steps": 2})), live=False)

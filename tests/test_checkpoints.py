@@ -96,7 +96,7 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(tmp_path, t
 
 DRIVER = '''
 import sys, time, os
-import orbit.files as files
+import orbit.host.files as files
 import orbit.train.checkpoint as ckpt
 from orbit.train.trainer import Trainer
 

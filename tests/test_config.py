@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from orbit.config import RecipeError, load_recipe, parse_recipe
-from orbit.modes import MODES
-from orbit.preflight import preflight
+from orbit.config.modes import MODES
+from orbit.run.preflight import preflight
 
 
 def _write(tmp_path: Path, data: dict) -> Path:
@@ -184,8 +184,8 @@ def test_oft_block_size_must_divide_targets(tiny_llama):
 def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
     from transformers import AutoTokenizer
 
-    from orbit.preflight import stop_token_ids
-    from orbit.run import train
+    from orbit.run.lifecycle import train
+    from orbit.run.preflight import stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     assert stop_token_ids(tok, ["=", "]"]) == (tok.eos_token_id, tok.encode("=")[0], tok.encode("]")[0])
@@ -199,7 +199,7 @@ def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
 def test_small_size_preset(tmp_path):
     from transformers import AutoConfig
 
-    from orbit.tiny import build_tiny_model
+    from orbit.models.tiny import build_tiny_model
 
     cfg = AutoConfig.from_pretrained(build_tiny_model(tmp_path / "s", size="small"))
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (256, 4, 4)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from orbit.config import RecipeError, parse_recipe
-from orbit.devices import GiB, ModelSize, choose_backend, device_problems, plan_colocated, sglang_device
+from orbit.engine.devices import sglang_device
 from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang.server import launch_args
-from orbit.preflight import preflight, resolve_backend
+from orbit.run.placement import GiB, ModelSize, choose_backend, device_problems, plan_colocated
+from orbit.run.preflight import preflight, resolve_backend
 
 # Qwen2.5-0.5B-Instruct's shape: 494M parameters, 24 layers, 2 KV heads of 64, vocab 151,936.
 QWEN_05B = ModelSize(params=494_000_000, layers=24, kv_heads=2, head_dim=64, hidden=896, vocab=151_936)

@@ -1,12 +1,13 @@
 """The docs say what the code does: the recipe reference is the schema's, the table of how a run ends is
-orbit/ends.py's, and every command the docs show runs as written (scripts/docs_check.py)."""
+orbit/run/ends.py's, and every command the docs show runs as written (scripts/docs_check.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from orbit import ends, recipe_doc
+from orbit.config import doc as recipe_doc
+from orbit.run import ends
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +19,7 @@ def test_the_recipe_reference_is_the_schemas():
 
 def test_the_table_of_how_a_run_ends_is_the_codes():
     assert ends.table() in (ROOT / "docs" / "operations.md").read_text(), \
-        "docs/operations.md's table of how a run ends differs from orbit/ends.py's"
+        "docs/operations.md's table of how a run ends differs from orbit/run/ends.py's"
     assert {e.code for e in ends.ENDS} == {0, 1, 2, 3, 130}
 
 

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from orbit.cli import app
 from orbit.config import RecipeError, load_recipe
-from orbit.eval import resolve_target, run_eval
-from orbit.preflight import preflight
-from orbit.run import train
+from orbit.measure.eval import resolve_target, run_eval
+from orbit.run.lifecycle import train
+from orbit.run.preflight import preflight
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 

@@ -17,10 +17,10 @@ from engine_helpers import prompts
 from run_helpers import patched, run_metrics
 
 from orbit.config import AdapterConfig, TrainerConfig, parse_recipe
+from orbit.config.modes import MODE_NAMES
 from orbit.engine.base import SamplingParams
-from orbit.modes import MODE_NAMES
-from orbit.preflight import preflight
 from orbit.rollout.sample import Sample
+from orbit.run.preflight import preflight
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,7 +46,7 @@ def model(tmp_path_factory) -> Path:
     for 64, 128 and 256). Same tokenizer and init as `orbit model tiny`."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from orbit.tiny import build_tokenizer
+    from orbit.models.tiny import build_tokenizer
 
     out = tmp_path_factory.mktemp("llama-h64")
     tok = build_tokenizer(0)
@@ -146,7 +146,7 @@ def test_embedded_engine_matches_the_trainer_in_bf16(model, trainer_dtype, capsy
 
 @pytest.mark.parametrize("mode", MODE_NAMES)
 def test_each_mode_on_the_gpu(model, tmp_path, mode):
-    from orbit.run import train
+    from orbit.run.lifecycle import train
 
     result = train(preflight(parse_recipe(_recipe(model, tmp_path / mode, mode))), live=False)
     assert result.steps_done == STEPS
@@ -203,7 +203,7 @@ def test_sglang_matches_the_trainer_in_bf16(model, capsys):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", MODE_NAMES)
 def test_each_mode_on_sglang_on_the_gpu(model, tmp_path, mode):
-    from orbit.run import train
+    from orbit.run.lifecycle import train
 
     recipe = _recipe(model, tmp_path / mode, mode,
                      engine={"backend": "sglang", "mem_fraction": SGLANG_MEM_FRACTION})

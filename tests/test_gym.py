@@ -112,7 +112,7 @@ def test_traps_fail_at_load_naming_the_field(tok, monkeypatch):
 def test_a_reasoning_gym_run(tmp_path, tiny_llama):
     out = tmp_path / "run"
     task = {"name": "reasoning-gym", "dataset": "chain_sum", "config": CHAIN, "answer": "final"}
-    from orbit.run import train
+    from orbit.run.lifecycle import train
 
     train(checked(recipe_dict(tiny_llama, out, task=task)), live=False)
     rows = run_metrics(out)

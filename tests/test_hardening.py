@@ -19,13 +19,14 @@ import yaml
 from run_helpers import checked, recipe_dict, run_metrics
 from safetensors.torch import load_file
 
-import orbit.run
+import orbit.run.lifecycle
 from orbit.config import RecipeError
 from orbit.engine.base import EngineDeadError
 from orbit.engine.pool import EnginePool
-from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.host.interrupts import Interrupted
+from orbit.rollout.pipeline import Pipeline, RolloutError
 from orbit.rollout.producer import Producer
-from orbit.run import Interrupted, RunStopped, train
+from orbit.run import RunStopped, train
 from orbit.train.checkpoint import STATE_FILE
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
@@ -43,14 +44,14 @@ def _saved_version(run_dir: Path) -> int | None:
 def _capture_engine(monkeypatch) -> list:
     """The engines `train` starts (to kill or stop one from the test)."""
     started: list = []
-    real = orbit.run.start_pool
+    real = orbit.run.lifecycle.start_pool
 
     def start(*args, **kwargs):
         engine = real(*args, **kwargs)
         started.append(engine)
         return engine
 
-    monkeypatch.setattr(orbit.run, "start_pool", start)
+    monkeypatch.setattr(orbit.run.lifecycle, "start_pool", start)
     return started
 
 
@@ -103,7 +104,7 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama,
     def interrupted_start(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(orbit.run, "start_pool", interrupted_start)
+    monkeypatch.setattr(orbit.run.lifecycle, "start_pool", interrupted_start)
     with pytest.raises(Interrupted, match="during start-up: nothing was trained"):
         train(checked(_recipe(tiny_llama, tmp_path / "run")), live=False)
     assert not (tmp_path / "run").exists()
@@ -174,8 +175,8 @@ class _GoesSilent:
 def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llama, monkeypatch):
     """The producer goes quiet: the run stops after stall_timeout_s with what was seen (in flight,
     grants left, the engine's state), saves the adapter of its last step and leaves nothing running."""
-    real = orbit.run.make_task
-    monkeypatch.setattr(orbit.run, "make_task", lambda *a: _GoesSilent(real(*a), n=6))
+    real = orbit.run.lifecycle.make_task
+    monkeypatch.setattr(orbit.run.lifecycle, "make_task", lambda *a: _GoesSilent(real(*a), n=6))
     engines = _capture_engine(monkeypatch)
     run_dir = tmp_path / "run"
     recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 1.5}))
@@ -228,7 +229,7 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
     task = PatternTask(AutoTokenizer.from_pretrained(tiny_llama))
     with start_embedded_engine(tiny_llama, max_running=8) as engine:
         pool = EnginePool([engine], [8], monitor=False)
-        pipeline = Pipeline(pool, Admission(1, 0), group_size=2, max_inflight=8, drop_after=None)
+        pipeline = Pipeline(pool, 1, 0, group_size=2, max_inflight=8)
         producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=200, ignore_eos=True), seed=0,
                             max_attempts=3)
         stop = threading.Event()
@@ -278,7 +279,7 @@ def test_stall_error_from_a_producer_that_never_gets_an_answer():
             return [1, 2, 3]
 
     pool = EnginePool([Silent()], [8], monitor=False)
-    pipeline = Pipeline(pool, Admission(1, 1), group_size=2, max_inflight=8, drop_after=1)
+    pipeline = Pipeline(pool, 1, 1, group_size=2, max_inflight=8)
     producer = Producer(pipeline, pool, PatternTask(Tok()), SamplingParams(), seed=0)
     pipeline.grant(3)
     producer.start()
@@ -303,7 +304,7 @@ def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypa
         raise EngineDeadError("engine process failed to start (exit code 1)")
 
     with monkeypatch.context() as m:
-        m.setattr(orbit.run, "start_pool", broken)
+        m.setattr(orbit.run.lifecycle, "start_pool", broken)
         with pytest.raises(EngineDeadError):
             train(recipe, live=False)
     assert not run_dir.exists()
@@ -346,7 +347,7 @@ def test_a_call_cut_off_by_the_engines_shutdown_says_the_engine_is_gone():
     from concurrent.futures import Future
 
     from orbit.engine.base import EngineDeadError
-    from orbit.engine.sglang.loop import EngineLoop
+    from orbit.engine.sglang.event_loop import EngineLoop
 
     async def alive():
         return None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orbit import interrupts
+from orbit.host import interrupts
 
 
 def test_a_ctrl_c_wrapped_in_a_library_error_is_still_a_ctrl_c():
@@ -50,7 +50,7 @@ def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
     """CPython 3.11 would kill the process with SIGINT at exit (returncode -2) without the reset."""
     (tmp_path / "ctrlc_in_exec.py").write_text(textwrap.dedent("""
         import signal, sys
-        from orbit import interrupts
+        from orbit.host import interrupts
 
         def boom(*_):
             raise KeyboardInterrupt

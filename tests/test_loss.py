@@ -156,7 +156,7 @@ def test_decoupled_default_proximal_is_this_step_and_keeps_stale_gradients():
 
 def test_truncated_logprobs_hand_values():
     """Logits [2, 1, 0, -1]: top_p 0.8 keeps {0, 1} (mass before token 2 is 0.88), top_k 3 keeps {0, 1, 2}."""
-    from orbit.truncation import truncated_logprobs
+    from orbit.rl.truncation import truncated_logprobs
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)
     logp = torch.log_softmax(logits, -1)
@@ -177,7 +177,7 @@ def test_truncated_logprobs_hand_values():
 def test_loss_on_truncated_logprobs_pins_the_sampled_policy():
     """Engine and trainer on the same truncated distribution: ratio 1, and the gradient is the truncated
     policy's: -A (onehot - kept softmax) / tokens, not the untruncated one's."""
-    from orbit.truncation import truncated_logprobs
+    from orbit.rl.truncation import truncated_logprobs
 
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]], requires_grad=True)  # one sample, one token
     logp = truncated_logprobs(torch.log_softmax(logits, -1), torch.tensor([[1]]), top_p=0.8, top_k=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orbit.config import RecipeError, TaskConfig, parse_recipe
-from orbit.preflight import check_task
+from orbit.run.preflight import check_task
 from orbit.tasks import make_task
 from orbit.tasks.verify import MathChecker
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from run_helpers import checked, recipe_dict, run_metrics
 
 from orbit.pages.live import LivePage, watching
-from orbit.run import train
+from orbit.run.lifecycle import train
 
 pytestmark = pytest.mark.slow
 

@@ -10,16 +10,17 @@ import threading
 import time
 
 import pytest
+from admission import RunAhead
 from engine_helpers import FakeEngine
 
 from orbit.engine.base import Completion
 from orbit.engine.pool import EnginePool
-from orbit.loop import HeldInterrupt
 from orbit.rl import AlgorithmConfig
 from orbit.rollout.episode import Episode
 from orbit.rollout.groups import Group, Signal
-from orbit.rollout.pipeline import Admission, Pipeline, RolloutError
+from orbit.rollout.pipeline import Pipeline, RolloutError
 from orbit.rollout.sample import Sample
+from orbit.run.loop import HeldInterrupt
 from orbit.tasks.base import Prompt
 
 PROMPT = Prompt(id="p", text="p", prompt_ids=(1, 2, 3))
@@ -29,9 +30,11 @@ def _pool(n: int = 1) -> EnginePool:
     return EnginePool([FakeEngine() for _ in range(n)], [8] * n, monitor=False)
 
 
-def _pipeline(pool: EnginePool, batch: int = 2, k: int | None = 1, policy: str = "version", **kw) -> Pipeline:
-    return Pipeline(pool, Admission(batch, k, policy), group_size=2, max_inflight=kw.pop("max_inflight", 64),
-                    drop_after=kw.pop("drop_after", k), **kw)
+def _pipeline(pool: EnginePool, batch: int = 2, k: int | None = 1, run_ahead: bool = False, **kw) -> Pipeline:
+    pipe = Pipeline(pool, batch, k, group_size=2, max_inflight=kw.pop("max_inflight", 64), **kw)
+    if run_ahead:  # the former rule, bench/admission.py's
+        pipe.admission = RunAhead(batch, k)
+    return pipe
 
 
 def _start_all(pipe: Pipeline) -> list[int]:
@@ -74,7 +77,7 @@ def test_grants_and_room_in_flight_bound_what_starts():
 
 
 def test_run_ahead_counts_what_is_in_flight_or_buffered():
-    pipe = _pipeline(_pool(), batch=2, k=1, policy="run-ahead")
+    pipe = _pipeline(_pool(), batch=2, k=1, run_ahead=True)
     pipe.grant(100)
     assert _start_all(pipe) == [0, 1, 2, 3]  # (K + 1) * B, whatever the version
     _complete(pipe, 0)
@@ -129,7 +132,7 @@ def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart()
 
 
 def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
-    pipe = _pipeline(_pool(), batch=1, k=None, drop_after=None, filter_limit=2,
+    pipe = _pipeline(_pool(), batch=1, k=None, filter_limit=2,
                      keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries)
     pipe.grant(1)
     for _ in range(3):
@@ -143,7 +146,7 @@ def test_lost_episodes_stop_the_run_only_past_the_share_of_a_batchs_worth():
     """Losses are judged once a batch's worth of episodes (2 groups of 2) ended since the last batch, each loss
     counted with its episode's end: three losses ending together first (a timed-out episode beside this batch's
     failures) do not stop the run, half lost does not, more than half does, naming the last reason."""
-    pipe = _pipeline(_pool(), batch=2, k=None, drop_after=None, max_lost_frac=0.5)
+    pipe = _pipeline(_pool(), batch=2, k=None, max_lost_frac=0.5)
     pipe.grant(2)
     for why in ("timed out", "raised", "nan"):
         pipe.count(episodes_ended=1, episodes_lost=1, why=why)

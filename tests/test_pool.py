@@ -13,12 +13,13 @@ from statistics import median
 import psutil
 import pytest
 import yaml
+from admission import run_ahead
 from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, recipe_dict, run_metrics, run_timeline
+from straggler import Slowing, slowed
 
+from orbit.config.modes import MODE_NAMES, MODES
 from orbit.engine.base import SamplingParams
-from orbit.modes import MODE_NAMES, MODES
-from orbit.run import train
-from orbit.slow import Slowing, SlowStarter
+from orbit.run.lifecycle import train
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 
@@ -60,7 +61,7 @@ def test_a_slow_engine_holds_nobody_with_independent_flips_and_everybody_with_a_
         run_dir = tmp_path / flip
         train(checked(_recipe(tiny_llama, run_dir, mode="double-buffer", max_staleness=2,
                               engine={"flip": flip, "slots": 4}, trainer={"steps": 8})), live=False,
-              starter=lambda s: SlowStarter(s, Slowing(load_s=0.6)))
+              engines=slowed(Slowing(load_s=0.6)))
         rows = run_metrics(run_dir)
         loads = [e for e in run_timeline(run_dir) if e["kind"] == "load_adapter"]
         figures[flip] = {
@@ -157,8 +158,9 @@ def test_staleness_bounds_hold_across_engines_and_drops_are_replaced(tmp_path, t
     """Two engines, the former run-ahead admission (so that groups do go stale): the bound holds on
     every step, drops happen and are replaced, nothing hangs (the test timeout)."""
     run_dir = tmp_path / "run"
-    train(checked(_recipe(tiny_llama, run_dir, mode="async-adapter", max_staleness=k, trainer={"steps": 6},
-                               rollout={"admission": "run-ahead", "max_new_tokens": 24})), live=False)
+    with run_ahead():
+        train(checked(_recipe(tiny_llama, run_dir, mode="async-adapter", max_staleness=k, trainer={"steps": 6},
+                              rollout={"max_new_tokens": 24})), live=False)
     rows = run_metrics(run_dir)
     assert len(rows) == 6 and all(r["staleness_max"] <= k for r in rows)
     assert sum(r["stale_dropped"] for r in rows) > 0

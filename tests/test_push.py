@@ -16,7 +16,7 @@ from orbit.engine.pool import EnginePool
 from orbit.engine.sglang.gate import SlotGate
 from orbit.push.fleet import FleetPush
 from orbit.push.phases import AdapterPush, DoubleBufferPush, FullPush, MergedPush, Target, make_push, run_phases
-from orbit.revive import Revival
+from orbit.run.revive import Revival
 
 
 class Policy:
@@ -238,7 +238,7 @@ def test_slot_gate_rewrites_a_slot_only_once_its_requests_are_gone():
     asyncio.run(scenario())
 
 
-# ---- engines that come back (orbit/revive.py) ----------------------------------------------------
+# ---- engines that come back (orbit/run/revive.py) ----------------------------------------------------
 
 
 def _revived(n: int, restart, attached: bool = False, tries: int = 3, wait_s: float = 30.0):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from orbit.config import AdapterConfig, RecipeError, TrainerConfig, parse_recipe
 from orbit.engine.base import EngineDeadError, EngineError, SamplingParams
-from orbit.preflight import preflight
+from orbit.run.preflight import preflight
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 

@@ -13,10 +13,10 @@ import yaml
 from run_helpers import check_no_request_ran_on_a_slot_being_written, run_metrics, run_timeline
 
 from orbit.config import load_recipe
-from orbit.metrics import METRIC_FIELDS
-from orbit.modes import MODE_NAMES
-from orbit.preflight import preflight
-from orbit.run import train
+from orbit.config.modes import MODE_NAMES
+from orbit.metrics.steps import METRIC_FIELDS
+from orbit.run.lifecycle import train
+from orbit.run.preflight import preflight
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]  # skips without sglang, fails in CI (tests/sglang_gate.py)
 
@@ -144,11 +144,11 @@ def test_an_in_process_engine_whose_scheduler_dies_is_restarted_and_rejoins(tmp_
     import threading
     import time
 
-    import orbit.run
+    import orbit.run.lifecycle
 
     pools: list = []
-    real = orbit.run.start_pool
-    monkeypatch.setattr(orbit.run, "start_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
+    real = orbit.run.lifecycle.start_pool
+    monkeypatch.setattr(orbit.run.lifecycle, "start_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
     # 10 steps: a kill seen late (the run ahead by up to max_staleness + 1 batches) must still leave batches that
     # only the new engine can make; with 6, a late kill once left none (CI: rejoined 0)
     path = _recipe_file(tmp_path, tiny_llama, "double-buffer", trainer={"lr": 0.01, "steps": 10, "save_every": 2})

@@ -26,8 +26,8 @@ from orbit.config import AdapterConfig, RecipeError, TrainerConfig
 from orbit.engine.base import EngineError, SamplingParams
 from orbit.engine.sglang.server import stop_group
 from orbit.engine.sglang_cpu import ENV_FLAG, SHIM_DIR
-from orbit.net import free_port
-from orbit.run import train
+from orbit.host.net import free_port
+from orbit.run.lifecycle import train
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]  # skips without sglang, fails in CI (tests/sglang_gate.py)
 

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from orbit.config import TaskConfig, load_recipe
 from orbit.engine.base import SamplingParams
-from orbit.preflight import preflight
-from orbit.run import train
+from orbit.run.lifecycle import train
+from orbit.run.preflight import preflight
 from orbit.tasks import make_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

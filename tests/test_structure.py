@@ -8,18 +8,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "orbit"
 MAX_LINES = 400  # a warning, naming the file: a module longer than this is worth a look, not a failure
-# Packages and top-level modules by layer, lowest first: a module imports from its own layer or below, never
-# above (docs/design.md, CONTRIBUTING.md). The RL math, tasks and engines know nothing of runs; runs know
-# nothing of the command line.
+# Packages by layer, lowest first: a package imports from its own layer or below, never above (docs/design.md,
+# CONTRIBUTING.md). The RL math, tasks and engines know nothing of runs; runs know nothing of the command line.
+# Every module lives in a package but the command line (cli.py) and the package's own face.
 LAYERS = (
-    ("modes", "rl", "task_config", "config", "net", "files", "secret", "truncation", "scratch", "interrupts", "metrics",
-     "adapters", "curves", "panels", "tiny", "recipe_doc"),
-    ("tasks", "engine"),
-    ("agents", "rollout", "push", "train", "tracking", "revive", "model_import", "warmstart", "slow"),
-    ("devices", "preflight", "loop", "run_dir", "run", "eval", "pages", "ends"),
-    ("sweep", "bench"),
+    ("host", "rl"),  # this machine and process; the RL math
+    ("config",),  # what a recipe can say
+    ("engine", "tasks", "metrics"),
+    ("agents", "rollout", "push", "train", "models", "pages"),
+    ("run",),  # one training run, from the recipe to its last step
+    ("sweep", "measure"),
     ("cli",),
 )
+LOOSE = {"cli"}  # the only module at the top level
+# Roles several packages each have: a package's protocol (engine/base.py, tasks/base.py), and each engine
+# backend's engine and process (engine/embedded/, engine/sglang/)
+SHARED_NAMES = {"base", "engine", "process"}
 # Files that are not Orbit's modules: the CPU shims run inside SGLang's processes (docs/sglang.md).
 OUTSIDE = ("engine/sglang_cpu/pypath/",)
 
@@ -68,8 +72,32 @@ def test_the_import_graph_has_no_cycles():
 
 
 def _unit(module: str) -> str:
-    """orbit.engine.sglang.http -> engine; orbit.run -> run."""
+    """orbit.engine.sglang.http -> engine; orbit.cli -> cli."""
     return module.split(".")[1] if "." in module else module
+
+
+def test_modules_live_in_packages_named_for_what_they_do():
+    loose = sorted(m.split(".")[1] for m, p in _modules().items() if m.count(".") == 1 and p.name != "__init__.py")
+    assert set(loose) == LOOSE, f"modules loose at the top of orbit/ (put each in the package of its layer): {loose}"
+
+
+def test_no_two_modules_share_a_name_without_a_reason():
+    """Two modules of one name need reading to tell apart, unless the name is a role every package of a kind
+    has (SHARED_NAMES)."""
+    by_name: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, []).append(name)
+    same = {stem: names for stem, names in by_name.items() if len(names) > 1 and stem not in SHARED_NAMES}
+    assert not same, f"modules that share a name: {same}"
+
+
+def test_every_built_in_task_has_its_options_and_its_class():
+    """One list of built-in tasks (orbit/config/task.py's BUILTINS); each has a task class of that name."""
+    import orbit.config.task
+    import orbit.tasks
+
+    assert list(orbit.tasks.BUILTINS) == list(orbit.config.task.BUILTINS)
 
 
 def test_imports_run_down_the_layers():

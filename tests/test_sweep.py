@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from orbit.config import RecipeError, load_recipe
 from orbit.engine import start_engine
 from orbit.engine.base import SamplingParams
-from orbit.run import train
+from orbit.run.lifecycle import train
 from orbit.sweep.plan import plan_sweep, preflight_sweep
 from orbit.sweep.run import sweep
 
@@ -202,7 +202,7 @@ def test_resuming_a_sweep_that_never_stepped_says_so(tmp_path, tiny_llama):
 def test_the_live_table_shows_each_run_and_why_one_stopped(tmp_path):
     from rich.console import Console
 
-    from orbit.metrics import StepMetrics
+    from orbit.metrics.steps import StepMetrics
     from orbit.sweep.watch import RunStatus, SweepTable
 
     statuses = [RunStatus("lr=0.01", tmp_path, 10), RunStatus("lr=0.02", tmp_path, 10)]

@@ -21,11 +21,11 @@ from orbit.cli import app
 from orbit.config import AdapterConfig, RecipeError, TaskConfig, TrainerConfig, parse_recipe
 from orbit.engine.base import Completion, SamplingParams
 from orbit.engine.pool import EnginePool
-from orbit.rollout.pipeline import Admission, Pipeline
+from orbit.rollout.pipeline import Pipeline
 from orbit.rollout.producer import Producer
 from orbit.rollout.sample import Sample
-from orbit.run import train
-from orbit.tasks import TaskError, make_task
+from orbit.run import RunStopped, train
+from orbit.tasks import make_task
 from orbit.tasks.base import answer_tag
 from orbit.train.trainer import Trainer
 
@@ -209,7 +209,7 @@ def _rollout(engine, task, sampling: SamplingParams, group_size: int, groups: in
              timeout: float):
     """One batch of `groups` groups from a real Producer and Pipeline over `engine`."""
     pool = EnginePool([engine], [max_inflight], monitor=False)
-    pipeline = Pipeline(pool, Admission(groups, None), group_size, max_inflight, drop_after=None)
+    pipeline = Pipeline(pool, groups, None, group_size, max_inflight)
     producer = Producer(pipeline, pool, task, sampling, seed=0)
     pipeline.grant(groups)
     producer.start()
@@ -447,8 +447,9 @@ def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
         warm_zorplex, run_dir, {"name": f"{USER_TASKS}:broken_zorplex", "fail_after": 60},
         trainer={"steps": 30, "save_every": 1},
     ))
-    with pytest.raises(TaskError) as info:
+    with pytest.raises(RunStopped) as info:
         train(recipe, live=False)
+    assert info.value.end == "task-failed"
     message = str(info.value)
     assert "next_turn (the tool) failed on prompt 'zorplex-train-" in message
     assert "ConnectionError: lookup service unavailable (HTTP 503)" in message
@@ -481,7 +482,7 @@ def test_tool_error_on_the_command_line(tmp_path, warm_zorplex):
 
 @pytest.mark.slow
 def test_warm_start_is_deterministic(tmp_path):
-    from orbit.warmstart import WarmConfig, build_warm_model
+    from orbit.models.warmstart import WarmConfig, build_warm_model
 
     cfg = WarmConfig(steps=12, batch=8, warmup=2)
     a = build_warm_model(tmp_path / "a", "zorplex", config=cfg)
@@ -494,7 +495,7 @@ def test_warm_start_is_deterministic(tmp_path):
 
 @pytest.mark.slow
 def test_warm_start_is_cached(tmp_path, warm_arith, monkeypatch):
-    import orbit.warmstart as ws
+    import orbit.models.warmstart as ws
 
     info = json.loads((warm_arith / "warmstart.json").read_text())
     assert info["task"] == "arith" and info["code_version"] in warm_arith.name

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from run_helpers import checked, read_jsonl, recipe_dict, run_metrics
 
-import orbit.run
-import orbit.tracking
+import orbit.run.lifecycle
+import orbit.run.trackers
 from orbit.config import RecipeError, parse_recipe
-from orbit.run import train
-from orbit.tracking import log_images, scalars
+from orbit.run.lifecycle import train
+from orbit.run.trackers import log_images, scalars
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 
@@ -123,7 +123,7 @@ def test_samples_jsonl_has_a_few_decoded_samples_per_step(tracked):
     assert sorted({s["step"] for s in samples}) == [0, 1, 2]
     for step in range(3):
         mine = [s for s in samples if s["step"] == step]
-        assert 1 <= len(mine) <= orbit.tracking.SAMPLES_PER_STEP
+        assert 1 <= len(mine) <= orbit.run.trackers.SAMPLES_PER_STEP
         assert len({s["group"] for s in mine}) == min(len(mine), 2)  # one per group first (2 groups a step)
     for s in samples:
         assert SAMPLE_FIELDS <= set(s), s
@@ -142,7 +142,7 @@ def test_a_bad_logging_list_fails_at_parse(tmp_path, tiny_llama, logging, messag
 
 
 def test_a_tracker_not_installed_fails_at_parse_with_the_install_command(tmp_path, tiny_llama, monkeypatch):
-    monkeypatch.setitem(orbit.tracking.TRACKERS, "wandb", ("no_such_module_orbit", "pip install wandb"))
+    monkeypatch.setitem(orbit.run.trackers.TRACKERS, "wandb", ("no_such_module_orbit", "pip install wandb"))
     with pytest.raises(RecipeError, match=r"logging: 'wandb' cannot run: .*not installed.*pip install wandb"):
         checked(_recipe(tiny_llama, tmp_path / "run", logging=["wandb"]))
 
@@ -151,7 +151,7 @@ def test_a_tracker_that_cannot_start_fails_the_start_and_leaves_nothing(tmp_path
     def no_key(*args, **kwargs):
         raise RuntimeError("api_key not configured (no-tty)")
 
-    monkeypatch.setattr(orbit.tracking._WandB, "__init__", no_key)
+    monkeypatch.setattr(orbit.run.trackers._WandB, "__init__", no_key)
     run_dir = tmp_path / "run"
     recipe = checked(_recipe(tiny_llama, run_dir, logging=["tensorboard", "wandb"]))
     with pytest.raises(RecipeError, match=r"logging: 'wandb' could not start: .*api_key.*WANDB_MODE=offline"):

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from admission import run_ahead
 from run_helpers import check_no_request_ran_on_a_slot_being_written, checked, recipe_dict, run_metrics, run_timeline
 
-from orbit.metrics import METRIC_FIELDS
-from orbit.modes import MODE_NAMES
-from orbit.run import train
+from orbit.config.modes import MODE_NAMES
+from orbit.metrics.steps import METRIC_FIELDS
+from orbit.run.lifecycle import train
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 
@@ -97,10 +98,10 @@ def test_drop_and_replenish_never_hangs(tmp_path, tiny_llama, mode, k):
         tiny_llama, tmp_path / "run", mode=mode, max_staleness=k,
         # many requests in flight per batch, and the former run-ahead admission, which starts groups
         # that go stale: the drop-and-replenish safety net must carry the run
-        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24, "admission": "run-ahead"},
-        trainer={"steps": 6},
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 24}, trainer={"steps": 6},
     ))
-    train(recipe, live=False)
+    with run_ahead():
+        train(recipe, live=False)
     rows = run_metrics(tmp_path / "run")
     assert len(rows) == 6
     assert all(r["staleness_max"] <= k for r in rows)
@@ -112,10 +113,10 @@ def test_double_buffer_never_runs_a_request_on_a_slot_being_written(tmp_path, ti
     recipe = checked(_recipe(
         tiny_llama, tmp_path / "run", mode="double-buffer", max_staleness=None,
         # run-ahead admission keeps requests in flight two versions back, so loads meet them
-        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 160, "admission": "run-ahead"},
-        trainer={"steps": 6},
+        engine={"max_inflight": 24, "max_running": 24}, rollout={"max_new_tokens": 160}, trainer={"steps": 6},
     ))
-    train(recipe, live=False)
+    with run_ahead():
+        train(recipe, live=False)
     events = run_timeline(tmp_path / "run")
     assert any(e["kind"] == "request" for e in events)
     assert check_no_request_ran_on_a_slot_being_written(events) >= 6

@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from orbit import adapters
-from orbit.adapters import adapter_tensors
 from orbit.config import AdapterConfig, TrainerConfig
 from orbit.rl import AlgorithmConfig
 from orbit.rollout.sample import Sample
+from orbit.train import peft_adapter as adapters
+from orbit.train.peft_adapter import adapter_tensors
 from orbit.train.trainer import Trainer
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -201,7 +201,7 @@ def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
 
 def test_truncated_sampling_is_scored_truncated(tiny_llama: Path):
     """With top_p/top_k the trainer's logprobs are the truncated, renormalised distribution's."""
-    from orbit.truncation import truncated_logprobs
+    from orbit.rl.truncation import truncated_logprobs
 
     plain, truncated = _trainer(tiny_llama, temperature=0.7), Trainer(
         tiny_llama, LORA, TrainerConfig(), temperature=0.7, seed=0, top_p=0.8, top_k=5)

@@ -13,7 +13,7 @@ from agent_helpers import with_chat_template
 from run_helpers import checked, recipe_dict, run_metrics
 
 from orbit.config import RecipeError
-from orbit.run import train
+from orbit.run.lifecycle import train
 
 ROOT = Path(__file__).resolve().parent.parent
 VF_PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
@@ -60,7 +60,7 @@ def _bridges() -> list[int]:
 def test_a_verifiers_taskset_trains_and_evaluates_through_the_endpoint(chat_model, vf_python, tmp_path):
     """Each episode is one of the taskset's tasks, run by verifiers against the episode's URL; the reward is its
     rubric's; every generated token is trained, scored alike by engine and trainer; the bridge is gone after."""
-    from orbit.eval import resolve_target, run_eval
+    from orbit.measure.eval import resolve_target, run_eval
 
     out = tmp_path / "run"
     train(checked(_recipe(chat_model, out, "vf_questions.py", vf_python, trainer={"steps": 3})), live=False)
@@ -103,7 +103,7 @@ def test_bad_verifiers_recipes_fail_before_any_compute(chat_model, vf_python, tm
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_taskset_verifiers_cannot_load_is_named_at_start(chat_model, vf_python, tmp_path):
-    from orbit.run import train as run_train
+    from orbit.run.lifecycle import train as run_train
 
     data = _recipe(chat_model, tmp_path / "r", "vf_questions.py", vf_python)
     data["task"]["taskset"] = "no_such_taskset_anywhere"

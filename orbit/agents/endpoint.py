@@ -25,7 +25,7 @@ from orbit.agents.chat import ChatError, normal, parse_reply
 from orbit.agents.episodes import Episodes, messages_prompt
 from orbit.agents.record import EpisodeRecord
 from orbit.engine.base import EngineError
-from orbit.net import ThreadServer
+from orbit.host.net import ThreadServer
 
 
 class EndpointError(RuntimeError):

@@ -65,7 +65,7 @@ def start_engine(cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConf
 
 class EngineStarter:
     """Starts engine `i` of a recipe's engines (its device, its server): at the
-    start of a run, and again when one that died is brought back (orbit/revive.py)."""
+    start of a run, and again when one that died is brought back (orbit/run/revive.py)."""
 
     def __init__(self, cfg: EngineConfig, model: Path, seed: int, adapter: AdapterConfig | None = None,
                  call_timeout_s: float | None = None, truncated: bool = False) -> None:
@@ -73,15 +73,19 @@ class EngineStarter:
         self.call_timeout_s, self.truncated = call_timeout_s, truncated
         self.servers = cfg.servers or [None] * cfg.engines
         self.devices = cfg.engine_devices()
-        self.configs = [cfg] * cfg.engines
         self.attached = bool(cfg.servers)  # servers someone else runs: re-attached, never restarted
 
+    @property
+    def count(self) -> int:
+        return self.cfg.engines
+
     def start(self, i: int) -> Engine:
-        return start_engine(self.configs[i], self.model, self.seed + i, self.adapter, self.call_timeout_s,
+        return start_engine(self.cfg, self.model, self.seed + i, self.adapter, self.call_timeout_s,
                             self.devices[i], self.servers[i], self.truncated)
 
     def capacities(self) -> list[int]:
-        return [c.max_running for c in self.configs]
+        """Each engine's `max_running`: the share of requests the pool routes to it."""
+        return [self.cfg.max_running] * self.count
 
 
 def start_pool(starter: EngineStarter, timeline=None, on_warning: Callable[[str], None] | None = None) -> EnginePool:
@@ -93,7 +97,7 @@ def start_engines(starter: EngineStarter) -> list[Engine]:
     """Start the recipe's engines (`engine.replicas`, one per device, or one per `engine.servers`). If one fails
     to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
-    count = len(starter.configs)
+    count = starter.count
     futures: list[Future] = []
     try:
         if starter.cfg.backend == "sglang-server" and count > 1:

@@ -33,7 +33,7 @@ class EngineDeadError(EngineError):
 
 
 class EngineStartError(EngineDeadError):
-    """An engine (or a server Orbit started) that did not start: nothing was trained (exit 3, orbit/ends.py)."""
+    """An engine (or a server Orbit started) that did not start: nothing was trained (exit 3, orbit/run/ends.py)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Completion:
 
     `logprobs[i]` is the log-probability of `output_ids[i]` under the distribution it was sampled
     from: log_softmax(logits / temperature), truncated to top-k/top-p and renormalised when those
-    are set (orbit/truncation.py); log_softmax(logits) when greedy. This is what the trainer
+    are set (orbit/rl/truncation.py); log_softmax(logits) when greedy. This is what the trainer
     recomputes, so the two can be compared token by token (`logprob_diff`).
 
     When `finish_reason` is "stop", `output_ids` ends with the stop token (eos or one of

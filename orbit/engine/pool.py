@@ -9,7 +9,7 @@ one pool whether it holds one engine or eight; what each member serves is set by
 - Faults: a member whose requests fail with EngineDeadError, or that does not answer a ping within
   `ping_timeout_s`, leaves the pool at once (`drop`): a warning, a timeline event, its engine killed
   (only its own processes), and its outstanding requests resubmitted to the others.
-- Comebacks: with a reviver (orbit/revive.py) a member that left is `reviving` until the reviver
+- Comebacks: with a reviver (orbit/run/revive.py) a member that left is `reviving` until the reviver
   calls `rejoin` (a new engine in its place, serving a given version) or `gave_up`. While no member
   is alive but one may come back, requests are held and fan-out calls wait; only when none is
   alive and none is coming back do requests and calls fail (EngineDeadError naming every end).

@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
 
-from orbit.net import ThreadServer
+from orbit.host.net import ThreadServer
 
 FILES = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl")
 LOG_LINES = 50

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orbit.panels import PAUSE_COLOR, TRAINER_COLORS, engine_bands
+from orbit.metrics.gantt import PAUSE_COLOR, TRAINER_COLORS, engine_bands
 
 VERSION_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                   "#bcbd22", "#17becf")  # matplotlib's tab10, as panels.png

@@ -13,7 +13,7 @@ before the next batch is granted, whichever the flip.
 A push an engine refuses (a bad adapter) leaves that engine serving what it had: with independent
 flips the run warns and goes on, and stops only when one engine refuses REFUSALS_IN_A_ROW pushes in
 a row; serial modes and the barrier stop at once (they need every engine on the new version).
-An engine that comes back (orbit/revive.py) is `bring_up`-ed to the newest snapshot first.
+An engine that comes back (orbit/run/revive.py) is `bring_up`-ed to the newest snapshot first.
 
 `update_weights_s` is the time the trainer was held: the snapshot alone for independent flips.
 The flip clock (when each version was pushed and when the last engine served it) lives here, where
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from orbit.engine.base import Engine, EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool, Member
-from orbit.metrics import Timeline
+from orbit.metrics.steps import Timeline
 from orbit.push.phases import PolicySource, Push, PushResult, Target, make_push, run_phases
 
 FLIPS = ("independent", "barrier")

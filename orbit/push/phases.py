@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from orbit.engine.base import Capabilities, Engine, PauseMode
-from orbit.metrics import Timeline
+from orbit.metrics.steps import Timeline
 
 PUSHES = ("full", "adapter", "double-buffer")
 

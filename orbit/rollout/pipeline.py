@@ -8,8 +8,8 @@ both of them read and change lives here, under one condition:
   group of the run is trained at step g // B; started at version v its staleness is g // B - v <= K
   exactly when v >= g // B - K. So it starts on an engine serving at least that version, and waits
   until one does. Dropped groups do not count (each is replaced). Unbounded staleness admits as
-  K = 1. The former rule (`rollout.admission: run-ahead`: at most (K + 1) batches in flight or
-  buffered) started groups while the engine was a version behind; it is kept to measure that;
+  K = 1. (The former rule, at most (K + 1) batches in flight or buffered, started groups while the
+  engine was a version behind: bench/admission.py measures it against this one.)
 - in flight: the groups started and not complete, with the engine and version each started on;
 - complete: scored groups waiting for the trainer (a group's samples are scored by the task when its
   last sample is done: groups.py). With dynamic sampling (`keep`), a group that carries no signal is
@@ -37,7 +37,6 @@ from orbit.rollout.groups import Group
 from orbit.rollout.sample import Sample
 from orbit.tasks.base import Prompt
 
-ADMISSIONS = ("version", "run-ahead")
 _POLL_S = 0.5
 _DESCRIBE_WAIT_S = 2.0
 
@@ -63,26 +62,22 @@ def sampling_params(rollout, stop_token_ids: tuple[int, ...]) -> SamplingParams:
 
 @dataclass(frozen=True)
 class Admission:
-    """Which groups may start: `batch` groups per train step, `max_staleness` as in the recipe."""
+    """Which groups may start: `batch` groups per train step, none trained more than `max_staleness` versions
+    after the one its engine served when it started (None: unbounded, admitted as 1)."""
 
     batch: int
     max_staleness: int | None
-    policy: str = "version"  # or "run-ahead" (the former rule, for comparison)
 
     @property
     def k(self) -> int:
         return 1 if self.max_staleness is None else self.max_staleness
 
-    def min_version(self, started: int) -> int | None:
-        """The oldest engine version the next group may start on (`started`: groups started so far,
-        dropped ones not counted); None: any (the run-ahead rule does not look at versions)."""
-        return None if self.policy == "run-ahead" else started // self.batch - self.k
-
-    def allows(self, version: int, started: int, in_pipeline: int) -> bool:
-        """May one more group start on an engine at `version`? `in_pipeline`: groups in flight or buffered."""
-        if self.policy == "run-ahead":
-            return in_pipeline < (self.k + 1) * self.batch
-        return version >= self.min_version(started)
+    def pick(self, pool: EnginePool, started: int, in_pipeline: int) -> int | None:  # noqa: ARG002
+        """The engine the next group starts on, or None when none may start now. `started`: groups started so
+        far (dropped ones not counted); `in_pipeline`: groups in flight or buffered (this rule does not need
+        it). The g-th group is trained at step g // batch, so it starts on an engine serving at least
+        g // batch - k."""
+        return pool.pick(started // self.batch - self.k)
 
 
 @dataclass
@@ -122,17 +117,20 @@ class Counts:
 
 
 class Pipeline:
-    def __init__(self, pool: EnginePool, admission: Admission, group_size: int, max_inflight: int,
-                 drop_after: int | None, replenish: bool = True, start_group: int = 0,
+    def __init__(self, pool: EnginePool, batch: int, max_staleness: int | None, group_size: int,
+                 max_inflight: int, replenish: bool = True, start_group: int = 0,
                  start_version: int = 0, keep: Callable[[Group], bool] | None = None,
                  filter_limit: int = 10, max_lost_frac: float = 0.5) -> None:
-        """`max_inflight`: requests in flight at most, over all engines. `drop_after`: the staleness past
-        which a complete group is dropped (None: never, serial modes). `start_group` / `start_version`:
+        """`batch`: groups per train step. `max_staleness`: how many versions a group may be trained after the
+        one it started on (the mode's: `Mode.max_staleness`); admission keeps groups within it, and a complete
+        group past it is dropped (None: unbounded, never dropped). `max_inflight`: requests in flight at most,
+        over all engines. `start_group` / `start_version`:
         where a resumed run's prompt stream and versions stand. `keep`: dynamic sampling's test of a complete
         group; `filter_limit` batches' worth of groups failing it while the trainer waits for one batch stop
         the run; so does losing more than `max_lost_frac` of the agent episodes since the last batch."""
-        self.pool, self.admission, self.group_size, self.max_inflight = pool, admission, group_size, max_inflight
-        self.drop_after, self.replenish = drop_after, replenish
+        self.pool, self.group_size, self.max_inflight = pool, group_size, max_inflight
+        self.admission = Admission(batch, max_staleness)
+        self.replenish = replenish
         self.keep, self.filter_limit = keep, filter_limit
         self._filtered_since_take = 0
         self.max_lost_frac = max_lost_frac
@@ -143,7 +141,7 @@ class Pipeline:
         self.in_flight: dict[int, InFlight] = {}
         self._cond = threading.Condition()
         self._granted = 0
-        self._started = start_version * admission.batch  # every group trained before this run counts
+        self._started = start_version * batch  # every group trained before this run counts
         self._requests = 0  # requests in flight
         self.on_idle: Callable[[bool], None] | None = None  # told when the engines have nothing in flight, or again do
         self._complete: list[Group] = []
@@ -164,9 +162,7 @@ class Pipeline:
             if self._granted <= 0 or self._requests + self.group_size > self.max_inflight:
                 return None
             in_pipeline = len(self._complete) + len(self.in_flight)
-            if self.admission.policy == "run-ahead" and not self.admission.allows(0, self._started, in_pipeline):
-                return None
-            engine = self.pool.pick(self.admission.min_version(self._started))
+            engine = self.admission.pick(self.pool, self._started, in_pipeline)
             if engine is None:
                 return None
             self._granted -= 1
@@ -313,21 +309,22 @@ class Pipeline:
             self._since_take = (self.counts.episodes_ended, self.counts.episodes_lost)
         if stalled:  # the engines are asked outside the lock: the producer must not wait on a hung engine
             raise RolloutError(f"{stalled}; {self._engines()}")
-        self.wake()  # room in the pipeline (run-ahead admission counts what is buffered)
+        self.wake()  # room in the pipeline (an admission may count what is buffered)
         return Batch(groups=taken, wait_s=time.time() - t0, stale_dropped=len(dropped),
                      dropped_tokens=sum(g.tokens for g in dropped))
 
     def _due(self, version: int) -> bool:
         """Is a group still in flight that must be trained at this step (started at version - K)?"""
-        return self.drop_after is not None and any(g.version == version - self.drop_after
-                                                   for g in self.in_flight.values())
+        k = self.admission.max_staleness
+        return k is not None and any(g.version == version - k for g in self.in_flight.values())
 
     def _drop_stale(self, version: int) -> list[Group]:
-        if self.drop_after is None:
+        k = self.admission.max_staleness
+        if k is None:
             return []
-        stale = [g for g in self._complete if g.staleness(version) > self.drop_after]
+        stale = [g for g in self._complete if g.staleness(version) > k]
         if stale:
-            self._complete = [g for g in self._complete if g.staleness(version) <= self.drop_after]
+            self._complete = [g for g in self._complete if g.staleness(version) <= k]
             self._started -= len(stale)  # they no longer count as started: their replacements do
             if self.replenish:
                 self._granted += len(stale)
@@ -337,7 +334,7 @@ class Pipeline:
     def _seen(self) -> str:
         return (f"{len(self._complete)} complete group(s) buffered; {len(self.in_flight)} group(s) in flight "
                 f"({self._requests} request(s)); {self._granted} grant(s) left; {self._started} group(s) started "
-                f"({self.admission.policy} admission, max_staleness {self.admission.max_staleness}, engine "
+                f"(max_staleness {self.admission.max_staleness}, engine "
                 f"versions {self.pool.versions()})")
 
     def _engines(self) -> str:

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from orbit.agents.runner import AgentRunner, EpisodeFailed
 from orbit.engine.base import ACTIVE, Completion, SamplingParams
 from orbit.engine.pool import EnginePool
-from orbit.metrics import Timeline
+from orbit.metrics.steps import Timeline
 from orbit.rollout.episode import continue_episode, with_task_stops
 from orbit.rollout.groups import build_group
 from orbit.rollout.pipeline import InFlight, Pipeline, RolloutError

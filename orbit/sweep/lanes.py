@@ -22,9 +22,9 @@ import torch
 from orbit.engine.base import ACTIVE, Completion, Engine, EngineError, EngineStats, PauseMode, SamplingParams, Slot
 from orbit.engine.pool import EnginePool
 from orbit.engine.serving import ActiveSlot
-from orbit.metrics import Timeline
+from orbit.metrics.steps import Timeline
 from orbit.push.fleet import FleetPush
-from orbit.revive import Revival
+from orbit.run.revive import Revival
 
 
 class LaneEngine:
@@ -104,7 +104,7 @@ class LaneEngine:
 
 
 class SharedEngines:
-    """A sweep run's `Engines` (orbit/run.py): lane views of the sweep's engines. An engine that dies stops every
+    """A sweep run's `Engines` (orbit/run/lifecycle.py): lane views of the sweep's engines. An engine that dies stops every
     run (each saving); bringing engines back is a single run's (`engine.restarts`), not yet a sweep's."""
 
     def __init__(self, engines: list[Engine], capacities: list[int], lane: int, slots: int) -> None:

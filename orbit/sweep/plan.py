@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from orbit.config import Recipe, RecipeError, dump_recipe, parse_recipe, set_dotted
-from orbit.preflight import preflight
+from orbit.run.preflight import preflight
 
 # What the runs of a sweep share: the base model, the engines, the loop and the trainer's device.
 SHARED = ("model", "engine", "mode", "logging", "trainer.device", "trainer.devices", "trainer.dtype",
@@ -128,7 +128,7 @@ def _dir_name(name: str) -> str:
 
 
 def preflight_sweep(plan: SweepPlan) -> tuple[SweepPlan, tuple[str, ...]]:
-    """orbit/preflight.py's checks of the shared recipe and of each run (its task, its adapter on this model),
+    """orbit/run/preflight.py's checks of the shared recipe and of each run (its task, its adapter on this model),
     every run given the shared recipe's resolved engines; with the notes to print."""
     checked = preflight(plan.recipe)
     runs = []

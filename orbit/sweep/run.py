@@ -2,7 +2,7 @@
 
 - **Shared**: the trainer holds the base once with the K adapters side by side (orbit/train/shared.py); the
   engines are started once with K rings of slots, and every run's requests are batched together on them.
-- **Each run is a single run** (orbit/run.py's `start` and `finish`, on its own thread): its own directory
+- **Each run is a single run** (orbit/run/lifecycle.py's `start` and `finish`, on its own thread): its own directory
   (recipe.yaml, metrics.jsonl, samples.jsonl, timeline.jsonl, checkpoints: `orbit train --resume` and
   `orbit eval` take it as they take any run's), optimizer, version, staleness bound, admission and
   double-buffered slots (orbit/sweep/lanes.py), flipped on its own.
@@ -25,22 +25,22 @@ from typing import TypeVar
 
 from rich.console import Console
 
-from orbit import interrupts
 from orbit.config import AdapterConfig, Recipe, RecipeError
-from orbit.devices import colocate
 from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.engine.base import Engine
-from orbit.interrupts import Interrupted
-from orbit.preflight import stop_token_ids
-from orbit.run import RunStopped, StartedRun, finish, shut_down, start
-from orbit.run_dir import prepare_run_dir, resumable, undo_start
+from orbit.host import interrupts
+from orbit.rl.truncation import truncates
+from orbit.run.directory import prepare_run_dir, resumable, undo_start
+from orbit.run.ends import judge
+from orbit.run.lifecycle import StartedRun, finish, shut_down, start
+from orbit.run.placement import colocate
+from orbit.run.preflight import stop_token_ids
 from orbit.sweep.lanes import SharedEngines
 from orbit.sweep.plan import SWEEP_FILE, SweepPlan, dump_sweep
 from orbit.sweep.watch import RunStatus, SweepTable, print_summary, summarize
 from orbit.tasks import TaskError, close_task, make_task
 from orbit.train.shared import SharedBase
 from orbit.train.trainer import recipe_trainer
-from orbit.truncation import truncates
 
 T = TypeVar("T")
 
@@ -223,19 +223,19 @@ def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
 
 
 def _lane_main(lane: _Lane, console: Console) -> None:
-    """One run's loop (orbit/run.py's `finish`); however it ends, its status says how and why."""
+    """One run's loop (orbit/run/lifecycle.py's `finish`); however it ends, its status says how and why."""
     status, run = lane.status, lane.run
     trace = ""
     try:
         finish(run, lane.recipe, status.run_dir, lane.created, lane.resume)
         status.end("done")
-    except Interrupted as err:
-        status.end("interrupted", str(err))
-    except (RunStopped, TaskError) as err:
-        status.end("stopped", str(err))
     except BaseException as err:  # noqa: BLE001 - one run's failure is that run's alone
-        status.end("stopped", f"{type(err).__name__}: {err}")
-        trace = traceback.format_exc()
+        verdict = judge(err)
+        if verdict is None:  # no way a run ends (a bug): the traceback goes to its run.log
+            status.end("stopped", f"{type(err).__name__}: {err}")
+            trace = traceback.format_exc()
+        else:
+            status.end("interrupted" if verdict.end.code == 130 else "stopped", verdict.reason)
     finally:
         run.trainer.close()
         run.close_files()

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from orbit.curves import WINDOW, draw_curves
-from orbit.metrics import StepMetrics
+from orbit.metrics.curves import WINDOW, draw_curves
+from orbit.metrics.steps import StepMetrics
 
 SUMMARY_FILE = "summary.json"
 PICTURE_FILE = "reward.png"

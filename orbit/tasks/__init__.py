@@ -21,8 +21,9 @@ from orbit.tasks.base import (
     is_multi_turn,
     task_stop_ids,
 )
+from orbit.tasks.common import DatasetError
 from orbit.tasks.gym import GymTask
-from orbit.tasks.jsonl import DatasetError, JsonlTask
+from orbit.tasks.jsonl import JsonlTask
 from orbit.tasks.loader import TaskLoadError, resolve_factory
 from orbit.tasks.math import MathTask
 from orbit.tasks.pattern import PatternTask
@@ -34,8 +35,11 @@ __all__ = [
     "is_agent", "is_multi_turn", "make_task", "task_stop_ids",
 ]
 
-BUILTINS = {"pattern": PatternTask, "arith": ArithTask, "zorplex": ZorplexTask, "jsonl": JsonlTask, "math": MathTask,
-            "agent": AgentTask, "reasoning-gym": GymTask, "verifiers": VerifiersTask}
+# Each built-in task by its own name; the names and their options are orbit/config/task.py's (BUILTINS).
+BUILTINS: dict[str, type] = {
+    task.name: task
+    for task in (PatternTask, ArithTask, ZorplexTask, JsonlTask, MathTask, AgentTask, GymTask, VerifiersTask)
+}
 
 
 def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:

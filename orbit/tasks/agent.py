@@ -23,7 +23,7 @@ import random
 from collections.abc import Iterator
 
 from orbit.tasks.base import Prompt, Score, TaskError
-from orbit.tasks.jsonl import DatasetError
+from orbit.tasks.common import DatasetError
 from orbit.tasks.loader import resolve_factory
 from orbit.tasks.math import load_dataset_rows
 

@@ -1,8 +1,12 @@
-"""Pieces the built-in tasks share: prompt encoding, held-out splits, answer-tag scoring."""
+"""Pieces the built-in tasks share: prompt encoding, held-out splits, a dataset's prompt stream, answer-tag
+scoring."""
 
 from __future__ import annotations
 
+import random
 import zlib
+from collections.abc import Iterator
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -14,6 +18,29 @@ FORMAT_REWARD = 0.2  # an answer tag is present, right or wrong
 FREE_TOOL_CALLS = 2
 TOOL_CALL_PENALTY = 0.1  # per tool call beyond FREE_TOOL_CALLS
 EVAL_EVERY = 5  # one problem in EVAL_EVERY (by a stable hash) is held out for evaluation
+R = TypeVar("R")
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names the file and line."""
+
+
+def shuffled_rows(rows: dict[str, list[R]], split: str, key: str) -> Iterator[tuple[int, R]]:
+    """A dataset task's prompt stream: the rows of `split` ('train' or 'eval') in one shuffled pass after
+    another, for ever, each with its running number. `key` seeds the order (task, split and seed)."""
+    if split not in rows:
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not rows[split]:
+        raise DatasetError("the dataset has no held-out rows: give task.eval_path, or more rows than "
+                           "task.holdout_every")
+    rng = random.Random(key)
+    n = 0
+    while True:
+        order = list(range(len(rows[split])))
+        rng.shuffle(order)
+        for i in order:
+            yield n, rows[split][i]
+            n += 1
 
 
 def check_chat(tokenizer: PreTrainedTokenizerBase, chat: bool) -> bool:

@@ -45,6 +45,8 @@ _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 class GymTask:
+    name = "reasoning-gym"
+
     def __init__(self, tokenizer, dataset: str, config: dict | None = None, answer: str = "tag",
                  template: str = "{question}", chat: bool = False, system: str | None = None, eval_size: int = 200,
                  partial_credit: bool = False) -> None:
@@ -57,7 +59,7 @@ class GymTask:
                              "basic_arithmetic, simple_equations, leg_counting; or composite)")
         if answer not in ("tag", "final"):
             raise ValueError(f"task.answer: 'tag' or 'final' for reasoning-gym, got {answer!r}")
-        self.name, self.dataset, self.config = "reasoning-gym", dataset, dict(config or {})
+        self.dataset, self.config = dataset, dict(config or {})
         self.tokenizer, self.answer, self.template, self.partial_credit = tokenizer, answer, template, partial_credit
         self.chat = check_chat(tokenizer, chat)
         self.system = system if system is not None or answer != "tag" or not chat else TAG_SYSTEM

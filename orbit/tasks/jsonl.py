@@ -9,7 +9,6 @@ Rows are checked when the task is built (and at recipe load): a bad row names it
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +16,14 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt
-from orbit.tasks.common import AnswerTagTask, check_chat, encode_prompt, single_token
-
-
-class DatasetError(ValueError):
-    """A dataset file that cannot be used; the message names the file and line."""
+from orbit.tasks.common import (
+    AnswerTagTask,
+    DatasetError,
+    check_chat,
+    encode_prompt,
+    shuffled_rows,
+    single_token,
+)
 
 
 @dataclass(frozen=True)
@@ -92,20 +94,7 @@ class JsonlTask(AnswerTagTask):
         self.stop_token_ids: tuple[int, ...] = (end,) if end is not None else ()
 
     def prompts(self, seed: int, split: str = "train") -> Iterator[Prompt]:
-        if split not in self.rows:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        rows = self.rows[split]
-        if not rows:
-            raise DatasetError("the dataset has no held-out rows: give task.eval_path, or more rows than "
-                               "task.holdout_every")
-        rng = random.Random(f"jsonl-{split}-{seed}")
-        n = 0
-        while True:  # one shuffled pass after another
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for i in order:
-                row = rows[i]
-                text = self.template.format(prompt=row.prompt)
-                yield Prompt(id=f"jsonl-{split}-L{row.line}-{n}", text=text,
-                             prompt_ids=encode_prompt(self.tokenizer, text, self.chat), answer=row.answer)
-                n += 1
+        for n, row in shuffled_rows(self.rows, split, f"jsonl-{split}-{seed}"):
+            text = self.template.format(prompt=row.prompt)
+            yield Prompt(id=f"jsonl-{split}-L{row.line}-{n}", text=text,
+                         prompt_ids=encode_prompt(self.tokenizer, text, self.chat), answer=row.answer)

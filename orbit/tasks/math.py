@@ -16,7 +16,6 @@ wrong_answer. Held out for evaluation: the rows of `eval_path` if given, else ev
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,14 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt, Score
-from orbit.tasks.common import answer_score, check_chat, decode, encode_prompt
-from orbit.tasks.jsonl import DatasetError
+from orbit.tasks.common import (
+    DatasetError,
+    answer_score,
+    check_chat,
+    decode,
+    encode_prompt,
+    shuffled_rows,
+)
 from orbit.tasks.verify import MathChecker
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -125,23 +130,10 @@ class MathTask:
         encode_prompt(tokenizer, self.template.format(question="1 + 1"), self.chat, self.system)  # checks `system`
 
     def prompts(self, seed: int, split: str = "train") -> Iterator[Prompt]:
-        if split not in self.rows:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        rows = self.rows[split]
-        if not rows:
-            raise DatasetError("the dataset has no held-out rows: give task.eval_path, or more rows than "
-                               "task.holdout_every")
-        rng = random.Random(f"math-{split}-{seed}")
-        n = 0
-        while True:  # one shuffled pass after another
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for i in order:
-                row = rows[i]
-                text = self.template.format(question=row.question)
-                yield Prompt(id=f"math-{split}-R{row.row}-{n}", text=text,
-                             prompt_ids=encode_prompt(self.tokenizer, text, self.chat, self.system), answer=row.answer)
-                n += 1
+        for n, row in shuffled_rows(self.rows, split, f"math-{split}-{seed}"):
+            text = self.template.format(question=row.question)
+            ids = encode_prompt(self.tokenizer, text, self.chat, self.system)
+            yield Prompt(id=f"math-{split}-R{row.row}-{n}", text=text, prompt_ids=ids, answer=row.answer)
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
         return answer_score(decode(self.tokenizer, output_ids), prompt.answer, checker=self.checker,

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from orbit.rl.truncation import truncated_entropy, truncated_logprobs
 from orbit.rollout.sample import Sample
-from orbit.truncation import truncated_entropy, truncated_logprobs
 
 CHUNK_ROWS = 256  # output positions projected to the vocabulary at once
 
@@ -144,7 +144,7 @@ def token_logprobs(hidden: Tensor, head: Tensor, batch: Batch, temperature: floa
                    top_k: int, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """[N, C] logprob of each output token under the sampling distribution, from the hidden states that
     predict them (`output_hidden`) and the output projection `head` [V, H]: log_softmax(hidden @ head.T
-    / T), truncated to top-k/top-p (orbit/truncation.py); and [N, C] that distribution's entropy at each
+    / T), truncated to top-k/top-p (orbit/rl/truncation.py); and [N, C] that distribution's entropy at each
     position (differentiable only with `entropy_grad`: an entropy bonus). Zero at padding. Computed (and
     recomputed for the backward) a chunk of positions at a time: no [N, C, V] tensor is ever whole."""
     rows = batch.outputs.nonzero(as_tuple=True)

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from orbit.files import fsync, write_dir
+from orbit.host.files import fsync, write_dir
 
 CHECKPOINTS = "checkpoints"
 LATEST = "adapter"

@@ -74,7 +74,7 @@ def _local_ranks(n: int, run_id: str):
     """The launcher's settings for `n` ranks on this host, meeting on a free loopback port."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    from orbit.net import free_port
+    from orbit.host.net import free_port
 
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=run_id, rdzv_backend="c10d",
                         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.5,

@@ -2,7 +2,7 @@
 
 Only the adapter trains; the base stays frozen in fp32. Logprobs are those of the distribution
 the engine samples from, log_softmax(logits / T) truncated to top-k/top-p and renormalised when
-those are set (orbit/truncation.py): the same distribution the engine reports, so the two compare
+those are set (orbit/rl/truncation.py): the same distribution the engine reports, so the two compare
 token by token and the loss differentiates the policy that was actually sampled from.
 """
 
@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 from transformers import set_seed
 
-from orbit import adapters
 from orbit.config import AdapterConfig, Recipe, TrainerConfig
 from orbit.rl import AlgorithmConfig, Norm, policy_loss
 from orbit.rollout.sample import Sample
+from orbit.train import peft_adapter as adapters
 from orbit.train import state
 from orbit.train.batch import (
     Batch,

@@ -6,7 +6,7 @@ on which other requests share the batch.
 
 The reported logprob is that of the chosen token under the distribution it was sampled from:
 log_softmax(logits / temperature), truncated to top-k/top-p and renormalised when those are set
-(orbit/truncation.py, the rule the trainer scores with too). Greedy rows report
+(orbit/rl/truncation.py, the rule the trainer scores with too). Greedy rows report
 log_softmax(logits) (temperature 1, untruncated).
 
 With a real vocabulary (49k, 152k) the sampler must not cost a fraction of the forward: every pass
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from orbit.engine.base import SamplingParams
-from orbit.truncation import kept_sorted
+from orbit.rl.truncation import kept_sorted
 
 BLOCK = 512  # at most this many vocabulary entries per block of the two-level inverse CDF
 

@@ -24,7 +24,7 @@ from orbit.engine.base import EngineError
 from orbit.engine.checks import check_adapter, plain_config
 from orbit.engine.sglang_cpu.adapter_format import to_sglang_lora
 from orbit.engine.spec import ModelSpec
-from orbit.files import write_dir
+from orbit.host.files import write_dir
 
 
 def prepare_adapter(tensors: dict, adapter_config: dict, spec: ModelSpec, hf_config: dict, lora: bool,

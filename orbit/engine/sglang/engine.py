@@ -30,8 +30,8 @@ from orbit.engine.base import (
 from orbit.engine.checks import check_pause_mode, check_slot, check_tensor, check_version
 from orbit.engine.serving import ActiveSlot
 from orbit.engine.sglang.adapters import prepare_adapter
+from orbit.engine.sglang.event_loop import POLL_S, EngineLoop
 from orbit.engine.sglang.gate import SlotGate, slot_name
-from orbit.engine.sglang.loop import POLL_S, EngineLoop
 from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang.requests import build_request, read_reply, weight_version
 from orbit.engine.sglang.transport import Transport
@@ -277,7 +277,7 @@ class SGLangEngine:
 
         async def release() -> None:
             # A server that stays up: take our adapters off it. Not after `kill`: a hung server that
-            # answers again is re-attached (orbit/revive.py), and a late unload would hit the new slots.
+            # answers again is re-attached (orbit/run/revive.py), and a late unload would hit the new slots.
             if self.transport.attached and not self._killed:
                 await self._release_slots([s for s, v in enumerate(self.gate.version) if v is not None])
                 if self._base_version:  # full pushes replaced its weights: the checkpoint's again

@@ -37,7 +37,7 @@ from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.sglang import local
 from orbit.engine.sglang.adapters import write_peft_dir, write_weights_dir
 from orbit.engine.sglang.gate import Outcome
-from orbit.secret import scrub
+from orbit.host.secret import scrub
 
 GET_RETRIES = 3
 PROBE_TIMEOUT_S = 5.0  # a server that does not answer /health this fast is hung

@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from orbit.scratch import own_dir
+from orbit.host.scratch import own_dir
 
 SHM = Path("/dev/shm")
 PREFIX = "orbit-adapters-"

@@ -8,7 +8,7 @@ anything reaches SGLang (an out-of-vocabulary id kills its scheduler).
 Logprobs of the reply are the sampled tokens' under the distribution they were sampled from: without
 top-k/top-p, `output_token_logprobs` (log_softmax(logits / T); log_softmax(logits) when greedy);
 with them, `output_token_sampling_logprobs`, SGLang's truncated and renormalised distribution
-(Orbit's own rule too: orbit/truncation.py).
+(Orbit's own rule too: orbit/rl/truncation.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from orbit.engine.base import EngineError, FinishReason, SamplingParams, Slot
 from orbit.engine.checks import check_ids, check_prompt, check_request_slot
-from orbit.truncation import truncates
+from orbit.rl.truncation import truncates
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ from orbit.engine.sglang.local import remove, sglang_shm_files
 from orbit.engine.sglang.process import SGLangOptions
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import ModelSpec, checkpoint_file_of, read_spec
-from orbit.net import free_port
-from orbit.secret import scrub
+from orbit.host.net import free_port
+from orbit.host.secret import scrub
 
 START_TIMEOUT_S = 600.0
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}

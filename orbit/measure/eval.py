@@ -26,9 +26,9 @@ from rich.table import Table
 
 from orbit.config import RecipeError, TaskConfig, parse_recipe
 from orbit.engine.base import Engine, SamplingParams
-from orbit.preflight import check_task
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.groups import score as score_sample
+from orbit.run.preflight import check_task
 from orbit.tasks import FAILURE_MODES, close_task, make_task
 from orbit.tasks.base import Prompt, Score, Task, TaskError, is_agent, is_multi_turn
 

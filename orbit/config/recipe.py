@@ -3,7 +3,7 @@
 A recipe that breaks the schema fails here, before any compute, with the field path, the bad value
 and what is allowed. Flags from the command line are applied as dotted overrides and validated the
 same way. What a recipe names outside itself (model directory, task, devices, installed packages)
-is checked by orbit/preflight.py.
+is checked by orbit/run/preflight.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from orbit.modes import MODE_NAMES, MODES
+from orbit.config.modes import MODE_NAMES, MODES
+from orbit.config.task import BUILTIN_TASKS, BUILTINS, PatternTaskConfig, TaskConfig, TaskSection  # noqa: F401
 from orbit.rl import AlgorithmConfig
-from orbit.task_config import BUILTIN_TASKS, BUILTINS, PatternTaskConfig, TaskConfig, TaskSection  # noqa: F401
 
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -128,9 +128,6 @@ class RolloutConfig(_Section):
         default_factory=list, description="stop strings besides eos; each must be one token of the model's tokenizer"
     )
     replenish: bool = Field(True, description="submit a fresh prompt for every group dropped as stale")
-    admission: Literal["version", "run-ahead"] = Field(
-        "version", description="version: start a group only when it will be trained within max_staleness "
-        "versions; run-ahead: the former rule, (K+1) batches in flight or buffered (kept for comparison)")
     max_attempts: int = Field(8, ge=1, le=1000, description="times a sample may be submitted (aborts resubmit it)")
     stall_timeout_s: float = Field(
         600.0, gt=0, description="stop the run when no rollout arrives for this long while the trainer waits")
@@ -297,7 +294,7 @@ def _explain(err: ValidationError) -> str:
 def parse_recipe(data: Any) -> Recipe:
     """Validate a recipe dict against the schema. Raises RecipeError with every bad field listed.
     What the recipe names outside itself (the model, the task, devices, installs) is checked by
-    `orbit.preflight`."""
+    `orbit.run.preflight`."""
     if not isinstance(data, dict):
         raise RecipeError(f"recipe must be a mapping of sections, got {type(data).__name__}")
     try:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orbit.config import EngineConfig, Recipe, RecipeError, TaskConfig
-from orbit.devices import check_devices, choose_backend
 from orbit.engine.sglang.install import INSTALL_HINT, sglang_problem
 from orbit.engine.spec import SpecError, read_spec
+from orbit.run.placement import check_devices, choose_backend
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -86,7 +86,7 @@ def check_installed(recipe: Recipe) -> None:
     if key is not None and not os.environ.get(key):
         raise RecipeError(f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
                           "servers' --api-key)")
-    from orbit.tracking import tracker_problem
+    from orbit.run.trackers import tracker_problem
 
     for tracker in recipe.logging:
         problem = tracker_problem(tracker)
@@ -153,7 +153,8 @@ def check_verifiers(python: str, taskset: str) -> None:
 def check_task(task: TaskConfig) -> None:
     """What can be checked without the model: a user task imports, a dataset's rows are valid (every
     row of a math dataset has its fields and a gold answer math-verify can read)."""
-    from orbit.tasks.jsonl import DatasetError, load_rows
+    from orbit.tasks.common import DatasetError
+    from orbit.tasks.jsonl import load_rows
     from orbit.tasks.loader import TaskLoadError, resolve_factory
     from orbit.tasks.math import load_problems
     from orbit.tasks.verify import MathChecker

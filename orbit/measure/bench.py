@@ -5,27 +5,29 @@ floor, the fastest it could have been at the speed the run's own engines generat
 Writes DIR/summary.json (`engines.<backend>.modes.<mode>.<metric>`: median and p90 per metric,
 busy shares, ratios between panels, targets met or missed), DIR/<backend>/panels.png (five Gantt
 panels on one time axis, each with its floor) and prints a table per engine in the seed's style.
-`run_pool_bench`: one mode on N engines, barrier against independent flips, on one time axis.
+The engine pool's flips (barrier against independent, with a straggler) are a bench script of their own:
+bench/pool.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean, median
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from orbit.config import Recipe, RecipeError
-from orbit.modes import MODE_NAMES, MODES
-from orbit.preflight import Checked, preflight
-from orbit.push.fleet import FLIPS
-from orbit.slow import Slowing, SlowStarter
-from orbit.tracking import log_images
+from orbit.config.modes import MODE_NAMES, MODES
+from orbit.run.preflight import Checked, preflight
+from orbit.run.trackers import log_images
+
+if TYPE_CHECKING:
+    from orbit.run.lifecycle import EnginesFor
 
 TIMED = ("step_s", "trainer_idle_s", "train_s", "update_weights_s", "train_wait_s",
          "rollout_tok_per_dev_s", "useful_tok_per_dev_s", "flip_lag_s", "engine_paused_s")
@@ -54,8 +56,6 @@ TARGETS = (
 # median and p90 their summary has the mean rate, Σ tokens / Σ step time, which the tables, ratios and
 # targets use.
 RATES = ("rollout_tok_per_dev_s", "useful_tok_per_dev_s")
-# The engine-pool comparison: independent / barrier on these (medians; mean rates).
-POOL_RATIOS = ("step_s", "rollout_tok_per_dev_s", "trainer_idle_s", "flip_lag_s")
 
 
 @dataclass
@@ -124,7 +124,7 @@ def headline(s: dict) -> str:
     return " · ".join(parts)
 
 
-def _figure(per_mode: dict, mode: str, key: str) -> float | None:
+def figure(per_mode: dict, mode: str, key: str) -> float | None:
     """The figure a comparison uses: the median, or for a rate its mean."""
     cell = per_mode[mode].get(key)
     return cell["mean" if key in RATES else "median"] if cell else None
@@ -137,10 +137,10 @@ def ratios(per_mode: dict) -> dict:
         prev = MODE_NAMES[i - 1] if i else None
         out[mode] = {}
         for key, _, _ in HEADLINE:
-            cur = _figure(per_mode, mode, key)
+            cur = figure(per_mode, mode, key)
             out[mode][key] = {
-                "vs_prev": _ratio(cur, _figure(per_mode, prev, key)) if prev else None,
-                "vs_sync": _ratio(cur, _figure(per_mode, "sync", key)),
+                "vs_prev": ratio(cur, figure(per_mode, prev, key)) if prev else None,
+                "vs_sync": ratio(cur, figure(per_mode, "sync", key)),
             }
     return out
 
@@ -149,15 +149,15 @@ def targets(per_mode: dict) -> list[dict]:
     rows = []
     for name, num, den, key, (op, bound) in TARGETS:
         if den == "floor":  # the mean step against the floor, both over the measured window
-            r = _ratio(per_mode[num]["step_mean_s"], per_mode[num]["floor_s"])
+            r = ratio(per_mode[num]["step_mean_s"], per_mode[num]["floor_s"])
         else:
-            r = _ratio(_figure(per_mode, num, key), _figure(per_mode, den, key))
+            r = ratio(figure(per_mode, num, key), figure(per_mode, den, key))
         ok = r is not None and {"<=": r <= bound, ">=": r >= bound, "<": r < bound}[op]
         rows.append({"target": name, "ratio": r, "met": ok})
     return rows
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
@@ -168,7 +168,7 @@ def _pct(r: float | None) -> str:
     return f"{'+' if pct >= 0 else '−'}{abs(pct):.1f}%"
 
 
-def _secs(cell: dict | None) -> str:
+def secs(cell: dict | None) -> str:
     return "-" if cell is None else f"{cell['median']:.3f} s"
 
 
@@ -183,7 +183,7 @@ def table(section: dict, engine: str) -> Table:
     for key, label, _ in HEADLINE:
         cells = []
         for mode in MODE_NAMES:
-            value = _figure(modes, mode, key)
+            value = figure(modes, mode, key)
             shown = f"{value:.1f} tok/s" if key == "rollout_tok_per_dev_s" else f"{value:.3f} s"
             if mode == "sync":
                 cells.append(shown)
@@ -193,9 +193,9 @@ def table(section: dict, engine: str) -> Table:
         t.add_row(label, *cells, end_section=True)
     t.add_row("floor (mean step/floor)", *[f"{modes[m]['floor_s']:.3f} s ({modes[m]['floor_ratio']:.2f}×)"
                                       for m in MODE_NAMES])
-    t.add_row("train wait", *[_secs(modes[m]["train_wait_s"]) for m in MODE_NAMES])
-    t.add_row("train", *[_secs(modes[m]["train_s"]) for m in MODE_NAMES])
-    t.add_row("flip lag", *[_secs(modes[m]["flip_lag_s"]) for m in MODE_NAMES])
+    t.add_row("train wait", *[secs(modes[m]["train_wait_s"]) for m in MODE_NAMES])
+    t.add_row("train", *[secs(modes[m]["train_s"]) for m in MODE_NAMES])
+    t.add_row("flip lag", *[secs(modes[m]["flip_lag_s"]) for m in MODE_NAMES])
     t.add_row("engine / trainer busy", *[f"{modes[m]['engine_busy_frac']:.0%} / {modes[m]['trainer_busy_frac']:.0%}"
                                          for m in MODE_NAMES])
     t.add_row("staleness mean/max", *[f"{modes[m]['staleness_mean']:.2f}/{modes[m]['staleness_max']}"
@@ -207,7 +207,7 @@ def table(section: dict, engine: str) -> Table:
     return t
 
 
-def _check_args(steps: int, warmup: int) -> None:
+def check_args(steps: int, warmup: int) -> None:
     if steps < 1:
         raise RecipeError(f"--steps: must be >= 1 measured step, got {steps}")
     if warmup < 0:
@@ -220,7 +220,7 @@ def run_bench(
 ) -> BenchResult:
     """The five modes on each engine backend in `engines` (default: the recipe's), one after the other.
     Writes OUT/summary.json (a section per engine) and OUT/<engine>/panels.png."""
-    _check_args(steps, warmup)
+    check_args(steps, warmup)
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     recipe = checked.recipe
@@ -242,13 +242,13 @@ def run_bench(
 
 def _bench_engine(recipe: Recipe, out: Path, steps: int, warmup: int, console: Console, live: bool) -> dict:
     """The five modes on one engine backend: its summary section."""
+    from orbit.metrics.gantt import draw_panels
     from orbit.pages.panels import write_panels_html
-    from orbit.panels import draw_panels
 
     per_mode, windows = {}, {}
     engines = recipe.engine.engines
     for mode in MODE_NAMES:
-        rows, windows[mode] = _run_mode(recipe, mode, out / mode, steps, warmup, console, live)
+        rows, windows[mode] = run_mode(recipe, mode, out / mode, steps, warmup, console, live)
         per_mode[mode] = summarize(rows, engines, floor_s(rows, MODES[mode].loop == "serial", engines))
         per_mode[mode]["engine_tok_per_busy_s"] = engine_rate(rows, engines)
     floors = {m: per_mode[m]["floor_s"] for m in MODE_NAMES}
@@ -261,10 +261,10 @@ def _bench_engine(recipe: Recipe, out: Path, steps: int, warmup: int, console: C
             "panels": str(out / "panels.png")}
 
 
-def _run_mode(recipe: Recipe, mode: str, run_dir: Path, steps: int, warmup: int, console: Console, live: bool,
-              label: str | None = None, **train_options) -> tuple[list[dict], tuple[float, float]]:
+def run_mode(recipe: Recipe, mode: str, run_dir: Path, steps: int, warmup: int, console: Console, live: bool,
+              label: str | None = None, engines: EnginesFor | None = None) -> tuple[list[dict], tuple[float, float]]:
     """One training run of `warmup + steps` steps: its measured metrics rows and their time window."""
-    from orbit.run import train
+    from orbit.run.lifecycle import train
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a bench re-run measures afresh
     r = recipe.model_copy(deep=True, update={"mode": mode, "out": run_dir})
@@ -272,73 +272,10 @@ def _run_mode(recipe: Recipe, mode: str, run_dir: Path, steps: int, warmup: int,
     r.trainer.save_every = warmup + steps  # one checkpoint at the end, not inside the timed steps
     console.print(f"[bold]bench[/] {label or recipe.engine.backend + ' ' + mode}: {warmup} warm-up + {steps} "
                   "measured steps")
-    train(Checked(r), live=live, console=console, **train_options)
+    train(Checked(r), live=live, console=console, engines=engines)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = rows[warmup:]
     return measured, _window(run_dir, measured)
-
-
-def run_pool_bench(
-    checked: Checked, out: Path, steps: int, warmup: int, replicas: int = 2, flips: tuple[str, ...] = FLIPS,
-    slow_running: int | None = None, slow_load_s: float = 0.0, console: Console | None = None, live: bool = False,
-) -> BenchResult:
-    """The engine pool: the recipe's mode on `replicas` engines, once per flip in `flips`, the last
-    engine made slower (`slow_running`: its max_running; `slow_load_s`: added to each of its adapter
-    loads, as a far server's link would). Writes OUT/summary.json, OUT/panels.png and OUT/panels.html."""
-    from orbit.pages.panels import write_panels_html
-    from orbit.panels import draw_panels
-
-    _check_args(steps, warmup)
-    if replicas < 2:
-        raise RecipeError(f"--replicas: the pool bench needs at least 2 engines, got {replicas}")
-    console = console or Console()
-    recipe = checked.recipe
-    for note in checked.notes:
-        console.print(note, highlight=False)
-    out.mkdir(parents=True, exist_ok=True)
-    slowing = Slowing(slow_running, slow_load_s)
-    per_flip, windows = {}, {}
-    for flip in flips:
-        r = recipe.model_copy(deep=True)
-        r.engine.replicas, r.engine.flip, r.engine.devices = replicas, flip, None
-        rows, windows[flip] = _run_mode(r, r.mode, out / flip, steps, warmup, console, live,
-                                        label=f"{replicas} engines, {flip} flip",
-                                        starter=lambda s: SlowStarter(s, slowing))
-        per_flip[flip] = summarize(rows, replicas)
-    summary = {"recipe": recipe.model_dump(mode="json"), "mode": recipe.mode, "replicas": replicas,
-               "slow_engine": {"index": replicas - 1, **dataclasses.asdict(slowing)}, "steps": steps, "warmup": warmup,
-               "flips": per_flip}
-    if {"barrier", "independent"} <= set(per_flip):
-        summary["independent_vs_barrier"] = {k: _ratio(_figure(per_flip, "independent", k),
-                                                        _figure(per_flip, "barrier", k)) for k in POOL_RATIOS}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    titles = {f: f"{recipe.mode}, {replicas} engines, {f} flip" for f in per_flip}
-    title = f"{recipe.engine.backend}: {replicas} engines, engine {replicas - 1} slowed"
-    draw_panels(out, windows, out / "panels.png", titles=titles, modes={f: recipe.mode for f in per_flip}, title=title)
-    write_panels_html(out, windows, out / "panels.html", headlines={f: headline(per_flip[f]) for f in per_flip},
-                      titles=titles, title=title)
-    log_images(recipe, out / "tracking", {"panels": out / "panels.png"}, name=out.name)
-    console.print(pool_table(summary))
-    return BenchResult(out, summary)
-
-
-def pool_table(summary: dict) -> Table:
-    flips = list(summary["flips"])
-    t = Table(title=f"orbit bench — {summary['mode']} on {summary['replicas']} engines (engine "
-                    f"{summary['slow_engine']['index']} slowed) — medians", header_style="bold cyan")
-    t.add_column("metric")
-    for flip in flips:
-        t.add_column(f"{flip} flip", justify="right")
-    if "independent_vs_barrier" in summary:
-        t.add_column("independent / barrier", justify="right")
-    for key in POOL_RATIOS + ("update_weights_s", "engine_paused_s"):
-        cells = [_secs(summary["flips"][f][key]) if key != "rollout_tok_per_dev_s"
-                 else f"{summary['flips'][f][key]['mean']:.1f} tok/s" for f in flips]
-        if "independent_vs_barrier" in summary:
-            r = summary["independent_vs_barrier"].get(key)
-            cells.append("-" if r is None else f"{r:.2f}×")
-        t.add_row(key, *cells)
-    return t
 
 
 def _print_targets(console: Console, rows: list[dict]) -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from orbit.config import Recipe
+from orbit.config.task import BUILTINS, UserTaskConfig
 from orbit.rl import MaskBand
-from orbit.task_config import BUILTINS, UserTaskConfig
 
 HEAD = """# Recipe reference
 
 Every field of a recipe, its default and what it does: generated from the schema (`orbit/config.py`,
-`orbit/rl/config.py`, `orbit/task_config.py`) by `make docs`; a test fails when this page is stale. How the
+`orbit/rl/config.py`, `orbit/config/task.py`) by `make docs`; a test fails when this page is stale. How the
 pieces fit: [recipes and algorithms](recipes.md), [algorithms](algorithms.md), [tasks and agents](agents.md).
 A recipe that breaks any of this fails at load, before any compute, naming the field.
 """
@@ -34,7 +34,7 @@ def _default(field) -> str:
 
 def _type(field) -> str:
     text = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    for prefix in ("orbit.rl.config.", "orbit.config.", "orbit.task_config.", "pathlib.", "orbit."):
+    for prefix in ("orbit.rl.config.", "orbit.config.", "orbit.config.task.", "pathlib.", "orbit."):
         text = text.replace(prefix, "")
     return text.replace("NoneType", "None").replace("|", "\\|")
 

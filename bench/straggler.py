@@ -1,7 +1,11 @@
-"""A straggler on purpose, for the pool bench and its tests (`orbit bench --replicas 2 --slow-running N
---slow-load S`): the pool's last engine started with a smaller batch and every adapter load made slower, so
-that what a straggler costs each kind of flip shows. It wraps the run's engine starter; nothing in the engines
-or the run knows of it."""
+"""A straggler on purpose, for the pool bench (bench/pool.py) and its tests: the pool's last engine started
+with a smaller batch and every adapter load made slower, so that what a straggler costs each kind of flip
+shows. It reaches a run the way any engines do, as the run's `Engines` (orbit/run/lifecycle.py): nothing in
+Orbit knows of it.
+
+    engines = slowed(Slowing(running=8, load_s=0.3))
+    train(checked, engines=engines)
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from orbit.config import EngineConfig, Recipe
 from orbit.engine import EngineStarter, start_engine
 from orbit.engine.base import Completion, Engine, EngineStats, PauseMode, SamplingParams, Slot
+from orbit.run.lifecycle import EnginesFor, StartedEngines
 
 
 @dataclass(frozen=True)
@@ -29,12 +35,19 @@ class SlowLoads:
         self.info, self.capabilities = engine.info, engine.capabilities
         self.adapter_transport = engine.adapter_transport
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
+    def load_adapter(
+        self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
+    ) -> float:
         time.sleep(self.load_s)
         return self.engine.load_adapter(slot, tensors, adapter_config, version)
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = "active",
-                 meta: dict | None = None) -> Future[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        slot: Slot = "active",
+        meta: dict | None = None,
+    ) -> Future[Completion]:
         return self.engine.generate(prompt_ids, sampling, slot, meta)
 
     def activate(self, slot: int | None) -> None:
@@ -69,17 +82,35 @@ class SlowLoads:
 
 
 class SlowStarter(EngineStarter):
-    """The run's starter, but its last engine slowed as `slowing` says (a subclass: revival restarts it slowed
-    too)."""
+    """The run's starter, but its last engine slowed as `slowing` says (a subclass: revival restarts it
+    slowed too)."""
 
     def __init__(self, starter: EngineStarter, slowing: Slowing) -> None:
         self.__dict__.update(starter.__dict__)
         self.slowing = slowing
-        if slowing.running:
-            self.configs = [*self.configs[:-1], self.configs[-1].model_copy(update={"max_running": slowing.running})]
+
+    def _last(self, i: int) -> bool:
+        return i == self.count - 1
 
     def start(self, i: int) -> Engine:
-        engine = start_engine(self.configs[i], self.model, self.seed + i, self.adapter, self.call_timeout_s,
+        cfg = self.cfg
+        if self._last(i) and self.slowing.running:
+            cfg = cfg.model_copy(update={"max_running": self.slowing.running})
+        engine = start_engine(cfg, self.model, self.seed + i, self.adapter, self.call_timeout_s,
                               self.devices[i], self.servers[i], self.truncated)
-        return SlowLoads(engine, self.slowing.load_s) if i == len(self.configs) - 1 and self.slowing.load_s \
-            else engine
+        return SlowLoads(engine, self.slowing.load_s) if self._last(i) and self.slowing.load_s else engine
+
+    def capacities(self) -> list[int]:
+        running = self.slowing.running or self.cfg.max_running
+        return [*super().capacities()[:-1], running]
+
+
+def slowed(slowing: Slowing) -> EnginesFor:
+    """A run's own engines (as `StartedEngines`), the last one slowed."""
+
+    def engines(recipe: Recipe, engine_cfg: EngineConfig) -> StartedEngines:
+        started = StartedEngines(recipe, engine_cfg)
+        started.starter = SlowStarter(started.starter, slowing)
+        return started
+
+    return engines

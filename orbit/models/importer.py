@@ -11,10 +11,10 @@ OUT first and is renamed into place, so OUT is never half written.
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from orbit.host.files import write_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -83,17 +83,11 @@ def import_model(src: Path, out: Path, dtype: str = "float32") -> Imported:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ImportError_(f"{src}: a {model_type!r} model; Orbit's engine runs {', '.join(SUPPORTED_MODEL_TYPES)}")
     _forget_quantization(model)
-    tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir(parents=True)
-    try:
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_dir(out, fill, replace=True)  # an existing `out` is empty (checked above)
     params = sum(p.numel() for p in model.parameters())
     return Imported(out, params, dtype, source, model_type)
 

@@ -25,18 +25,17 @@ from statistics import fmean
 
 from rich.console import Console
 
-from orbit import interrupts
+from orbit.config.modes import Mode
 from orbit.engine.base import EngineStats
 from orbit.engine.pool import EnginePool
-from orbit.metrics import JsonlWriter, LiveView, StepMetrics, Timeline
-from orbit.modes import Mode
+from orbit.host import interrupts
+from orbit.metrics.steps import JsonlWriter, LiveView, StepMetrics, Timeline
 from orbit.push.fleet import FleetPush
 from orbit.push.phases import PushResult
-from orbit.rl import AlgorithmConfig
 from orbit.rollout.groups import Signal
 from orbit.rollout.pipeline import Batch, Pipeline
 from orbit.rollout.sample import Sample
-from orbit.tracking import Trackers
+from orbit.run.trackers import Trackers
 from orbit.train import checkpoint
 from orbit.train.trainer import StepResult, Trainer
 
@@ -58,18 +57,18 @@ class LoopParts:
     save_every: int
     keep_last: int
     console: Console
+    signal: Signal  # the algorithm's rewards, filters and advantages
     live: bool = True
     stall_s: float | None = None  # rollout.stall_timeout_s
     run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
     trackers: Trackers | None = None  # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
     on_step: Callable[[StepMetrics], None] | None = None  # a sweep's live table (orbit/sweep/watch.py)
     label: str = ""  # a sweep's run, "NAME: ", before its console lines
-    signal: Signal | None = None  # the algorithm's rewards, filters and advantages (default: GRPO's)
 
 
 def run_steps(p: LoopParts) -> None:
     """Train from the trainer's current version up to `p.steps`."""
-    serial = p.mode.loop == "serial"
+    serial = p.mode.serial
     with LiveView(p.mode.name, p.steps, p.trainer.version, enabled=p.live) as view:
         while p.trainer.version < p.steps:
             m, flipped = one_step(p, serial)
@@ -89,7 +88,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     before = p.pool.stats()
     c = p.pipeline.counts
     counts = (c.resubmitted, c.aborted_tokens, c.filtered, c.episodes_lost)
-    signal = p.signal or Signal(AlgorithmConfig(), 1)
+    signal = p.signal
 
     # 1. Rollouts: a batch of complete groups, fresh enough for this version.
     if serial:

@@ -19,7 +19,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from orbit.config import Recipe, RecipeError
-from orbit.metrics import JsonlWriter
+from orbit.metrics.steps import JsonlWriter
 from orbit.rollout.sample import Sample
 
 # recipe name -> (module to import, how to install it)

@@ -127,7 +127,7 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: 
                      task_tokens: bool = False) -> Path:
     """Write a tiny random-init checkpoint with its tokenizer to `out` and return the path.
 
-    `task_tokens`: use the task tokenizer (see `build_tokenizer`); `orbit.warmstart` builds on it.
+    `task_tokens`: use the task tokenizer (see `build_tokenizer`); `orbit.models.warmstart` builds on it.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")

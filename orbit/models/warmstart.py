@@ -20,18 +20,18 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+import orbit.models.tiny
 import orbit.tasks.arith
 import orbit.tasks.base
 import orbit.tasks.common
 import orbit.tasks.zorplex
-import orbit.tiny
+from orbit.host.files import write_dir
 from orbit.tasks.base import Prompt, Segment
 
 WARM_TASKS = ("arith", "zorplex")
@@ -58,7 +58,7 @@ WARM_CONFIGS = {
 
 def _code_version() -> str:
     h = hashlib.sha256()
-    for module in (orbit.tiny, orbit.tasks.base, orbit.tasks.common, orbit.tasks.arith, orbit.tasks.zorplex):
+    for module in (orbit.models.tiny, orbit.tasks.base, orbit.tasks.common, orbit.tasks.arith, orbit.tasks.zorplex):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     h.update(torch.__version__.encode())
@@ -81,17 +81,11 @@ def warm_model(task: str, arch: str = "llama", seed: int = 0, size: str = "tiny"
     path = cache_dir(task, arch, seed, size, root)
     if (path / "warmstart.json").exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
-        build_warm_model(tmp, task, arch, seed, size, log=log)
-        try:
-            tmp.rename(path)  # atomic: a concurrent build of the same key loses the race harmlessly
-        except OSError:
-            if not (path / "warmstart.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_dir(path, lambda tmp: build_warm_model(tmp, task, arch, seed, size, log=log))
+    except OSError:  # the rename: a concurrent build of the same key won the race, harmlessly
+        if not (path / "warmstart.json").exists():
+            raise
     return path
 
 
@@ -155,7 +149,7 @@ def build_warm_model(out: str | Path, task: str, arch: str = "llama", seed: int 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float reductions on every machine: the same bytes
     try:
-        orbit.tiny.build_tiny_model(out, arch=arch, seed=seed, size=size, task_tokens=True)
+        orbit.models.tiny.build_tiny_model(out, arch=arch, seed=seed, size=size, task_tokens=True)
         tokenizer = AutoTokenizer.from_pretrained(out)
         the_task = make_task(TaskConfig(name=task), tokenizer)
         torch.manual_seed(seed)

@@ -22,34 +22,32 @@ from typing import Protocol
 
 from rich.console import Console
 
-from orbit import interrupts
 from orbit.agents import AgentRunner, Endpoint
 from orbit.config import EngineConfig, Recipe, dump_recipe
-from orbit.devices import colocate
-from orbit.ends import RunStopped, sentence, stopped_by
+from orbit.config.modes import MODES
 from orbit.engine import EngineStarter, start_pool
-from orbit.engine.base import EngineError
 from orbit.engine.pool import EnginePool
-from orbit.interrupts import Interrupted
-from orbit.loop import LoopParts, run_steps, save_checkpoint
-from orbit.metrics import JsonlWriter, Timeline
-from orbit.modes import MODES
-from orbit.preflight import Checked, stop_token_ids
+from orbit.host import interrupts
+from orbit.host.interrupts import Interrupted
+from orbit.metrics.steps import JsonlWriter, Timeline
 from orbit.push.fleet import FleetPush
-from orbit.revive import Revival
+from orbit.rl.truncation import truncates
 from orbit.rollout.groups import Signal
-from orbit.rollout.pipeline import Admission, Pipeline, RolloutError, sampling_params
+from orbit.rollout.pipeline import Pipeline, sampling_params
 from orbit.rollout.producer import Producer
-from orbit.run_dir import drop_lines_after, left, prepare_run_dir, saved_line, undo_start, warner
-from orbit.tasks import TaskError, close_task, is_agent, make_task
-from orbit.tracking import Trackers, open_trackers
+from orbit.run.directory import drop_lines_after, left, prepare_run_dir, saved_line, undo_start, warner
+from orbit.run.ends import RunStopped, judge, sentence
+from orbit.run.loop import LoopParts, run_steps, save_checkpoint
+from orbit.run.placement import colocate
+from orbit.run.preflight import Checked, stop_token_ids
+from orbit.run.revive import Revival
+from orbit.run.trackers import Trackers, open_trackers
+from orbit.tasks import close_task, is_agent, make_task
 from orbit.train import checkpoint
-from orbit.train.checkpoint import CheckpointError
 from orbit.train.cores import Cores
 from orbit.train.launcher import launched
-from orbit.train.ranks import RankLost, Ranks
+from orbit.train.ranks import Ranks
 from orbit.train.trainer import Trainer, recipe_trainer
-from orbit.truncation import truncates
 
 
 @dataclass
@@ -85,9 +83,9 @@ class StartedRun:
 
 
 def train(checked: Checked, resume: bool = False, live: bool = True, console: Console | None = None,
-          starter: Callable[[EngineStarter], EngineStarter] | None = None) -> RunResult:
-    """Run a recipe (that passed `orbit.preflight`) to its last step. `starter`: wraps the engines' starter (the
-    pool bench's straggler, orbit/slow.py)."""
+          engines: EnginesFor | None = None) -> RunResult:
+    """Run a recipe (that passed `orbit.run.preflight`) to its last step. `engines`: where the run's engines
+    come from, given the recipe and its engine section as placed (default: `StartedEngines`, started for it)."""
     console = console or Console()
     recipe = checked.recipe
     t0 = time.time()
@@ -95,7 +93,7 @@ def train(checked: Checked, resume: bool = False, live: bool = True, console: Co
     if ranks is not None and not ranks.leader:
         return _follow(recipe, ranks, t0)
     try:
-        return _lead(checked, resume, live, console, starter, ranks, t0)
+        return _lead(checked, resume, live, console, engines or StartedEngines, ranks, t0)
     finally:
         if ranks is not None:
             ranks.close()
@@ -121,8 +119,7 @@ def _follow(recipe: Recipe, ranks: Ranks, t0: float) -> RunResult:
     return RunResult(Path(recipe.out), trainer.version, time.time() - t0, leader=False)
 
 
-def _lead(checked: Checked, resume: bool, live: bool, console: Console,
-          starter: Callable[[EngineStarter], EngineStarter] | None,
+def _lead(checked: Checked, resume: bool, live: bool, console: Console, engines: EnginesFor,
           ranks: Ranks | None, t0: float) -> RunResult:
     """The run itself (rank 0 of several, or the one process)."""
     recipe = checked.recipe
@@ -150,7 +147,7 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console,
                 console.print(shared, highlight=False)
             trainer = recipe_trainer(recipe, ranks=ranks)
             run = start(recipe, run_dir, resume, task, stop_ids, console, live, trainer,
-                        StartedEngines(recipe, engine_cfg, starter), tokenizer)
+                        engines(recipe, engine_cfg), tokenizer)
         except BaseException as err:
             undo_start(run_dir, created, resume)
             if isinstance(err, KeyboardInterrupt):
@@ -177,18 +174,18 @@ class Engines(Protocol):
     def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None: ...
 
 
+EnginesFor = Callable[[Recipe, EngineConfig], Engines]  # a run's engines, from its recipe and placed engine section
+
+
 class StartedEngines:
     """A run's own engines: `engine.replicas` of them, started now, brought back when they die (revive.py)."""
 
-    def __init__(self, recipe: Recipe, engine_cfg: EngineConfig,
-                 wrap: Callable[[EngineStarter], EngineStarter] | None = None) -> None:
+    def __init__(self, recipe: Recipe, engine_cfg: EngineConfig) -> None:
         self.recipe = recipe
         self.starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
                                      call_timeout_s=recipe.rollout.stall_timeout_s,
                                      truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
                                      and recipe.rollout.temperature > 0)
-        if wrap is not None:  # the pool bench's straggler (orbit/slow.py)
-            self.starter = wrap(self.starter)
 
     def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool:
         return start_pool(self.starter, timeline=timeline, on_warning=warn)
@@ -206,7 +203,6 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
     """The starting adapter on the engines, the producer: everything but the loop. `name`: a sweep's run, which
     its console lines and timeline say; `group`: the sweep (its trackers' group)."""
     mode = MODES[recipe.mode]
-    serial = mode.loop == "serial"
     prefix = f"{name}: " if name else ""
     run_state = {}
     try:
@@ -224,7 +220,7 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
                                      resume_step=trainer.version if resume else None, group=group)
         run.pool = pool = engines.pool(run.timeline, warner(console, run_dir, prefix))
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
-        run.push = push = FleetPush(mode.push, recipe.adapter.type, pool, recipe.engine.flip, wait_all=serial,
+        run.push = push = FleetPush(mode.push, recipe.adapter.type, pool, recipe.engine.flip, wait_all=mode.serial,
                                     timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
         push.initial(trainer)
         run.revival = engines.revival(pool, push)
@@ -232,11 +228,10 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         signal = Signal(recipe.algorithm, recipe.rollout.max_new_tokens)
         per_engine = recipe.engine.max_inflight * recipe.engine.engines
         pipeline = Pipeline(
-            pool, Admission(batch_groups, 0 if serial else recipe.max_staleness, recipe.rollout.admission),
-            recipe.rollout.group_size,
+            pool, batch_groups, mode.max_staleness(recipe.max_staleness), recipe.rollout.group_size,
             # A serial batch is one barrier: submit all of it at once.
-            max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size) if serial else per_engine,
-            drop_after=None if serial else recipe.max_staleness, replenish=recipe.rollout.replenish,
+            max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size) if mode.serial else per_engine,
+            replenish=recipe.rollout.replenish,
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
             start_version=trainer.version, keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
             filter_limit=recipe.algorithm.filter_limit, max_lost_frac=recipe.rollout.max_lost_frac)
@@ -254,7 +249,7 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
                                            on_lost=warner(console, run_dir, prefix))
         if run.endpoint is not None:
             run.endpoint.on_completion = producer.record
-        if not serial:
+        if not mode.serial:
             pipeline.grant((recipe.trainer.steps - trainer.version) * batch_groups)
         producer.start()
         interrupts.raise_if_dropped()
@@ -312,7 +307,8 @@ def _resume(trainer: Trainer, run_dir: Path, console: Console) -> dict:
 
 
 def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume: bool) -> None:
-    """Run the steps; however they end, stop the engine and leave a run that agrees with itself."""
+    """Run the steps; however they end, stop the engine and leave a run that agrees with itself. A run that
+    cannot go on raises RunStopped, its way of ending judged by orbit/run/ends.py; Ctrl-C, Interrupted."""
     trainer = run.trainer
     try:
         run_steps(run.parts)
@@ -321,8 +317,7 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         interrupts.handled()
         lost = trainer.ranks.lost
         if lost is not None:  # the heartbeat interrupted the run: a rank is gone
-            stepped = _stop(run, run_dir, created, resume)
-            saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
+            saved = _stop_and_save(run, run_dir, created, resume)
             raise RunStopped(f"{sentence(f'a trainer rank was lost: {lost}')}\n{saved}", "rank-lost") from None
         if not _stop(run, run_dir, created, resume):
             raise Interrupted(f"interrupted before the first step: nothing was trained{left(run_dir, resume)}") \
@@ -330,20 +325,23 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
         raise Interrupted(f"interrupted at step {trainer.version}: {saved_line(run_dir, trainer.version)}",
                           trainer.version) from None
     except Exception as err:
-        cause = err.__cause__ if isinstance(err, RolloutError) and err.__cause__ is not None else err
-        if isinstance(cause, CheckpointError):  # saving again would fail again: the previous one stands
+        verdict = judge(err)
+        if verdict is not None and verdict.end.name == "save-failed":  # saving again would fail again
             shut_down(run)
-            raise RunStopped(f"{sentence(str(cause))}\ncontinue with `orbit train RECIPE --resume {run_dir}` once "
-                             "the directory can be written", "save-failed") from cause
-        stepped = _stop(run, run_dir, created, resume)
-        saved = saved_line(run_dir, trainer.version) if stepped else f"nothing was trained{left(run_dir, resume)}"
-        if isinstance(cause, TaskError):
-            raise TaskError(f"{cause}\nthe run stopped after step {trainer.version}; {saved}") from cause
-        if isinstance(cause, EngineError | RolloutError | FloatingPointError | RankLost):
-            end, what = stopped_by(cause)
-            raise RunStopped(f"{sentence(f'{what}: {cause}')}\n{saved}", end) from cause
-        raise
+            raise RunStopped(f"{sentence(verdict.reason)}\ncontinue with `orbit train RECIPE --resume {run_dir}` "
+                             "once the directory can be written", "save-failed") from err
+        saved = _stop_and_save(run, run_dir, created, resume)
+        if verdict is None:
+            raise  # no way a run ends, a bug: its traceback is the report (what was trained is saved)
+        raise RunStopped(f"{sentence(verdict.reason)}\n{saved}", verdict.end.name) from err
     shut_down(run)
+
+
+def _stop_and_save(run: StartedRun, run_dir: Path, created: bool, resume: bool) -> str:
+    """`_stop`, and the line that says what was saved."""
+    if _stop(run, run_dir, created, resume):
+        return saved_line(run_dir, run.trainer.version)
+    return f"nothing was trained{left(run_dir, resume)}"
 
 
 def _stop(run: StartedRun, run_dir: Path, created: bool, resume: bool) -> bool:

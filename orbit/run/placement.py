@@ -1,5 +1,6 @@
-"""Where things run: the engine backend `auto` picks, device names as each backend takes them, the
-device checks made at recipe load, and the memory plan of a trainer and an engine sharing one GPU.
+"""Where things run: the engine backend `auto` picks, the device checks made at recipe load, and the memory
+plan of a trainer and an engine sharing one GPU (device names as each backend takes them:
+orbit/engine/devices.py).
 
 The arithmetic functions take their numbers as arguments (GPU count, bytes free) so that they are
 tested on a machine without a GPU; `check_devices` and `plan_colocated` ask torch for the numbers.
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from orbit.engine.devices import gpu_index, sglang_device  # noqa: F401 - the names this module's callers use
+from orbit.engine.devices import gpu_index
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -4,7 +4,7 @@ Engine lanes: one bar per request, colored by the policy version it started with
 lanes as an interval schedule. Trainer lane: wait / train / push, with the engine's pause on
 top. At serial barriers the idle tail of each lane (waiting for the slowest sample) is hatched.
 Flips and weight updates are marked with vertical lines; a mode's floor (the fastest its steps could
-be on this machine, orbit/bench.py) as dotted green lines where its steps would end at that pace.
+be on this machine, orbit/measure/bench.py) as dotted green lines where its steps would end at that pace.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from orbit.modes import MODES  # noqa: E402
+from orbit.config.modes import MODES  # noqa: E402
 
 TRAINER_COLORS = {"wait": "#d9d9d9", "train": "#4c72b0", "push": "#dd8452", "save": "#8c8c8c"}
 PAUSE_COLOR = "#c44e52"
