@@ -4,6 +4,7 @@ live page following a run as it goes, a sweep's page; and what the page server w
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ def _bench_recipe(model: Path, out: Path):
 
 @pytest.fixture(scope="module")
 def bench_dir(tiny_llama, tmp_path_factory) -> Path:
-    from orbit.bench import run_bench
+    from orbit.measure.bench import run_bench
 
     out = tmp_path_factory.mktemp("bench")
     run_bench(_bench_recipe(tiny_llama, out / "x"), out, steps=3, warmup=1, console=Console(quiet=True))
@@ -50,12 +51,18 @@ def test_the_panels_page_opens_offline_has_five_panels_and_plays(bench_dir):
                               ".hovertemplate")
         assert "group" in hover and "versions" in hover and "spanned a flip" in hover and "aborted" in hover
         before = page.evaluate(f"{layout}.shapes[0].x0")
+        clock = "document.querySelector('.slider-current-value').textContent"
         page.get_by_text("▶ play").click()
         page.wait_for_function(f"{layout}.shapes[0].x0 !== {before}", timeout=10_000)
-        time.sleep(1.0)
+        shown = []
+        for _ in range(10):  # the clock reads a time on every frame, not only every 20th
+            shown.append(page.evaluate(clock))
+            time.sleep(0.1)
         moved = page.evaluate(f"{layout}.shapes[0].x0")
         page.get_by_text("❚❚ pause").click()
         assert moved != before
+        assert all(re.fullmatch(r"clock: \d+\.\d\d s", text) for text in shown), shown
+        assert len(set(shown)) > 1, shown  # and it moves
 
 
 def _run(model: Path, out: Path, steps: int, **patch) -> dict:

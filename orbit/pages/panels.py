@@ -136,12 +136,15 @@ def write_panels_html(bench_dir: Path, windows: dict[str, tuple[float, float]], 
                           {"label": "▶ play", "method": "animate", "args": [None, play]},
                           {"label": "❚❚ pause", "method": "animate",
                            "args": [[None], {"frame": {"duration": 0, "redraw": False}, "mode": "immediate"}]}]}],
+        # Every step carries its time as its label: Plotly shows the active step's label as the clock. The
+        # labels themselves would crowd the slider, so they are drawn transparent (the x axis has the ticks).
         sliders=[{"active": FRAMES, "x": 0.16, "len": 0.84, "y": 1.0 + 60 / height,
-                  "yanchor": "bottom", "currentvalue": {"prefix": "clock: ", "suffix": " s"}, "pad": {"t": 0},
-                  "ticklen": 0, "minorticklen": 0,
-                  "steps": [{"label": f"{t:.2f}" if i % 20 == 0 else "", "method": "animate",
+                  "yanchor": "bottom", "pad": {"t": 0}, "ticklen": 0, "minorticklen": 0,
+                  "currentvalue": {"prefix": "clock: ", "suffix": " s", "font": {"color": "#222"}},
+                  "font": {"color": "rgba(0,0,0,0)"},
+                  "steps": [{"label": f"{t:.2f}", "method": "animate",
                              "args": [[f"{t:.3f}"], {"frame": {"duration": 0, "redraw": True}, "mode": "immediate"}]}
-                            for i, t in enumerate(steps)]}],
+                            for t in steps]}],
     )
     fig.write_html(path, include_plotlyjs=True, full_html=True, div_id="orbit-panels", auto_play=False,
                    config={"scrollZoom": True, "displaylogo": False})
