@@ -204,6 +204,23 @@ def test_start_up_checks_fail_before_training_with_the_fix(tmp_path, tiny_llama,
     assert res.returncode == 2 and "--model-path" in " ".join(res.stderr.split()) and "Traceback" not in res.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_server_left_paused_by_an_engine_that_died_is_taken_back(tiny_llama, served):
+    """An engine killed while its server was paused for a flip leaves the server paused, answering no
+    generation and no /health; attaching again continues it first, so it serves."""
+    from orbit.engine.sglang.process import SGLangOptions
+    from orbit.engine.sglang.server import start_server_engine
+
+    url, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, headers=headers, timeout=30).raise_for_status()
+    opts = SGLangOptions(max_running=8, slots=2, max_lora_rank=8, lora_target_modules=tuple(TARGETS))
+    t0 = time.monotonic()
+    with start_server_engine(tiny_llama, opts, url=url, api_key=KEY, timeout_s=60) as engine:
+        done = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)).result(60)
+    assert len(done.output_ids) == 4 and time.monotonic() - t0 < 15  # a paused server's /health takes 20 s
+
+
 @pytest.mark.timeout(300)
 def test_the_directory_transport_writes_peft_that_peft_loads(tmp_path, tiny_llama, served):
     """Adapters for other hosts go through engine.adapter_dir in peft's format; what the server loaded
@@ -362,8 +379,9 @@ def test_an_attached_server_that_hangs_and_answers_again_is_taken_back(tmp_path,
     url, proc = served
     monkeypatch.setenv(KEY_ENV, KEY)
     run_dir = tmp_path / "run"
+    # A server that never rejoins stops the run within the stall bound, saying why, well inside the test's timeout
     recipe = checked(_recipe(tiny_llama, run_dir, engine={"servers": [url], "api_key_env": KEY_ENV},
-                             trainer={"steps": 10}))
+                             trainer={"steps": 10}, rollout={"stall_timeout_s": 150}))
     seen: dict = {}
 
     def hang_then_answer():

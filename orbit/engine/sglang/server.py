@@ -233,6 +233,13 @@ def check_server(url: str, api_key: str | None, api_key_env: str | None, model: 
                 raise RecipeError(f"{where}: {route} answered HTTP {res.status_code}")
             return res
 
+        # A server an earlier engine paused for a flip, and that engine then died or was killed as hung, stays
+        # paused: it answers no generation, /health included (a one-token generate), until told to go on.
+        # Continuing a server that is not paused does nothing.
+        try:
+            http.post("/continue_generation", json={})
+        except httpx.TransportError:
+            pass  # unreachable: /health says so, with the fix
         get("/health")
         info, server = get("/model_info").json(), get("/server_info").json()
         _check_version(where, server.get("version"))
