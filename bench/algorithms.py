@@ -1,25 +1,28 @@
 """The algorithm presets side by side on the SmolLM2 laptop recipe, over several seeds.
 
-For each seed, one `orbit sweep` trains every preset at once (each its own adapter on one base and one
-engine), then `orbit eval RUN --n 200` reads each adapter's held-out accuracy the same way. Per preset it
-reports the median (and range) over the seeds of:
+For each seed, one `orbit sweep` trains every preset at once (each its own adapter on one base and
+one engine), then `orbit eval RUN --n 200` reads each adapter's held-out accuracy the same way. Per
+preset it reports the median (and range) over the seeds of:
 - held-out accuracy after the recipe's steps (greedy, `orbit eval`), and the base model's;
 - the worst drop: the largest fall of the reward curve's 8-step mean below its running maximum;
-- the step time: the run's own trainer seconds per step (`train_s`; in a sweep the runs share the trainer, so
+- the step time: the run's own trainer seconds per step (`train_s`; in a sweep the runs share the
+  trainer, so
   a run's wall-clock step also holds the others' turns).
 
 The sweeps run the recipe with `trainer.threads: --trainer-threads` (2): a sweep of 7 adapters is
 trainer-bound, and the engine's core idles meanwhile. Nothing else differs from the recipe.
 
-    .venv/bin/python bench/algorithms.py [--seeds 0,1,2] [--presets default,grpo,dr_grpo,dapo,gspo,cispo,rloo]
-                                         [--recipe recipes/smollm2-math.yaml] [--steps 60] [--out runs/algorithms]
-                                         [--trainer-threads 2]
-    .venv/bin/python bench/algorithms.py --report-only --out runs/algorithms     # the table and picture again
+    .venv/bin/python bench/algorithms.py [--seeds 0,1,2] [--presets
+    default,grpo,dr_grpo,dapo,gspo,cispo,rloo]
+                                         [--recipe recipes/smollm2-math.yaml] [--steps 60] [--out
+                                         runs/algorithms] [--trainer-threads 2]
+    .venv/bin/python bench/algorithms.py --report-only --out runs/algorithms     # the table and
+    picture again
 
-It writes OUT/summary.json, OUT/table.md and OUT/curves.png (a panel per preset: its reward's 8-step mean,
-median and range over seeds). A seed already trained and evaluated in OUT is not run again. With 2 cores, run
-nothing else. `--report-only` reads OUT/seed-N/preset=P_seed=N for each seed and preset, so a table can join
-sweeps run apart: link their run directories into one OUT.
+It writes OUT/summary.json, OUT/table.md and OUT/curves.png (a panel per preset: its reward's 8-step
+mean, median and range over seeds). A seed already trained and evaluated in OUT is not run again.
+With 2 cores, run nothing else. `--report-only` reads OUT/seed-N/preset=P_seed=N for each seed and
+preset, so a table can join sweeps run apart: link their run directories into one OUT.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ WINDOW = 8
 
 
 def moving_mean(xs: list[float], window: int = WINDOW) -> list[float]:
-    return [statistics.fmean(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
+    return [statistics.fmean(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
 
 
 def worst_drop(rewards: list[float]) -> float:
@@ -55,8 +58,8 @@ def run_dir(out: Path, preset: str, seed: int) -> Path:
 
 
 def recipe(args: argparse.Namespace) -> Path:
-    """The recipe as the sweeps run it: `--trainer-threads` the one change (a sweep is trainer-bound; the
-    engine's core idles meanwhile)."""
+    """The recipe as the sweeps run it: `--trainer-threads` the one change (a sweep is
+    trainer-bound; the engine's core idles meanwhile)."""
     import yaml
 
     data = yaml.safe_load(args.recipe.read_text())
@@ -74,8 +77,20 @@ def train_seed(args: argparse.Namespace, seed: int) -> Path:
     done = [run_dir(args.out, p, seed) / "metrics.jsonl" for p in args.presets]
     if all(f.is_file() and len(f.read_text().splitlines()) >= args.steps for f in done):
         return out
-    cmd = [*ORBIT, "sweep", str(recipe(args)), "--vary", f"algorithm.preset={presets}", "--vary", f"seed={seed}",
-           "--steps", str(args.steps), "--out", str(out), "--quiet"]
+    cmd = [
+        *ORBIT,
+        "sweep",
+        str(recipe(args)),
+        "--vary",
+        f"algorithm.preset={presets}",
+        "--vary",
+        f"seed={seed}",
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     if out.exists():
         cmd.append("--resume")
     print("$", " ".join(cmd[2:]), flush=True)
@@ -87,8 +102,12 @@ def evaluate(run_dir: Path, n: int) -> dict:
     report = run_dir / "eval.json"
     if not report.is_file():
         print("$ orbit eval", run_dir, "--n", n, flush=True)
-        subprocess.run([*ORBIT, "eval", str(run_dir), "--n", str(n)], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*ORBIT, "eval", str(run_dir), "--n", str(n)],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return json.loads(report.read_text())
 
 
@@ -98,18 +117,29 @@ def summarise(args: argparse.Namespace) -> dict:
     for seed in args.seeds:
         for preset in args.presets:
             where = run_dir(args.out, preset, seed)
-            metrics = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+            metrics = [
+                json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()
+            ]
             report = evaluate(where, args.n)
             base.append(report["results"]["base"]["accuracy"])
-            rows[preset].append({
-                "seed": seed, "accuracy": report["results"]["trained"]["accuracy"],
-                "worst_drop": worst_drop([m["reward_mean"] for m in metrics]),
-                "train_s": statistics.fmean(m["train_s"] for m in metrics),
-                "final_reward": statistics.fmean(m["reward_mean"] for m in metrics[-WINDOW:]),
-                "rewards": [m["reward_mean"] for m in metrics],
-            })
-    return {"recipe": str(args.recipe), "steps": args.steps, "seeds": args.seeds, "n": args.n,
-            "base_accuracy": statistics.median(base), "presets": rows}
+            rows[preset].append(
+                {
+                    "seed": seed,
+                    "accuracy": report["results"]["trained"]["accuracy"],
+                    "worst_drop": worst_drop([m["reward_mean"] for m in metrics]),
+                    "train_s": statistics.fmean(m["train_s"] for m in metrics),
+                    "final_reward": statistics.fmean(m["reward_mean"] for m in metrics[-WINDOW:]),
+                    "rewards": [m["reward_mean"] for m in metrics],
+                }
+            )
+    return {
+        "recipe": str(args.recipe),
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "n": args.n,
+        "base_accuracy": statistics.median(base),
+        "presets": rows,
+    }
 
 
 def _med(values: list[float]) -> tuple[float, float, float]:
@@ -118,16 +148,24 @@ def _med(values: list[float]) -> tuple[float, float, float]:
 
 def table(summary: dict) -> str:
     seeds = ", ".join(str(s) for s in summary["seeds"])
-    lines = [f"SmolLM2-135M-Instruct, `{summary['recipe']}`, {summary['steps']} steps, seeds {seeds}; "
-             f"held-out accuracy `orbit eval --n {summary['n']}` (base {summary['base_accuracy']:.1%}). "
-             "Median over the seeds, range in brackets.", "",
-             "| preset | held-out accuracy | worst drop (8-step mean) | final reward (last 8) | trainer s/step |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, `{summary['recipe']}`, {summary['steps']} steps, seeds {seeds}; "
+        f"held-out accuracy `orbit eval --n {summary['n']}` (base {summary['base_accuracy']:.1%}). "
+        "Median over the seeds, range in brackets.",
+        "",
+        "| preset | held-out accuracy | worst drop (8-step mean) | final reward (last 8) | trainer "
+        "s/step |",
+        "|---|---|---|---|---|",
+    ]
     for preset, runs in summary["presets"].items():
-        acc, drop, reward, step = (_med([r[k] for r in runs]) for k in ("accuracy", "worst_drop", "final_reward",
-                                                                         "train_s"))
-        lines.append(f"| {preset} | {acc[0]:.1%} [{acc[1]:.1%}–{acc[2]:.1%}] | {drop[0]:.3f} [{drop[1]:.3f}–"
-                     f"{drop[2]:.3f}] | {reward[0]:.3f} [{reward[1]:.3f}–{reward[2]:.3f}] | {step[0]:.2f} |")
+        acc, drop, reward, step = (
+            _med([r[k] for r in runs])
+            for k in ("accuracy", "worst_drop", "final_reward", "train_s")
+        )
+        lines.append(
+            f"| {preset} | {acc[0]:.1%} [{acc[1]:.1%}–{acc[2]:.1%}] | {drop[0]:.3f} [{drop[1]:.3f}–"
+            f"{drop[2]:.3f}] | {reward[0]:.3f} [{reward[1]:.3f}–{reward[2]:.3f}] | {step[0]:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -135,13 +173,16 @@ def _band(runs: list[dict]) -> tuple[list[float], list[float], list[float]]:
     """The median, lowest and highest 8-step mean reward over the seeds, step by step."""
     curves = [moving_mean(r["rewards"]) for r in runs]
     steps = range(min(len(c) for c in curves))
-    return ([statistics.median(c[i] for c in curves) for i in steps], [min(c[i] for c in curves) for i in steps],
-            [max(c[i] for c in curves) for i in steps])
+    return (
+        [statistics.median(c[i] for c in curves) for i in steps],
+        [min(c[i] for c in curves) for i in steps],
+        [max(c[i] for c in curves) for i in steps],
+    )
 
 
 def picture(summary: dict, path: Path) -> None:
-    """One small panel per preset (its median and range over seeds), every other preset's median in grey
-    behind it: seven overlapping bands on one axis cannot be told apart."""
+    """One small panel per preset (its median and range over seeds), every other preset's median in
+    grey behind it: seven overlapping bands on one axis cannot be told apart."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +191,9 @@ def picture(summary: dict, path: Path) -> None:
     bands = {preset: _band(runs) for preset, runs in summary["presets"].items()}
     cols = min(4, len(bands))
     rows = -(-len(bands) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.7 * rows), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols, 2.7 * rows), sharex=True, sharey=True, squeeze=False
+    )
     for ax, (preset, (median, low, high)) in zip(axes.flat, bands.items(), strict=False):
         for other, (curve, _, _) in bands.items():
             if other != preset:
@@ -160,20 +202,29 @@ def picture(summary: dict, path: Path) -> None:
         ax.fill_between(steps, low, high, color="C0", alpha=0.2)
         ax.plot(steps, median, color="C0", linewidth=2)
         accuracy = _med([r["accuracy"] for r in summary["presets"][preset]])
-        ax.set_title(f"{preset}: {accuracy[0]:.1%} [{accuracy[1]:.1%}–{accuracy[2]:.1%}] held out", fontsize=9)
+        ax.set_title(
+            f"{preset}: {accuracy[0]:.1%} [{accuracy[1]:.1%}–{accuracy[2]:.1%}] held out",
+            fontsize=9,
+        )
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(bands):]:
+    for ax in list(axes.flat)[len(bands) :]:
         ax.axis("off")
     fig.supxlabel("step")
     fig.supylabel(f"reward, {WINDOW}-step mean")
-    fig.suptitle(f"{Path(summary['recipe']).name}, seeds {', '.join(map(str, summary['seeds']))}: median (line) "
-                 "and range (band) over seeds; grey, the other presets' medians", fontsize=10)
+    fig.suptitle(
+        f"{Path(summary['recipe']).name}, seeds {', '.join(map(str, summary['seeds']))}: median "
+        "(line) "
+        "and range (band) over seeds; grey, the other presets' medians",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--presets", default="default,grpo,dr_grpo,dapo,gspo,cispo,rloo")
     parser.add_argument("--recipe", type=Path, default=Path("recipes/smollm2-math.yaml"))

@@ -1,7 +1,8 @@
 """The engine pool's flips side by side: one mode on N engines, once per flip (barrier against
 independent), the last engine made slower (bench/straggler.py), drawn on one clock.
 
-    .venv/bin/python bench/pool.py bench/five-panel.yaml --replicas 2 --slow-running 8 --slow-load 0.3 \
+    .venv/bin/python bench/pool.py bench/five-panel.yaml --replicas 2 --slow-running 8 --slow-load
+    0.3 \
         --steps 8 --warmup 1 --out runs/bench-pool
 
 Writes OUT/summary.json (`flips.<flip>.<metric>`: median and p90, `independent_vs_barrier` ratios),
@@ -71,7 +72,15 @@ def run_pool_bench(
         r.engine.replicas, r.engine.flip, r.engine.devices = replicas, flip, None
         label = f"{replicas} engines, {flip} flip"
         rows, windows[flip] = run_mode(
-            r, r.mode, out / flip, steps, warmup, console, live, label=label, engines=slowed(slowing)
+            r,
+            r.mode,
+            out / flip,
+            steps,
+            warmup,
+            console,
+            live,
+            label=label,
+            engines=slowed(slowing),
         )
         per_flip[flip] = summarize(rows, replicas)
     summary = {
@@ -94,7 +103,9 @@ def run_pool_bench(
     modes = {f: recipe.mode for f in per_flip}
     draw_panels(out, windows, out / "panels.png", titles=titles, modes=modes, title=title)
     headlines = {f: headline(per_flip[f]) for f in per_flip}
-    write_panels_html(out, windows, out / "panels.html", headlines=headlines, titles=titles, title=title)
+    write_panels_html(
+        out, windows, out / "panels.html", headlines=headlines, titles=titles, title=title
+    )
     log_images(recipe, out / "tracking", {"panels": out / "panels.png"}, name=out.name)
     console.print(pool_table(summary))
     return BenchResult(out, summary)
@@ -135,7 +146,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2, help="engines in the pool (2 or more)")
     parser.add_argument("--mode", default="double-buffer", choices=MODE_NAMES)
     parser.add_argument("--flip", action="append", help="a flip to run (repeat; default: both)")
-    parser.add_argument("--slow-running", type=int, default=None, help="the last engine's max_running")
+    parser.add_argument(
+        "--slow-running", type=int, default=None, help="the last engine's max_running"
+    )
     parser.add_argument("--slow-load", type=float, default=0.0, help="seconds added to its loads")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per flip")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per flip")

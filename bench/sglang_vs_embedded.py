@@ -1,5 +1,6 @@
 """Decode throughput, start time and push time: the embedded engine, SGLang in-process
-(`engine.backend: sglang`) and an SGLang server over HTTP (`engine.backend: sglang-server`), side by side.
+(`engine.backend: sglang`) and an SGLang server over HTTP (`engine.backend: sglang-server`), side by
+side.
 
 Same tiny model (built offline with orbit.models.tiny), same workload as bench/engine_throughput.py
 (64 requests, prompts of 8-32 tokens, long-tailed output lengths lognormal(3.5, 0.9) clipped to
@@ -37,8 +38,12 @@ def workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
 
 def run(engine, prompts: list[list[int]], lengths: list[int], slot) -> tuple[int, float]:
     t0 = time.perf_counter()
-    futures = [engine.generate(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True), slot=slot)
-               for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    futures = [
+        engine.generate(
+            p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True), slot=slot
+        )
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     tokens = sum(len(f.result().output_ids) for f in futures)
     return tokens, time.perf_counter() - t0
 
@@ -50,8 +55,12 @@ def random_lora(path, r: int = 8) -> tuple[dict, dict]:
     from orbit.train.peft_adapter import adapter_config_dict, adapter_tensors
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj",
-                                                                                             "v_proj", "o_proj"]))
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+        ),
+    )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,12 +70,18 @@ def random_lora(path, r: int = 8) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="max_running of both engines")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine's compute process")
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs per engine and row; the best is reported")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of each engine's compute process"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="timed runs per engine and row; the best is reported"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -84,13 +99,28 @@ def main() -> None:
         path = build_tiny_model(tmp, arch=args.arch, seed=0)
         tensors, config = random_lora(path)
         starters = {
-            "embedded": lambda: start_embedded_engine(path, max_running=args.batch, threads=args.threads,
-                                                      seed=args.seed),
-            "sglang": lambda: start_sglang_engine(path, max_running=args.batch, threads=args.threads, seed=args.seed,
-                                                  max_lora_rank=8, lora_target_modules=targets),
-            "sglang-server": lambda: start_server_engine(path, SGLangOptions(
-                max_running=args.batch, threads=args.threads, seed=args.seed, max_lora_rank=8,
-                lora_target_modules=targets), threads=args.threads),
+            "embedded": lambda: start_embedded_engine(
+                path, max_running=args.batch, threads=args.threads, seed=args.seed
+            ),
+            "sglang": lambda: start_sglang_engine(
+                path,
+                max_running=args.batch,
+                threads=args.threads,
+                seed=args.seed,
+                max_lora_rank=8,
+                lora_target_modules=targets,
+            ),
+            "sglang-server": lambda: start_server_engine(
+                path,
+                SGLangOptions(
+                    max_running=args.batch,
+                    threads=args.threads,
+                    seed=args.seed,
+                    max_lora_rank=8,
+                    lora_target_modules=targets,
+                ),
+                threads=args.threads,
+            ),
         }
         try:
             for name, start in starters.items():
@@ -112,21 +142,35 @@ def main() -> None:
 
     import sglang as sgl
 
-    print(f"machine: {platform.machine()} {platform.processor() or ''}, CPU only, torch {torch.__version__}, "
-          f"sglang {sgl.__version__}, {args.threads} torch thread(s) per engine")
-    print(f"workload: {args.requests} requests, {args.arch} tiny model, output lengths {min(lengths)}..{max(lengths)} "
-          f"(mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} tokens, max_running {args.batch}, "
-          f"best of {args.repeat}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}, CPU only, torch "
+        f"{torch.__version__}, "
+        f"sglang {sgl.__version__}, {args.threads} torch thread(s) per engine"
+    )
+    print(
+        f"workload: {args.requests} requests, {args.arch} tiny model, output lengths "
+        f"{min(lengths)}..{max(lengths)} "
+        f"(mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} tokens, max_running "
+        f"{args.batch}, "
+        f"best of {args.repeat}"
+    )
     names = list(engines)
     print(f"{'':28s}" + "".join(f"{n:>26s}" for n in names))
     for label, r in rows.items():
-        print(f"{label:28s}" + "".join(f"{r[n][0] / r[n][1]:>12,.0f} tok/s ({r[n][1]:5.2f} s)" for n in names))
+        print(
+            f"{label:28s}"
+            + "".join(f"{r[n][0] / r[n][1]:>12,.0f} tok/s ({r[n][1]:5.2f} s)" for n in names)
+        )
     print(f"{'engine start':28s}" + "".join(f"{starts[n]:>24.1f} s" for n in names))
-    print(f"{'LoRA load into an idle slot':28s}" + "".join(f"{pushes[n] * 1000:>23.1f} ms" for n in names))
+    print(
+        f"{'LoRA load into an idle slot':28s}"
+        + "".join(f"{pushes[n] * 1000:>23.1f} ms" for n in names)
+    )
 
 
 def push_time(engine, tensors: dict, config: dict, n: int = 10) -> float:
-    """Median time of a LoRA load into an idle slot (slot 1; slot 0 keeps the adapter the runs use)."""
+    """Median time of a LoRA load into an idle slot (slot 1; slot 0 keeps the adapter the runs
+    use)."""
     from statistics import median
 
     engine.load_adapter(0, tensors, config, 1)

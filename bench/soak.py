@@ -1,13 +1,15 @@
-"""Soak: a long double-buffer run of the tiny model on two engines Orbit started, with faults injected on a
-schedule, and what the run did about each (issue 20: runs that last days).
+"""Soak: a long double-buffer run of the tiny model on two engines Orbit started, with faults
+injected on a schedule, and what the run did about each (issue 20: runs that last days).
 
     python bench/soak.py --minutes 30                       # embedded engines, then SGLang servers
-    python bench/soak.py --minutes 1 --backends embedded    # about what `make test` runs (tests/test_soak.py)
+    python bench/soak.py --minutes 1 --backends embedded    # about what `make test` runs
+    (tests/test_soak.py)
 
 Faults, in turn, each waited out before the next:
 - kill:      SIGKILL of one engine (a server: its whole process group);
 - hang:      SIGSTOP of one engine past the pool's ping bound, SIGCONT after;
-- corrupt:   a push whose adapter holds a NaN (every engine must refuse it and keep serving the previous
+- corrupt:   a push whose adapter holds a NaN (every engine must refuse it and keep serving the
+  previous
              slot; the next push goes through);
 - slow-load: one adapter load 3 s slower;
 - ctrl-c:    SIGINT to Orbit's process group, as a terminal sends it, then `orbit train --resume`;
@@ -15,11 +17,12 @@ Faults, in turn, each waited out before the next:
 
 Orbit runs as a child (`soak.py --child`): the orbit CLI with three hooks that only this script adds
 (a corrupt snapshot, a slow load, a slow checkpoint write), armed by files the parent drops in
-`<out>/control/`. The parent reads the run's timeline for when each fault was noticed and recovered from,
-and samples the Orbit process's RSS, file descriptors, threads and descendants. The report: steps done,
-steps lost or repeated in the final metrics.jsonl (goal 0), steps redone after a kill, faults injected /
-noticed / recovered with the time to notice, RSS growth after warm-up (goal <= 5%), what was left in
-/dev/shm and as processes (goal: nothing), and whether peft loads the final adapter. `--json` writes it.
+`<out>/control/`. The parent reads the run's timeline for when each fault was noticed and recovered
+from, and samples the Orbit process's RSS, file descriptors, threads and descendants. The report:
+steps done, steps lost or repeated in the final metrics.jsonl (goal 0), steps redone after a kill,
+faults injected / noticed / recovered with the time to notice, RSS growth after warm-up (goal <=
+5%), what was left in /dev/shm and as processes (goal: nothing), and whether peft loads the final
+adapter. `--json` writes it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ PING_BOUND_S = 5.0  # the pool's ping timeout (orbit/engine/pool.py)
 SAVE_EVERY = 4
 
 
-# ---- the child: Orbit with three hooks -------------------------------------------------------------
+# ---- the child: Orbit with three hooks -----------------------------------------------------------
 
 
 def _take(control: Path, name: str) -> str | None:
@@ -85,6 +88,7 @@ def child(argv: list[str]) -> None:
             if _take(control, "slow-save"):
                 (control / "saving").write_text(str(version))
                 time.sleep(60)  # killed here by the parent
+
         return real_save(run_dir, version, slow_write, keep_last)
 
     fleet.Snapshot.of = classmethod(of)
@@ -94,14 +98,15 @@ def child(argv: list[str]) -> None:
     app(argv, prog_name="orbit")
 
 
-# ---- the parent ------------------------------------------------------------------------------------
+# ---- the parent ----------------------------------------------------------------------------------
 
 
 @dataclass
 class Fault:
     kind: str
     t: float  # when it was injected (time.time())
-    noticed_s: float | None = None  # until the run showed it saw it (a lost engine, a refusal, an exit)
+    # until the run showed it saw it (a lost engine, a refusal, an exit)
+    noticed_s: float | None = None
     recovered_s: float | None = None  # until it served again (rejoined, a later version, resumed)
     detail: str = ""
 
@@ -116,7 +121,8 @@ class Report:
     steps_redone: int = 0
     starts: int = 0
     faults: list[Fault] = field(default_factory=list)
-    rss_mb: list[float] = field(default_factory=list)  # per Orbit process: [warm, end] pairs flattened
+    # per Orbit process: [warm, end] pairs flattened
+    rss_mb: list[float] = field(default_factory=list)
     rss_growth: float | None = None
     fds: tuple[int, int] = (0, 0)  # min, max over the run
     threads: tuple[int, int] = (0, 0)
@@ -130,10 +136,25 @@ def recipe(out: Path, model: Path, backend: str) -> Path:
     import yaml
 
     data = {
-        "model": str(model), "mode": "double-buffer", "max_staleness": 2, "seed": 0, "out": str(out / "run"),
+        "model": str(model),
+        "mode": "double-buffer",
+        "max_staleness": 2,
+        "seed": 0,
+        "out": str(out / "run"),
         "adapter": {"type": "lora", "r": 4, "alpha": 8},
-        "engine": {"backend": backend, "replicas": 2, "max_inflight": 16, "max_running": 16, "restarts": 5},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12, "stall_timeout_s": 180},
+        "engine": {
+            "backend": backend,
+            "replicas": 2,
+            "max_inflight": 16,
+            "max_running": 16,
+            "restarts": 5,
+        },
+        "rollout": {
+            "group_size": 4,
+            "prompts_per_step": 2,
+            "max_new_tokens": 12,
+            "stall_timeout_s": 180,
+        },
         "trainer": {"lr": 0.01, "steps": 1_000_000, "save_every": SAVE_EVERY, "keep_last": 3},
     }
     path = out / f"recipe-{backend}.yaml"
@@ -147,13 +168,20 @@ class Orbit:
     def __init__(self, recipe: Path, out: Path, resume: bool, report: Report) -> None:
         import psutil
 
-        args = ["train", str(recipe), "--quiet"] + (["--resume", str(out / "run")] if resume else [])
+        args = ["train", str(recipe), "--quiet"] + (
+            ["--resume", str(out / "run")] if resume else []
+        )
         env = {**os.environ, "ORBIT_SOAK_CONTROL": str(out / "control"), "PYTHONPATH": str(ROOT)}
         self.log = open(out / "orbit.log", "a")  # noqa: SIM115 - closed in wait()
         self.log.write(f"\n=== orbit {' '.join(args)}\n")
         self.log.flush()
-        self.popen = subprocess.Popen([sys.executable, __file__, "--child", *args], stdout=self.log,
-                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, __file__, "--child", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.proc = psutil.Process(self.popen.pid)
         self.report, self.started = report, time.time()
         self.rss: list[tuple[float, float]] = []
@@ -208,7 +236,8 @@ class Orbit:
         self._stop.set()
         self._sampler.join()
         self.log.close()
-        warm = [mb for t, mb in self.rss if t > 60]  # after warm-up: engines started, first steps taken
+        # after warm-up: engines started, first steps taken
+        warm = [mb for t, mb in self.rss if t > 60]
         if len(warm) >= 10:
             self.report.rss_mb += [round(min(warm[:5]), 1), round(max(warm[-5:]), 1)]
         return code
@@ -276,7 +305,9 @@ def push_fault(out: Path, fault: Fault, name: str) -> None:
     fault.t = time.time()
     (control / name).write_text("")
     if name == "corrupt":
-        version = until(lambda: int(p.read_text()) if (p := control / "corrupted").exists() else None, 120)
+        version = until(
+            lambda: int(p.read_text()) if (p := control / "corrupted").exists() else None, 120
+        )
         if version is None:
             return
         (control / "corrupted").unlink()
@@ -284,18 +315,25 @@ def push_fault(out: Path, fault: Fault, name: str) -> None:
         if refused is not None:
             fault.noticed_s, fault.detail = refused["t0"] - fault.t, refused.get("reason", "")[:80]
         later = until(lambda: event_after(out, fault.t, "update", version=version + 1), 120)
-    else:  # a load that takes 3 s longer: noticed when the hook fires, recovered once a load after it ends
+    # a load that takes 3 s longer: noticed when the hook fires, recovered once a load after it ends
+    else:
         taken = until(lambda: None if (control / name).exists() else time.time(), 120)
         if taken is None:
             return
         fault.noticed_s = taken - fault.t
-        later = until(lambda: next((e for e in timeline(out) if e["kind"] == "update" and e["t1"] > taken + 3), None),
-                      120)
+        later = until(
+            lambda: next(
+                (e for e in timeline(out) if e["kind"] == "update" and e["t1"] > taken + 3), None
+            ),
+            120,
+        )
     if later is not None:
         fault.recovered_s = later["t1"] - fault.t
 
 
-def restart_fault(orbit: Orbit, out: Path, fault: Fault, recipe_path: Path, report: Report) -> Orbit:
+def restart_fault(
+    orbit: Orbit, out: Path, fault: Fault, recipe_path: Path, report: Report
+) -> Orbit:
     """Ctrl-C (the group, as a terminal) or SIGKILL of Orbit mid-save; then --resume."""
     control = out / "control"
     started = orbit.descendants()
@@ -315,7 +353,8 @@ def restart_fault(orbit: Orbit, out: Path, fault: Fault, recipe_path: Path, repo
         os.killpg(orbit.popen.pid, signal.SIGKILL)
         orbit.wait(30)
     fault.noticed_s = time.time() - fault.t
-    if until(lambda: None if any(_alive(p) for p in started) else True, 30) is None:  # nothing outlives Orbit
+    # nothing outlives Orbit
+    if until(lambda: None if any(_alive(p) for p in started) else True, 30) is None:
         report.processes_left.append(f"after {fault.kind}: {[p.pid for p in started if _alive(p)]}")
     (control / "saving").unlink(missing_ok=True)
     nxt = Orbit(recipe_path, out, resume=True, report=report)
@@ -342,7 +381,7 @@ def _resumed_at(out: Path) -> int | None:
     import re
 
     text = (out / "orbit.log").read_text()
-    last = text[text.rfind("=== orbit"):]
+    last = text[text.rfind("=== orbit") :]
     if "from the start" in last:
         return 0
     found = re.search(r"resuming .*? \(step (\d+)\)", last, re.S)  # rich may wrap the line
@@ -369,10 +408,15 @@ def soak(backend: str, minutes: float, out: Path, model: Path) -> Report:
             push_fault(out, fault, fault.kind)
         else:
             orbit = restart_fault(orbit, out, fault, path, report)
-        print(f"  {backend}: {fault.kind:9s} noticed {_s(fault.noticed_s)} recovered {_s(fault.recovered_s)} "
-              f"{fault.detail[:70]}", flush=True)
+        print(
+            f"  {backend}: {fault.kind:9s} noticed {_s(fault.noticed_s)} recovered "
+            f"{_s(fault.recovered_s)} "
+            f"{fault.detail[:70]}",
+            flush=True,
+        )
         i += 1
-        until(lambda: None, 1 if minutes < 2 else 3 if minutes < 10 else 15)  # let it run a while between faults
+        # let it run a while between faults
+        until(lambda: None, 1 if minutes < 2 else 3 if minutes < 10 else 15)
     started = orbit.descendants()
     os.killpg(orbit.popen.pid, signal.SIGINT)  # the end: Ctrl-C saves the last step
     if orbit.wait(120) is None:
@@ -385,7 +429,8 @@ def soak(backend: str, minutes: float, out: Path, model: Path) -> Report:
     report.steps = len(done)
     report.steps_lost = len(set(range(max(done, default=-1) + 1)) - set(done))
     report.steps_repeated = len(done) - len(set(done))
-    discarded = out / "run" / "metrics.discarded.jsonl"  # lines past the checkpoint a resume went back to
+    # lines past the checkpoint a resume went back to
+    discarded = out / "run" / "metrics.discarded.jsonl"
     report.steps_redone = len(discarded.read_text().splitlines()) if discarded.exists() else 0
     time.sleep(1)
     report.shm_left = sorted(set(os.listdir("/dev/shm")) - shm_before)
@@ -416,9 +461,12 @@ def _s(v: float | None) -> str:
 
 
 def table(r: Report) -> str:
-    lines = [f"soak on {r.backend}, {r.minutes:g} min: {r.steps} steps in {r.starts} Orbit starts; "
-             f"lost {r.steps_lost}, repeated {r.steps_repeated}, redone after a kill {r.steps_redone}",
-             f"  {'fault':10s} {'injected':>8s} {'noticed':>8s} {'recovered':>9s} {'notice (median/max)':>20s}"]
+    lines = [
+        f"soak on {r.backend}, {r.minutes:g} min: {r.steps} steps in {r.starts} Orbit starts; "
+        f"lost {r.steps_lost}, repeated {r.steps_repeated}, redone after a kill {r.steps_redone}",
+        f"  {'fault':10s} {'injected':>8s} {'noticed':>8s} {'recovered':>9s} "
+        f"{'notice (median/max)':>20s}",
+    ]
     for kind in FAULTS:
         fs = [f for f in r.faults if f.kind == kind]
         seen = sorted(f.noticed_s for f in fs if f.noticed_s is not None)
@@ -426,11 +474,14 @@ def table(r: Report) -> str:
         spread = f"{seen[len(seen) // 2]:.1f} / {seen[-1]:.1f} s" if seen else "-"
         lines.append(f"  {kind:10s} {len(fs):8d} {len(seen):8d} {back:9d} {spread:>20s}")
     growth = "-" if r.rss_growth is None else f"{100 * r.rss_growth:+.1f}%"
-    lines += [f"  Orbit RSS after warm-up -> end (MB, per start): {r.rss_mb}, largest growth {growth}",
-              f"  fds {r.fds[0]}..{r.fds[1]}, threads {r.threads[0]}..{r.threads[1]}, "
-              f"descendants {r.descendants[0]}..{r.descendants[1]}",
-              f"  /dev/shm entries left: {len(r.shm_left)} {r.shm_left[:5]}; processes left: {r.processes_left or 0}",
-              f"  the final adapter loads with peft: {r.adapter_loads}"]
+    lines += [
+        f"  Orbit RSS after warm-up -> end (MB, per start): {r.rss_mb}, largest growth {growth}",
+        f"  fds {r.fds[0]}..{r.fds[1]}, threads {r.threads[0]}..{r.threads[1]}, "
+        f"descendants {r.descendants[0]}..{r.descendants[1]}",
+        f"  /dev/shm entries left: {len(r.shm_left)} {r.shm_left[:5]}; processes left: "
+        f"{r.processes_left or 0}",
+        f"  the final adapter loads with peft: {r.adapter_loads}",
+    ]
     return "\n".join(lines)
 
 
@@ -438,7 +489,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="in all, split between the backends")
+    parser.add_argument(
+        "--minutes", type=float, default=30.0, help="in all, split between the backends"
+    )
     parser.add_argument("--backends", default="embedded,sglang-server")
     parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "tiny" / "llama-s0")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "soak")

@@ -1,7 +1,7 @@
-"""A straggler on purpose, for the pool bench (bench/pool.py) and its tests: the pool's last engine started
-with a smaller batch and every adapter load made slower, so that what a straggler costs each kind of flip
-shows. It reaches a run the way any engines do, as the run's `Engines` (orbit/run/lifecycle.py): nothing in
-Orbit knows of it.
+"""A straggler on purpose, for the pool bench (bench/pool.py) and its tests: the pool's last engine
+started with a smaller batch and every adapter load made slower, so that what a straggler costs each
+kind of flip shows. It reaches a run the way any engines do, as the run's `Engines`
+(orbit/run/lifecycle.py): nothing in Orbit knows of it.
 
     engines = slowed(Slowing(running=8, load_s=0.3))
     train(checked, engines=engines)
@@ -28,7 +28,8 @@ class Slowing:
 
 
 class SlowLoads:
-    """An engine whose every adapter load takes `load_s` longer; everything else is the engine's own."""
+    """An engine whose every adapter load takes `load_s` longer; everything else is the engine's
+    own."""
 
     def __init__(self, engine: Engine, load_s: float) -> None:
         self.engine, self.load_s = engine, load_s
@@ -82,8 +83,8 @@ class SlowLoads:
 
 
 class SlowStarter(EngineStarter):
-    """The run's starter, but its last engine slowed as `slowing` says (a subclass: revival restarts it
-    slowed too)."""
+    """The run's starter, but its last engine slowed as `slowing` says (a subclass: revival restarts
+    it slowed too)."""
 
     def __init__(self, starter: EngineStarter, slowing: Slowing) -> None:
         self.__dict__.update(starter.__dict__)
@@ -96,9 +97,21 @@ class SlowStarter(EngineStarter):
         cfg = self.cfg
         if self._last(i) and self.slowing.running:
             cfg = cfg.model_copy(update={"max_running": self.slowing.running})
-        engine = start_engine(cfg, self.model, self.seed + i, self.adapter, self.call_timeout_s,
-                              self.devices[i], self.servers[i], self.truncated)
-        return SlowLoads(engine, self.slowing.load_s) if self._last(i) and self.slowing.load_s else engine
+        engine = start_engine(
+            cfg,
+            self.model,
+            self.seed + i,
+            self.adapter,
+            self.call_timeout_s,
+            self.devices[i],
+            self.servers[i],
+            self.truncated,
+        )
+        return (
+            SlowLoads(engine, self.slowing.load_s)
+            if self._last(i) and self.slowing.load_s
+            else engine
+        )
 
     def capacities(self) -> list[int]:
         running = self.slowing.running or self.cfg.max_running

@@ -1,16 +1,22 @@
-"""A sweep of K adapters at once against the same K runs one after another, side by side in one script.
+"""A sweep of K adapters at once against the same K runs one after another, side by side in one
+script.
 
-The workload is recipes/tiny.yaml (double-buffer, one embedded engine, the tiny model) with a learning-rate sweep
-(`--lrs`, K = 4 by default). Measured:
-- wall time: `orbit sweep` of the K runs (engine and trainer started once) against the sum of the K single runs
+The workload is recipes/tiny.yaml (double-buffer, one embedded engine, the tiny model) with a
+learning-rate sweep (`--lrs`, K = 4 by default). Measured:
+- wall time: `orbit sweep` of the K runs (engine and trainer started once) against the sum of the K
+  single runs
   (each `orbit train`, its own engine and trainer), every one from start to its last checkpoint;
-- engine utilisation: the engine's busy time (generating) over the wall time, for the sweep and each run alone;
-- each adapter's final reward (mean reward of its last 8 steps) in the sweep against its run alone, and against
-  the same run alone with another seed: the noise a second seed gives, the yardstick for "the same adapter".
+- engine utilisation: the engine's busy time (generating) over the wall time, for the sweep and each
+  run alone;
+- each adapter's final reward (mean reward of its last 8 steps) in the sweep against its run alone,
+  and against
+  the same run alone with another seed: the noise a second seed gives, the yardstick for "the same
+  adapter".
 
     .venv/bin/python bench/sweep.py [--lrs 0.005,0.01,0.02,0.04] [--steps 30] [--backend embedded]
 
-It prints a table and writes runs/bench-sweep/summary.json. With 2 cores, run nothing else meanwhile.
+It prints a table and writes runs/bench-sweep/summary.json. With 2 cores, run nothing else
+meanwhile.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ def recipe_data(args: argparse.Namespace, out: Path) -> dict:
 
     data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
     data["model"] = str(ROOT / data["model"])
-    data["engine"].update({"backend": args.backend, "max_running": 32 * len(args.lrs)})  # room for every run
+    # room for every run
+    data["engine"].update({"backend": args.backend, "max_running": 32 * len(args.lrs)})
     data["trainer"].update({"steps": args.steps, "save_every": args.steps})
     data["rollout"]["max_new_tokens"] = args.max_new_tokens
     data["out"] = str(out)
@@ -45,8 +52,11 @@ def final_reward(run_dir: Path) -> float:
 
 
 def total(run_dir: Path, metric: str) -> float:
-    """`metric` summed over the run's steps (`engine_busy_s`: the engine's busy seconds; `train_s`, `step_s`)."""
-    return sum(json.loads(line)[metric] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    """`metric` summed over the run's steps (`engine_busy_s`: the engine's busy seconds; `train_s`,
+    `step_s`)."""
+    return sum(
+        json.loads(line)[metric] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    )
 
 
 def solo(args: argparse.Namespace, out: Path, lr: float, seed: int) -> tuple[float, Path]:
@@ -77,10 +87,16 @@ def swept(args: argparse.Namespace, out: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lrs", default="0.005,0.01,0.02,0.04", type=lambda s: [float(x) for x in s.split(",")])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lrs", default="0.005,0.01,0.02,0.04", type=lambda s: [float(x) for x in s.split(",")]
+    )
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="rollout.max_new_tokens (tiny.yaml: 24)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=24, help="rollout.max_new_tokens (tiny.yaml: 24)"
+    )
     parser.add_argument("--backend", default="embedded", choices=["embedded", "sglang"])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-sweep")
     args = parser.parse_args()
@@ -94,36 +110,71 @@ def main() -> None:
         second.append(solo(args, args.out / f"alone-seed1-lr={lr:g}", lr, seed=1))
     alone_s = sum(s for s, _ in alone)
     alone_busy = sum(total(d, "engine_busy_s") for _, d in alone) / alone_s
-    # What no sweep can beat here: one start-up (the sweep's wall time outside its runs' steps), then the
-    # runs' generating and training (the single runs' own busy seconds), each on one core, fully overlapped.
+    # What no sweep can beat here: one start-up (the sweep's wall time outside its runs' steps),
+    # then the runs' generating and training (the single runs' own busy seconds), each on one core,
+    # fully overlapped.
     startup_s = sweep_s - max(total(s.run_dir, "step_s") for s in result.statuses)
-    work = {"engine": sum(total(d, "engine_busy_s") for _, d in alone), "trainer": sum(total(d, "train_s")
-                                                                                       for _, d in alone)}
+    work = {
+        "engine": sum(total(d, "engine_busy_s") for _, d in alone),
+        "trainer": sum(total(d, "train_s") for _, d in alone),
+    }
     floor_s = startup_s + max(work.values())
 
     rows = []
-    for lr, status, (_, one), (_, two) in zip(args.lrs, result.statuses, alone, second, strict=True):
-        rows.append({"lr": lr, "state": status.state, "sweep": final_reward(status.run_dir),
-                     "alone": final_reward(one), "alone_seed1": final_reward(two)})
-    summary = {"runs": len(args.lrs), "steps": args.steps, "backend": args.backend, "sweep_s": sweep_s,
-               "alone_s": alone_s, "ratio": sweep_s / alone_s, "engine_busy_sweep": result.engine_busy_frac,
-               "engine_busy_alone": alone_busy, "startup_s": startup_s, "work_s": work, "floor_s": floor_s,
-               "rewards": rows}
+    for lr, status, (_, one), (_, two) in zip(
+        args.lrs, result.statuses, alone, second, strict=True
+    ):
+        rows.append(
+            {
+                "lr": lr,
+                "state": status.state,
+                "sweep": final_reward(status.run_dir),
+                "alone": final_reward(one),
+                "alone_seed1": final_reward(two),
+            }
+        )
+    summary = {
+        "runs": len(args.lrs),
+        "steps": args.steps,
+        "backend": args.backend,
+        "sweep_s": sweep_s,
+        "alone_s": alone_s,
+        "ratio": sweep_s / alone_s,
+        "engine_busy_sweep": result.engine_busy_frac,
+        "engine_busy_alone": alone_busy,
+        "startup_s": startup_s,
+        "work_s": work,
+        "floor_s": floor_s,
+        "rewards": rows,
+    }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
     print(f"\n{len(args.lrs)} runs × {args.steps} steps, {args.backend} engine, tiny model")
-    print(f"  sweep (one engine, one trainer):     {sweep_s:7.1f} s, engine busy {result.engine_busy_frac:.0%}")
+    print(
+        f"  sweep (one engine, one trainer):     {sweep_s:7.1f} s, engine busy "
+        f"{result.engine_busy_frac:.0%}"
+    )
     print(f"  the same runs one after another:     {alone_s:7.1f} s, engine busy {alone_busy:.0%}")
     print(f"  sweep / one after another:           {sweep_s / alone_s:7.2f}x (goal <= 0.5x)")
-    print(f"  floor: one start-up {startup_s:.1f} s + max(generating {work['engine']:.1f} s, training "
-          f"{work['trainer']:.1f} s) = {floor_s:.1f} s, {floor_s / alone_s:.2f}x of one after another")
-    print(f"\n  {'lr':>8} {'in the sweep':>13} {'alone':>8} {'alone, seed 1':>14} {'|sweep-alone|':>14} "
-          f"{'|seed 1-alone|':>15}")
+    print(
+        f"  floor: one start-up {startup_s:.1f} s + max(generating {work['engine']:.1f} s, "
+        "training "
+        f"{work['trainer']:.1f} s) = {floor_s:.1f} s, {floor_s / alone_s:.2f}x of one after another"
+    )
+    print(
+        f"\n  {'lr':>8} {'in the sweep':>13} {'alone':>8} {'alone, seed 1':>14} "
+        f"{'|sweep-alone|':>14} "
+        f"{'|seed 1-alone|':>15}"
+    )
     for r in rows:
-        print(f"  {r['lr']:8g} {r['sweep']:13.3f} {r['alone']:8.3f} {r['alone_seed1']:14.3f} "
-              f"{abs(r['sweep'] - r['alone']):14.3f} {abs(r['alone_seed1'] - r['alone']):15.3f}")
-    print(f"\n  mean |sweep - alone| {fmean(abs(r['sweep'] - r['alone']) for r in rows):.3f}, "
-          f"mean |seed 1 - alone| {fmean(abs(r['alone_seed1'] - r['alone']) for r in rows):.3f}")
+        print(
+            f"  {r['lr']:8g} {r['sweep']:13.3f} {r['alone']:8.3f} {r['alone_seed1']:14.3f} "
+            f"{abs(r['sweep'] - r['alone']):14.3f} {abs(r['alone_seed1'] - r['alone']):15.3f}"
+        )
+    print(
+        f"\n  mean |sweep - alone| {fmean(abs(r['sweep'] - r['alone']) for r in rows):.3f}, "
+        f"mean |seed 1 - alone| {fmean(abs(r['alone_seed1'] - r['alone']) for r in rows):.3f}"
+    )
 
 
 if __name__ == "__main__":

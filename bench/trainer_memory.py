@@ -1,16 +1,19 @@
-"""Train tokens/s and peak memory of one RL step on a real vocabulary: the plain way against Orbit's.
+"""Train tokens/s and peak memory of one RL step on a real vocabulary: the plain way against
+Orbit's.
 
-On a 49k vocabulary the fp32 logits of a whole batch are the biggest tensor of a step. Three ways of the
-same GRPO step on the same batch (groups of samples sharing a prompt, as rollouts give them):
-- plain:        one forward of the padded batch through transformers + peft, full logits, log_softmax
+On a 49k vocabulary the fp32 logits of a whole batch are the biggest tensor of a step. Three ways of
+the same GRPO step on the same batch (groups of samples sharing a prompt, as rollouts give them):
+- plain:        one forward of the padded batch through transformers + peft, full logits,
+  log_softmax
                 over the vocabulary, gather, backward (what a straightforward trainer does);
-- orbit:        Orbit's Trainer.step with `micro_batch_tokens: 0`: one forward, the output projection
+- orbit:        Orbit's Trainer.step with `micro_batch_tokens: 0`: one forward, the output
+  projection
                 and log-softmax taken CHUNK_ROWS positions at a time (orbit/train/batch.py);
 - orbit-micro:  the same with `micro_batch_tokens: 512`: micro-batches of similar length, gradients
                 accumulated, so memory is bounded by the budget and not by the batch.
-Each runs in its own process (peak RSS is per process): the figure is the peak RSS of the step above the
-RSS once the model is loaded. Tokens/s counts the tokens forwarded (prompts and outputs), median of 3
-steps after one warm-up, one torch thread.
+Each runs in its own process (peak RSS is per process): the figure is the peak RSS of the step above
+the RSS once the model is loaded. Tokens/s counts the tokens forwarded (prompts and outputs), median
+of 3 steps after one warm-up, one torch thread.
 
     .venv/bin/python bench/trainer_memory.py [--model .cache/smollm2-135m-instruct] [--samples 32]
 """
@@ -41,8 +44,18 @@ def samples(n: int, group: int, prompt_len: int, output_len: int, vocab: int):
         prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
         for _ in range(group):
             k = rng.randint(output_len // 2, output_len)
-            out.append(Sample(prompt, [rng.randrange(10, vocab) for _ in range(k)], [-3.0] * k, rng.random(), 0, 0,
-                              advantage=rng.gauss(0, 1), group_id=g))
+            out.append(
+                Sample(
+                    prompt,
+                    [rng.randrange(10, vocab) for _ in range(k)],
+                    [-3.0] * k,
+                    rng.random(),
+                    0,
+                    0,
+                    advantage=rng.gauss(0, 1),
+                    group_id=g,
+                )
+            )
     return out
 
 
@@ -57,7 +70,7 @@ def plain_step(model, optimizer, batch) -> None:
     for i, s in enumerate(batch):
         seq = s.prompt_ids + s.output_ids
         ids[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), 1
-        loss_mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = 1
+        loss_mask[i, len(s.prompt_ids) - 1 : len(seq) - 1] = 1
     optimizer.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -75,12 +88,18 @@ def measure(way: str, args) -> dict:
     torch.set_num_threads(1)
     adapter = AdapterConfig(type="lora", r=16, alpha=32)
     budget = 512 if way == "orbit-micro" else 0
-    trainer = Trainer(args.model, adapter, TrainerConfig(lr=1e-5, micro_batch_tokens=budget), 1.0, 0)
+    trainer = Trainer(
+        args.model, adapter, TrainerConfig(lr=1e-5, micro_batch_tokens=budget), 1.0, 0
+    )
     vocab = trainer.model.config.vocab_size
     batch = samples(args.samples, args.group, args.prompt, args.output, vocab)
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # MB, the peak so far: the model
-    step = (lambda: plain_step(trainer.model, trainer.optimizer, batch)) if way == "plain" else \
-        (lambda: trainer.step(batch))
+    # MB, the peak so far: the model
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    step = (
+        (lambda: plain_step(trainer.model, trainer.optimizer, batch))
+        if way == "plain"
+        else (lambda: trainer.step(batch))
+    )
     step()
     times = []
     for _ in range(3):
@@ -89,36 +108,57 @@ def measure(way: str, args) -> dict:
         times.append(time.perf_counter() - t0)
     tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in batch)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    return {"way": way, "tokens": tokens, "step_s": statistics.median(times),
-            "tok_s": tokens / statistics.median(times), "peak_mb": peak - loaded}
+    return {
+        "way": way,
+        "tokens": tokens,
+        "step_s": statistics.median(times),
+        "tok_s": tokens / statistics.median(times),
+        "peak_mb": peak - loaded,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2-135m-instruct")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--group", type=int, default=8, help="samples sharing a prompt")
     ap.add_argument("--prompt", type=int, default=48, help="prompt tokens")
-    ap.add_argument("--output", type=int, default=64, help="at most this many output tokens (at least half)")
-    ap.add_argument("--way", choices=WAYS, default=None, help=argparse.SUPPRESS)  # one way, in this process
+    ap.add_argument(
+        "--output", type=int, default=64, help="at most this many output tokens (at least half)"
+    )
+    # one way, in this process
+    ap.add_argument("--way", choices=WAYS, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.way:
         print(json.dumps(measure(args.way, args)))
         return
     rows = []
     for way in WAYS:
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--way", way], capture_output=True, text=True,
-                             check=True, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--way", way],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"model {args.model.name}: {args.samples} samples in groups of {args.group}, prompts of {args.prompt} "
-          f"tokens, outputs {args.output // 2}..{args.output}; {rows[0]['tokens']} tokens a step, 1 torch thread")
+    print(
+        f"model {args.model.name}: {args.samples} samples in groups of {args.group}, prompts of "
+        f"{args.prompt} "
+        f"tokens, outputs {args.output // 2}..{args.output}; {rows[0]['tokens']} tokens a step, 1 "
+        "torch thread"
+    )
     print(f"{'way':12s} {'step s':>7s} {'tok/s':>7s} {'peak MB above the model':>24s}")
     for r in rows:
         print(f"{r['way']:12s} {r['step_s']:7.2f} {r['tok_s']:7.0f} {r['peak_mb']:24.0f}")
     base = rows[0]
     for r in rows[1:]:
-        print(f"{r['way']} vs plain: {r['tok_s'] / base['tok_s']:.2f}x tokens/s, "
-              f"{r['peak_mb'] / base['peak_mb']:.2f}x peak memory")
+        print(
+            f"{r['way']} vs plain: {r['tok_s'] / base['tok_s']:.2f}x tokens/s, "
+            f"{r['peak_mb'] / base['peak_mb']:.2f}x peak memory"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""The trainer's step time with one rank against two, side by side in one run, on a train-bound batch.
+"""The trainer's step time with one rank against two, side by side in one run, on a train-bound
+batch.
 
 The same GRPO batch (groups of samples sharing a prompt) and seed, one torch thread per rank:
 - 1 rank:            Orbit's Trainer in this process;
 - 2 ranks:           two trainer ranks started by torch's launcher (gloo on CPU, nccl on GPUs), each
-                     training its share of the tokens, the adapter's gradients summed (orbit/train/ranks.py);
+                     training its share of the tokens, the adapter's gradients summed
+                     (orbit/train/ranks.py);
 - 2 ranks, fsdp:     the same with the frozen base sharded over the ranks (FSDP2).
-Median step time of `--steps` steps after one warm-up; the ratio is 1 rank's time over N ranks'. On a
-2-core machine two ranks are the whole machine: nothing else should run meanwhile.
+Median step time of `--steps` steps after one warm-up; the ratio is 1 rank's time over N ranks'. On
+a 2-core machine two ranks are the whole machine: nothing else should run meanwhile.
 
-    .venv/bin/python bench/trainer_ranks.py [--model .cache/smollm2-135m-instruct] [--samples 32] [--device cpu]
+    .venv/bin/python bench/trainer_ranks.py [--model .cache/smollm2-135m-instruct] [--samples 32]
+    [--device cpu]
 """
 
 from __future__ import annotations
@@ -32,10 +35,21 @@ def batch(n: int, group: int, prompt_len: int, output_len: int, vocab: int):
     for g in range(n // group):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         for _ in range(group):
-            m = rng.randrange(output_len // 2, output_len + 1)  # outputs of different lengths, as rollouts give
-            out.append(Sample(prompt_ids=prompt, output_ids=[rng.randrange(3, vocab) for _ in range(m)],
-                              behaviour_logprobs=[-3.0] * m, reward=0.0, version_start=0, version_end=0,
-                              loss_mask=[1] * m, advantage=rng.uniform(-1, 1), group_id=g))
+            # outputs of different lengths, as rollouts give
+            m = rng.randrange(output_len // 2, output_len + 1)
+            out.append(
+                Sample(
+                    prompt_ids=prompt,
+                    output_ids=[rng.randrange(3, vocab) for _ in range(m)],
+                    behaviour_logprobs=[-3.0] * m,
+                    reward=0.0,
+                    version_start=0,
+                    version_end=0,
+                    loss_mask=[1] * m,
+                    advantage=rng.uniform(-1, 1),
+                    group_id=g,
+                )
+            )
     return out
 
 
@@ -99,8 +113,11 @@ def main() -> None:
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     tokens = sum(len(s.output_ids) for s in batch(args.samples, 8, args.prompt, args.output, vocab))
-    print(f"model {args.model}, {args.samples} samples ({tokens} output tokens), device {args.device}, "
-          f"one thread per rank, median of {args.steps} steps")
+    print(
+        f"model {args.model}, {args.samples} samples ({tokens} output tokens), device "
+        f"{args.device}, "
+        f"one thread per rank, median of {args.steps} steps"
+    )
     print(f"{'':16} {'step s':>8} {'out tok/s':>10} {'speed-up':>9}")
     for name, seconds in rows:
         print(f"{name:16} {seconds:8.3f} {tokens / seconds:10.1f} {one / seconds:8.2f}x")

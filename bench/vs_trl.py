@@ -1,20 +1,23 @@
 """Orbit against TRL's GRPOTrainer on the same workload, one after the other, in one command.
 
-The workload is an Orbit recipe (default the laptop recipe, recipes/smollm2-math.yaml): the same model, LoRA
-adapter, prompts (Orbit's stream, in its order) and grader (the task's own), group and batch, sampling and
-optimisation; bench/trl_grpo.py maps each onto GRPOConfig and lists what has no counterpart (OUT/table.md).
-TRL runs with `use_vllm: false` and torch on `--trl-threads` threads; Orbit as the recipe says. Both save a
-checkpoint every 10 steps, and `orbit eval CHECKPOINT --n N` reads them the same way: every one of Orbit's,
-and of TRL's those the table compares (its last, and its newest at each of Orbit's checkpoint times).
+The workload is an Orbit recipe (default the laptop recipe, recipes/smollm2-math.yaml): the same
+model, LoRA adapter, prompts (Orbit's stream, in its order) and grader (the task's own), group and
+batch, sampling and optimisation; bench/trl_grpo.py maps each onto GRPOConfig and lists what has no
+counterpart (OUT/table.md). TRL runs with `use_vllm: false` and torch on `--trl-threads` threads;
+Orbit as the recipe says. Both save a checkpoint every 10 steps, and `orbit eval CHECKPOINT --n N`
+reads them the same way: every one of Orbit's, and of TRL's those the table compares (its last, and
+its newest at each of Orbit's checkpoint times).
 
     pip install -c constraints.txt -e '.[trl]'              # TRL 1.16.0, never part of make test
-    .venv/bin/python bench/vs_trl.py [--seeds 0,1,2] [--steps 60] [--recipe recipes/smollm2-math.yaml]
+    .venv/bin/python bench/vs_trl.py [--seeds 0,1,2] [--steps 60] [--recipe
+    recipes/smollm2-math.yaml]
 
-Printed and written to OUT/table.md and OUT/summary.json, per seed and as the median over the seeds: wall time
-(launch to exit) and per step (steps 1-10 and all), generated tokens/s, the largest process's peak resident
-memory, the reward per step (OUT/curves.png: both reward curves on one wall-clock axis), held-out accuracy of the
-final adapters, and held-out accuracy at equal wall-clock points (at each Orbit checkpoint's time, TRL's newest
-checkpoint by then). A system and seed already run in OUT is not run again. With 2 cores, run nothing else.
+Printed and written to OUT/table.md and OUT/summary.json, per seed and as the median over the seeds:
+wall time (launch to exit) and per step (steps 1-10 and all), generated tokens/s, the largest
+process's peak resident memory, the reward per step (OUT/curves.png: both reward curves on one
+wall-clock axis), held-out accuracy of the final adapters, and held-out accuracy at equal wall-clock
+points (at each Orbit checkpoint's time, TRL's newest checkpoint by then). A system and seed already
+run in OUT is not run again. With 2 cores, run nothing else.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ EVERY = 10
 
 
 def measured(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Run `cmd`; its wall time and the peak resident memory of the largest process in its tree (GB)."""
+    """Run `cmd`; its wall time and the peak resident memory of the largest process in its tree
+    (GB)."""
     import psutil
 
     t0 = time.time()
@@ -70,21 +74,35 @@ def run_orbit(args: argparse.Namespace, seed: int) -> dict:
     if done.is_file():
         return json.loads(done.read_text())
     t0 = time.time()
-    wall, peak = measured([*ORBIT, "train", str(seed_recipe(args, seed)), "--out", str(out), "--quiet"],
-                          args.out / f"orbit-{seed}.log")
+    wall, peak = measured(
+        [*ORBIT, "train", str(seed_recipe(args, seed)), "--out", str(out), "--quiet"],
+        args.out / f"orbit-{seed}.log",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     checkpoints = []
     for step_dir in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:])):
-        here = args.out / f"orbit-{seed}-eval" / step_dir.name  # an adapter with its recipe: what orbit eval reads
+        # an adapter with its recipe: what orbit eval reads
+        here = args.out / f"orbit-{seed}-eval" / step_dir.name
         here.mkdir(parents=True, exist_ok=True)
         (here / "recipe.yaml").write_text((out / "recipe.yaml").read_text())
         if not (here / "adapter").exists():
             (here / "adapter").symlink_to(step_dir.resolve())
         saved = (step_dir / "trainer_state.json").stat().st_mtime - t0
         checkpoints.append({"step": int(step_dir.name[5:]), "t": saved, "dir": str(here)})
-    result = {"wall_s": wall, "peak_gb": peak, "checkpoints": checkpoints,
-              "steps": [{"step": r["step"], "step_s": r["step_s"], "reward": r["reward_mean"],
-                         "generated": r["tokens_generated"]} for r in rows]}
+    result = {
+        "wall_s": wall,
+        "peak_gb": peak,
+        "checkpoints": checkpoints,
+        "steps": [
+            {
+                "step": r["step"],
+                "step_s": r["step_s"],
+                "reward": r["reward_mean"],
+                "generated": r["tokens_generated"],
+            }
+            for r in rows
+        ],
+    }
     done.write_text(json.dumps(result))
     return result
 
@@ -94,37 +112,70 @@ def run_trl(args: argparse.Namespace, seed: int) -> dict:
     done = args.out / f"trl-{seed}.json"
     if done.is_file():
         return json.loads(done.read_text())
-    cmd = [sys.executable, str(ROOT / "bench" / "trl_grpo.py"), str(seed_recipe(args, seed)), "--seed", str(seed),
-           "--out", str(out), "--threads", str(args.trl_threads), "--save-every", str(EVERY)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "trl_grpo.py"),
+        str(seed_recipe(args, seed)),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--threads",
+        str(args.trl_threads),
+        "--save-every",
+        str(EVERY),
+    ]
     wall, peak = measured(cmd, args.out / f"trl-{seed}.log")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     batch = yaml.safe_load(args.recipe.read_text())["rollout"]
     per_step = batch["group_size"] * batch["prompts_per_step"]
-    checkpoints = [{"step": int(d.name[5:]), "t": json.loads((d / "time.json").read_text())["t"], "dir": str(d)}
-                   for d in sorted(out.glob("step-*"), key=lambda p: int(p.name[5:]))]
+    checkpoints = [
+        {
+            "step": int(d.name[5:]),
+            "t": json.loads((d / "time.json").read_text())["t"],
+            "dir": str(d),
+        }
+        for d in sorted(out.glob("step-*"), key=lambda p: int(p.name[5:]))
+    ]
     previous = [0.0] + [r["t"] for r in rows[:-1]]
-    result = {"wall_s": wall, "peak_gb": peak, "checkpoints": checkpoints,
-              "steps": [{"step": r["step"], "step_s": r["t"] - p, "reward": r["reward"],
-                         "generated": r["completions/mean_length"] * per_step}
-                        for r, p in zip(rows, previous, strict=True)],
-              "matched": json.loads((out / "matched.json").read_text())}
+    result = {
+        "wall_s": wall,
+        "peak_gb": peak,
+        "checkpoints": checkpoints,
+        "steps": [
+            {
+                "step": r["step"],
+                "step_s": r["t"] - p,
+                "reward": r["reward"],
+                "generated": r["completions/mean_length"] * per_step,
+            }
+            for r, p in zip(rows, previous, strict=True)
+        ],
+        "matched": json.loads((out / "matched.json").read_text()),
+    }
     done.write_text(json.dumps(result))
     return result
 
 
 def evaluate(args: argparse.Namespace, result: dict, steps: set[int] | None = None) -> None:
-    """Held-out accuracy through `orbit eval` (2 engine threads: nothing else runs) of the checkpoints at `steps`
-    (all when None). The base model is read once for the whole OUT (the same held-out prompts, greedy)."""
+    """Held-out accuracy through `orbit eval` (2 engine threads: nothing else runs) of the
+    checkpoints at `steps` (all when None). The base model is read once for the whole OUT (the same
+    held-out prompts, greedy)."""
     base = args.out / "base.json"
     for c in result["checkpoints"]:
         if steps is not None and c["step"] not in steps:
             continue
         with_base = not base.is_file()
-        target = Path(c["dir"]) if with_base else Path(c["dir"]) / "adapter"  # the adapter alone: no base again
+        # the adapter alone: no base again
+        target = Path(c["dir"]) if with_base else Path(c["dir"]) / "adapter"
         report = target / "eval.json"
         if not report.is_file():
-            subprocess.run([*ORBIT, "eval", str(target), "--n", str(args.n), "--threads", "2"], cwd=ROOT,
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [*ORBIT, "eval", str(target), "--n", str(args.n), "--threads", "2"],
+                cwd=ROOT,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         r = json.loads(report.read_text())["results"]
         c["accuracy"] = r["trained"]["accuracy"]
         if with_base:
@@ -133,7 +184,8 @@ def evaluate(args: argparse.Namespace, result: dict, steps: set[int] | None = No
 
 
 def compared(orbit: dict, trl: dict) -> set[int]:
-    """TRL's checkpoints the report reads: the final one, and the newest by each Orbit checkpoint's time."""
+    """TRL's checkpoints the report reads: the final one, and the newest by each Orbit checkpoint's
+    time."""
     newest = (newest_by(trl, c["t"]) for c in orbit["checkpoints"])
     return {trl["checkpoints"][-1]["step"]} | {c["step"] for c in newest if c is not None}
 
@@ -145,46 +197,76 @@ def newest_by(result: dict, t: float) -> dict | None:
 
 
 def at(result: dict, t: float) -> float:
-    """Held-out accuracy of the newest checkpoint saved by wall-clock time `t` (the base model before any)."""
+    """Held-out accuracy of the newest checkpoint saved by wall-clock time `t` (the base model
+    before any)."""
     c = newest_by(result, t)
     return c["accuracy"] if c is not None else result["base_accuracy"]
 
 
 def figures(result: dict) -> dict:
     steps = result["steps"]
-    return {"wall_s": result["wall_s"], "step_first10_s": statistics.median(s["step_s"] for s in steps[:10]),
-            "step_all_s": statistics.median(s["step_s"] for s in steps),
-            "tok_per_s": sum(s["generated"] for s in steps) / sum(s["step_s"] for s in steps),
-            "peak_gb": result["peak_gb"], "final_accuracy": result["checkpoints"][-1]["accuracy"],
-            "base_accuracy": result["base_accuracy"]}
+    return {
+        "wall_s": result["wall_s"],
+        "step_first10_s": statistics.median(s["step_s"] for s in steps[:10]),
+        "step_all_s": statistics.median(s["step_s"] for s in steps),
+        "tok_per_s": sum(s["generated"] for s in steps) / sum(s["step_s"] for s in steps),
+        "peak_gb": result["peak_gb"],
+        "final_accuracy": result["checkpoints"][-1]["accuracy"],
+        "base_accuracy": result["base_accuracy"],
+    }
 
 
 def report(args: argparse.Namespace, runs: dict) -> str:
-    rows = [("wall time, launch to exit (s)", "wall_s", "{:.0f}"),
-            ("median step, steps 1-10 (s)", "step_first10_s", "{:.1f}"),
-            ("median step, all steps (s)", "step_all_s", "{:.1f}"),
-            ("generated tokens/s", "tok_per_s", "{:.0f}"),
-            ("largest process, peak resident memory (GB)", "peak_gb", "{:.1f}"),
-            (f"held-out accuracy after {args.steps} steps (`orbit eval --n {args.n}`)", "final_accuracy", "{:.1%}")]
+    rows = [
+        ("wall time, launch to exit (s)", "wall_s", "{:.0f}"),
+        ("median step, steps 1-10 (s)", "step_first10_s", "{:.1f}"),
+        ("median step, all steps (s)", "step_all_s", "{:.1f}"),
+        ("generated tokens/s", "tok_per_s", "{:.0f}"),
+        ("largest process, peak resident memory (GB)", "peak_gb", "{:.1f}"),
+        (
+            f"held-out accuracy after {args.steps} steps (`orbit eval --n {args.n}`)",
+            "final_accuracy",
+            "{:.1%}",
+        ),
+    ]
     seeds = sorted(runs)
-    head = "| | " + " | ".join(f"Orbit seed {s} | TRL seed {s}" for s in seeds) + " | median TRL/Orbit |"
-    lines = [f"`{args.recipe}`, {args.steps} steps, one after the other on this machine; base model held-out "
-             f"accuracy {runs[seeds[0]]['orbit']['figures']['base_accuracy']:.1%}", "", head,
-             "|---" * (2 * len(seeds) + 2) + "|"]
+    head = (
+        "| | "
+        + " | ".join(f"Orbit seed {s} | TRL seed {s}" for s in seeds)
+        + " | median TRL/Orbit |"
+    )
+    lines = [
+        f"`{args.recipe}`, {args.steps} steps, one after the other on this machine; base model "
+        "held-out "
+        f"accuracy {runs[seeds[0]]['orbit']['figures']['base_accuracy']:.1%}",
+        "",
+        head,
+        "|---" * (2 * len(seeds) + 2) + "|",
+    ]
     for label, key, fmt in rows:
         cells = []
         for s in seeds:
             cells += [fmt.format(runs[s][k]["figures"][key]) for k in ("orbit", "trl")]
-        ratio = statistics.median(runs[s]["trl"]["figures"][key] / runs[s]["orbit"]["figures"][key] for s in seeds)
+        ratio = statistics.median(
+            runs[s]["trl"]["figures"][key] / runs[s]["orbit"]["figures"][key] for s in seeds
+        )
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
-    lines += ["", "Held-out accuracy at equal wall-clock points (at each Orbit checkpoint's time, TRL's newest "
-              "checkpoint by then):", "", "| seed | wall clock (s) | Orbit step | Orbit | TRL |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Held-out accuracy at equal wall-clock points (at each Orbit checkpoint's time, TRL's "
+        "newest "
+        "checkpoint by then):",
+        "",
+        "| seed | wall clock (s) | Orbit step | Orbit | TRL |",
+        "|---|---|---|---|---|",
+    ]
     for s in seeds:
         for c in runs[s]["orbit"]["checkpoints"]:
             trl = at(runs[s]["trl"], c["t"])
             lines.append(f"| {s} | {c['t']:.0f} | {c['step']} | {c['accuracy']:.1%} | {trl:.1%} |")
-    lines += ["", "Not matched:", ""] + [f"- {u}" for u in runs[seeds[0]]["trl"]["matched"]["unmatched"]]
+    lines += ["", "Not matched:", ""] + [
+        f"- {u}" for u in runs[seeds[0]]["trl"]["matched"]["unmatched"]
+    ]
     return "\n".join(lines)
 
 
@@ -200,9 +282,15 @@ def picture(runs: dict, path: Path) -> None:
             steps = run[system]["steps"]
             t = list(accumulate(x["step_s"] for x in steps))
             r = [x["reward"] for x in steps]
-            smooth = [statistics.fmean(r[max(0, i - 7): i + 1]) for i in range(len(r))]
-            ax.plot(t, smooth, color=color, alpha=0.85, linewidth=1.5,
-                    label=f"{'Orbit' if system == 'orbit' else 'TRL'}" if s == min(runs) else None)
+            smooth = [statistics.fmean(r[max(0, i - 7) : i + 1]) for i in range(len(r))]
+            ax.plot(
+                t,
+                smooth,
+                color=color,
+                alpha=0.85,
+                linewidth=1.5,
+                label=f"{'Orbit' if system == 'orbit' else 'TRL'}" if s == min(runs) else None,
+            )
     ax.set_xlabel("wall clock (s)")
     ax.set_ylabel("reward, 8-step mean (one line per seed)")
     ax.set_title("Orbit and TRL GRPOTrainer on the laptop recipe")
@@ -213,7 +301,9 @@ def picture(runs: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", type=Path, default=Path("recipes/smollm2-math.yaml"))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=60)

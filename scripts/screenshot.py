@@ -1,5 +1,6 @@
-"""A picture of one of Orbit's pages, for the docs: `panels.html` (a file), or the live page of a run or a sweep
-(a directory: served by `orbit watch` on a free port for the time of the picture, then stopped).
+"""A picture of one of Orbit's pages, for the docs: `panels.html` (a file), or the live page of a
+run or a sweep (a directory: served by `orbit watch` on a free port for the time of the picture,
+then stopped).
 
     python scripts/screenshot.py bench/figures/panels.html docs/images/panels.png
     python scripts/screenshot.py runs/smollm2-math docs/images/live-run.png
@@ -28,9 +29,15 @@ SETTLE_S = 4.0  # the page's first refresh and Plotly's drawing
 
 
 def served(directory: Path, port: int) -> subprocess.Popen:
-    """`orbit watch` on `directory`, answering on `port` (bounded wait; its output says why if not)."""
-    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "watch", str(directory), "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """`orbit watch` on `directory`, answering on `port` (bounded wait; its output says why if
+    not)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orbit.cli", "watch", str(directory), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,8 +1,9 @@
 """Smoke test and numerics check of the SGLang backend's building blocks on this machine.
 
-    .venv-sglang/bin/python scripts/sglang_smoke.py                 # smoke: start, generate, LoRA, control
-    .venv-sglang/bin/python scripts/sglang_smoke.py --numerics      # + LoRA-vs-peft table (slower)
-    .venv-sglang/bin/python scripts/sglang_smoke.py --model DIR     # an existing HF checkpoint
+    .venv-sglang/bin/python scripts/sglang_smoke.py                 # smoke: start, generate, LoRA,
+    control .venv-sglang/bin/python scripts/sglang_smoke.py --numerics      # + LoRA-vs-peft table
+    (slower) .venv-sglang/bin/python scripts/sglang_smoke.py --model DIR     # an existing HF
+    checkpoint
 
 Needs a venv made by `bash scripts/install_sglang.sh VENV` plus Orbit's own requirements
 (`pip install -c constraints.txt -e .`). On a CPU-only machine it turns on Orbit's shims
@@ -73,7 +74,9 @@ def tiny_model(out: Path, arch: str, kv_heads: int | None = None) -> Path:
     return out
 
 
-def random_lora(model_dir: Path, targets: list[str], r: int = 8, alpha: float = 16.0, seed: int = 1):
+def random_lora(
+    model_dir: Path, targets: list[str], r: int = 8, alpha: float = 16.0, seed: int = 1
+):
     """A peft LoRA with random non-zero A and B, exported the way Orbit exports it."""
     import peft
     from transformers import AutoModelForCausalLM
@@ -81,7 +84,9 @@ def random_lora(model_dir: Path, targets: list[str], r: int = 8, alpha: float = 
     from orbit.train.trainer import adapter_config_dict, adapter_tensors
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+    )
     model = peft.get_peft_model(base, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -182,11 +187,17 @@ def smoke(model_dir: Path) -> None:
     ids = [1] + torch.randint(3, 384, (40,), generator=gen).tolist()
 
     # 1. base generation with logprobs, and base numerics vs transformers
-    out = engine.generate(input_ids=ids[:8], sampling_params={"max_new_tokens": 16, "temperature": 0.0},
-                          return_logprob=True)
+    out = engine.generate(
+        input_ids=ids[:8],
+        sampling_params={"max_new_tokens": 16, "temperature": 0.0},
+        return_logprob=True,
+    )
     lps = out["meta_info"]["output_token_logprobs"]
-    check(len(out["output_ids"]) == 16 and all(math.isfinite(lp) for lp, _, _ in lps),
-          "generate(return_logprob=True)", f"{len(lps)} (logprob, token_id, text) triples")
+    check(
+        len(out["output_ids"]) == 16 and all(math.isfinite(lp) for lp, _, _ in lps),
+        "generate(return_logprob=True)",
+        f"{len(lps)} (logprob, token_id, text) triples",
+    )
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     d = max_abs_diff(teacher_forced(base, ids), prompt_logprobs(engine, ids, None))
     check(d < 1e-4, "base logprobs vs transformers (teacher-forced)", f"max|diff| = {d:.2e}")
@@ -201,8 +212,11 @@ def smoke(model_dir: Path) -> None:
             outs = engine.generate(input_ids=[ids[:8]] * n, sampling_params=sp)
             best = min(best, time.perf_counter() - t0)
         toks = sum(len(o["output_ids"]) for o in outs)
-        print(f"throughput, {n} request(s) x 128 tokens: {toks / best:.0f} tok/s (best of 3: {best:.2f} s)",
-              flush=True)
+        print(
+            f"throughput, {n} request(s) x 128 tokens: {toks / best:.0f} tok/s (best of 3: "
+            f"{best:.2f} s)",
+            flush=True,
+        )
 
     # 3. one adapter under two names (the two slots), via the Orbit export + SGLang format
     peft_model, tensors, config = random_lora(model_dir, ["q_proj", "v_proj", "o_proj"])
@@ -210,14 +224,22 @@ def smoke(model_dir: Path) -> None:
     for name in ("orbit-slot-0", "orbit-slot-1"):
         t0 = time.perf_counter()
         res = engine.load_lora_adapter_from_tensors(name, tensors, config)
-        check(res.success, f"load_lora_adapter_from_tensors({name!r})",
-              f"{time.perf_counter() - t0:.3f} s" if res.success else res.error_message)
+        check(
+            res.success,
+            f"load_lora_adapter_from_tensors({name!r})",
+            f"{time.perf_counter() - t0:.3f} s" if res.success else res.error_message,
+        )
     ref = teacher_forced(peft_model, ids)
     for name in ("orbit-slot-0", "orbit-slot-1"):
         d = max_abs_diff(ref, prompt_logprobs(engine, ids, name))
         check(d < 1e-4, f"LoRA logprobs vs peft ({name})", f"max|diff| = {d:.2e}")
-    outs = engine.generate(input_ids=[ids, ids], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                           return_logprob=True, logprob_start_len=0, lora_path=["orbit-slot-0", None])
+    outs = engine.generate(
+        input_ids=[ids, ids],
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        return_logprob=True,
+        logprob_start_len=0,
+        lora_path=["orbit-slot-0", None],
+    )
     got = [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
     d0, d1 = max_abs_diff(ref, got[0]), max_abs_diff(teacher_forced(base, ids), got[1])
     check(max(d0, d1) < 1e-4, "mixed batch [slot-0, base]", f"max|diff| = {d0:.2e}, {d1:.2e}")
@@ -230,28 +252,44 @@ def smoke(model_dir: Path) -> None:
     sd = {k: v.clone() for k, v in base.state_dict().items()}
     torch.manual_seed(3)
     named = []
-    for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"):
+    for k in (
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "lm_head.weight",
+    ):
         sd[k] = sd[k] + 0.05 * torch.randn_like(sd[k])
         named.append((k, sd[k]))
     t0 = time.perf_counter()
     # 0.5.23: a push must be inside a weight-update session, else it fails with
     # "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
     ok0, msg0 = engine.begin_weight_update()
-    ok, msg = engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=True)
+    ok, msg = engine.update_weights_from_tensor(
+        named_tensors=named, load_format=None, flush_cache=True
+    )
     ok1, msg1 = engine.end_weight_update()
-    check(ok0 and ok and ok1, "begin_weight_update + update_weights_from_tensor([(hf_name, tensor)]) + end",
-          f"{time.perf_counter() - t0:.3f} s: {msg0} / {msg} / {msg1}")
+    check(
+        ok0 and ok and ok1,
+        "begin_weight_update + update_weights_from_tensor([(hf_name, tensor)]) + end",
+        f"{time.perf_counter() - t0:.3f} s: {msg0} / {msg} / {msg1}",
+    )
     base.load_state_dict(sd)
     d = max_abs_diff(teacher_forced(base, ids), prompt_logprobs(engine, ids, None))
-    check(d < 1e-4, "base logprobs after the push match transformers with the new weights", f"max|diff| = {d:.2e}")
+    check(
+        d < 1e-4,
+        "base logprobs after the push match transformers with the new weights",
+        f"max|diff| = {d:.2e}",
+    )
 
     # 5. release/resume memory (no-op on CPU: torch_memory_saver is off), then still generating
     t0 = time.perf_counter()
     engine.release_memory_occupation()
     engine.resume_memory_occupation()
     d = max_abs_diff(teacher_forced(base, ids), prompt_logprobs(engine, ids, None))
-    check(d < 1e-4, "release_memory_occupation() + resume_memory_occupation()",
-          f"{time.perf_counter() - t0:.3f} s, logprobs unchanged (max|diff| = {d:.2e})")
+    check(
+        d < 1e-4,
+        "release_memory_occupation() + resume_memory_occupation()",
+        f"{time.perf_counter() - t0:.3f} s, logprobs unchanged (max|diff| = {d:.2e})",
+    )
 
     # 6. control while generating: the loop in its own thread, everything as coroutines
     control_while_generating(engine, ids, tensors, config, dict(named))
@@ -272,8 +310,14 @@ def control_while_generating(engine, ids, tensors, config, push_tensors) -> None
     sp = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
 
     def launch(n, lora):
-        return [lt.submit(engine.async_generate(input_ids=ids[:8], sampling_params=sp, lora_path=lora,
-                                                return_logprob=True)) for _ in range(n)]
+        return [
+            lt.submit(
+                engine.async_generate(
+                    input_ids=ids[:8], sampling_params=sp, lora_path=lora, return_logprob=True
+                )
+            )
+            for _ in range(n)
+        ]
 
     try:
         for mode in ("in_place", "retract", "abort"):
@@ -284,10 +328,14 @@ def control_while_generating(engine, ids, tensors, config, push_tensors) -> None
             pause_s = time.perf_counter() - t0
             flushed = lt.call(tm.flush_cache())
             # swap the inactive slot while paused (no request uses it): unload + load
-            r1 = lt.call(tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name="orbit-slot-1"), None))
+            r1 = lt.call(
+                tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name="orbit-slot-1"), None)
+            )
             req = LoadLoRAAdapterFromTensorsReqInput(
-                lora_name="orbit-slot-1", config_dict=config,
-                serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)])
+                lora_name="orbit-slot-1",
+                config_dict=config,
+                serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],
+            )
             r2 = lt.call(tm.load_lora_adapter_from_tensors(req, None))
             time.sleep(0.3)
             done_while_paused = sum(f.done() for f in futs)
@@ -295,10 +343,12 @@ def control_while_generating(engine, ids, tensors, config, push_tensors) -> None
             outs = [f.result(120) for f in futs]
             reasons = sorted({o["meta_info"]["finish_reason"]["type"] for o in outs})
             lens = [len(o["output_ids"]) for o in outs]
-            check(r1.success and r2.success and (mode == "abort" or done_while_paused == 0),
-                  f"pause_generation(mode={mode!r}) + swap slot-1 + continue_generation",
-                  f"pause {pause_s:.3f} s, flush_cache success={flushed.success}, finish={reasons}, "
-                  f"lengths={lens}")
+            check(
+                r1.success and r2.success and (mode == "abort" or done_while_paused == 0),
+                f"pause_generation(mode={mode!r}) + swap slot-1 + continue_generation",
+                f"pause {pause_s:.3f} s, flush_cache success={flushed.success}, finish={reasons}, "
+                f"lengths={lens}",
+            )
         # full-weight push while paused (retract), as the overlapped full-push modes do it
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
@@ -312,30 +362,44 @@ def control_while_generating(engine, ids, tensors, config, push_tensors) -> None
         t0 = time.perf_counter()
         lt.call(tm.pause_generation(PauseGenerationReqInput(mode="retract")))
         b = lt.call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None))
-        u = lt.call(tm.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(named)], load_format=None,
-            flush_cache=True), None))
+        u = lt.call(
+            tm.update_weights_from_tensor(
+                UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=[MultiprocessingSerializer.serialize(named)],
+                    load_format=None,
+                    flush_cache=True,
+                ),
+                None,
+            )
+        )
         e = lt.call(tm.end_weight_update(EndWeightUpdateReqInput(), None))
         lt.call(tm.continue_generation(ContinueGenerationReqInput()))
         push_s = time.perf_counter() - t0
         outs = [f.result(120) for f in futs]
-        check(b[0] and u[0] and e[0] and all(len(o["output_ids"]) == 200 for o in outs),
-              "pause(retract) + begin/update_weights_from_tensor/end + continue while generating",
-              f"{push_s:.3f} s: {b[1]} / {u[1]} / {e[1]}")
+        check(
+            b[0] and u[0] and e[0] and all(len(o["output_ids"]) == 200 for o in outs),
+            "pause(retract) + begin/update_weights_from_tensor/end + continue while generating",
+            f"{push_s:.3f} s: {b[1]} / {u[1]} / {e[1]}",
+        )
         # load into the inactive slot while the active one is generating (no pause)
         futs = launch(3, "orbit-slot-0")
         time.sleep(0.3)
         lt.call(tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name="orbit-slot-1"), None))
         req = LoadLoRAAdapterFromTensorsReqInput(
-            lora_name="orbit-slot-1", config_dict=config,
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)])
+            lora_name="orbit-slot-1",
+            config_dict=config,
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],
+        )
         t0 = time.perf_counter()
         res = lt.call(tm.load_lora_adapter_from_tensors(req, None))
         load_s = time.perf_counter() - t0
         running = sum(not f.done() for f in futs)
         outs = [f.result(120) for f in futs]
-        check(res.success and all(len(o["output_ids"]) == 200 for o in outs),
-              "load into slot-1 while slot-0 generates", f"{load_s:.3f} s, {running} requests still running then")
+        check(
+            res.success and all(len(o["output_ids"]) == 200 for o in outs),
+            "load into slot-1 while slot-0 generates",
+            f"{load_s:.3f} s, {running} requests still running then",
+        )
     finally:
         lt.stop()
 
@@ -360,7 +424,9 @@ def numerics(workdir: Path) -> None:
         rows.append((arch, kv, "base", "-", d))
         for i, (label, targets) in enumerate(NUMERICS_SETS.items()):
             for r in (8, 4):
-                model, tensors, config = random_lora(model_dir, targets, r=r, alpha=2.0 * r, seed=10 * i + r)
+                model, tensors, config = random_lora(
+                    model_dir, targets, r=r, alpha=2.0 * r, seed=10 * i + r
+                )
                 tensors, config = to_sglang_lora(tensors, config, mcfg)
                 name = f"n{i}r{r}"
                 res = engine.load_lora_adapter_from_tensors(name, tensors, config)
@@ -368,11 +434,22 @@ def numerics(workdir: Path) -> None:
                     rows.append((arch, kv, label, r, float("nan")))
                     check(False, f"load {label} r={r} on {arch} kv={kv}", res.error_message)
                     continue
-                rows.append((arch, kv, label, r, max_abs_diff(teacher_forced(model, ids),
-                                                              prompt_logprobs(engine, ids, name))))
+                rows.append(
+                    (
+                        arch,
+                        kv,
+                        label,
+                        r,
+                        max_abs_diff(
+                            teacher_forced(model, ids), prompt_logprobs(engine, ids, name)
+                        ),
+                    )
+                )
                 engine.unload_lora_adapter(name)
         engine.shutdown()
-    print("\n| model | kv heads | target set | r (max_lora_rank 8) | max abs logprob diff vs peft |")
+    print(
+        "\n| model | kv heads | target set | r (max_lora_rank 8) | max abs logprob diff vs peft |"
+    )
     print("|---|---|---|---|---|")
     for arch, kv, label, r, d in rows:
         print(f"| tiny {arch} | {kv} of 4 | {label} | {r} | {d:.1e} |")
@@ -382,7 +459,9 @@ def numerics(workdir: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, help="HF checkpoint dir (default: build orbit.models.tiny's llama)")
+    ap.add_argument(
+        "--model", type=Path, help="HF checkpoint dir (default: build orbit.models.tiny's llama)"
+    )
     ap.add_argument("--numerics", action="store_true", help="also run the LoRA-vs-peft table")
     args = ap.parse_args()
 

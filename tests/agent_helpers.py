@@ -6,19 +6,23 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-# ChatML with tools in the system turn, tool calls as <tool_call>{json}</tool_call> and tool results as a user
-# turn of <tool_response>, each turn closed by the tokenizer's eos: a Qwen2.5-shaped template for the tiny model.
+# ChatML with tools in the system turn, tool calls as <tool_call>{json}</tool_call> and tool results
+# as a user turn of <tool_response>, each turn closed by the tokenizer's eos: a Qwen2.5-shaped
+# template for the tiny model.
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "You may call these functions:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
-    "Call one as <tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call>{{ eos_token }}\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}{{ eos_token }}\n"
+    "You may call these functions:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor "
+    "%}\n</tools>\n"
+    'Call one as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>{{ eos_token }}\n'
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}{{ "
+    "eos_token }}\n"
     "{%- endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>{{ eos_token }}\n"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content "
+    "}}\n</tool_response>{{ eos_token }}\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{%- for c in m.tool_calls or [] %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}{{ eos_token }}\n"
     "{%- elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ eos_token }}\n"
     "{%- endif %}"

@@ -11,20 +11,25 @@ _episodes = itertools.count()
 
 
 def _says_yes(text: str | None) -> float:
-    """The share of the reply's text that is "yes": a reward the tiny model learns in a few dozen steps."""
+    """The share of the reply's text that is "yes": a reward the tiny model learns in a few dozen
+    steps."""
     text = text or ""
     return 3 * text.lower().count("yes") / max(len(text), 3)
 
 
 async def retry(client, model: str, example: dict) -> tuple[float, dict]:
-    """Ask; while the answer is wrong, say so and ask again (at most twice more); 1 for a right final answer."""
+    """Ask; while the answer is wrong, say so and ask again (at most twice more); 1 for a right
+    final answer."""
     messages = [{"role": "user", "content": example["question"]}]
     for attempt in range(3):
         reply = await client.chat.completions.create(model=model, messages=messages)
         text = reply.choices[0].message.content or ""
         if example["answer"] in text.split():
             return 1.0, {"attempts": attempt + 1}
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "That is wrong, try again."}]
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "That is wrong, try again."},
+        ]
     return 0.0, {"attempts": 3}
 
 
@@ -32,9 +37,14 @@ async def yes(client, model: str, example: dict) -> float:
     """Two turns; the reward is how much of the replies say "yes"."""
     messages = [{"role": "user", "content": f"say yes: {example['question']}"}]
     reply = await client.chat.completions.create(model=model, messages=messages)
-    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again?"}]
+    messages += [
+        reply.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "Again?"},
+    ]
     again = await client.chat.completions.create(model=model, messages=messages)
-    return (_says_yes(reply.choices[0].message.content) + _says_yes(again.choices[0].message.content)) / 2
+    return (
+        _says_yes(reply.choices[0].message.content) + _says_yes(again.choices[0].message.content)
+    ) / 2
 
 
 async def flaky(client, model: str, example: dict) -> float:

@@ -1,5 +1,6 @@
-"""Headless Chromium for the page tests: the distribution's own browser (`make browser` installs Debian's
-chromium package), driven by Playwright. Outside CI a machine without it skips these tests; in CI it fails."""
+"""Headless Chromium for the page tests: the distribution's own browser (`make browser` installs
+Debian's chromium package), driven by Playwright. Outside CI a machine without it skips these tests;
+in CI it fails."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ from contextlib import contextmanager
 
 import pytest
 
-# As the machine's probe starts it: no GPU, no network of its own (it would try Google's hosts and be refused)
-ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# As the machine's probe starts it: no GPU, no network of its own (it would try Google's hosts and
+# be refused)
+ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def chromium_path() -> str:
@@ -33,7 +43,9 @@ def browser(offline: bool = False, width: int = 1500, height: int = 1400) -> Ite
     with sync_playwright() as p:
         chrome = p.chromium.launch(executable_path=path, args=ARGS)
         try:
-            context = chrome.new_context(offline=offline, viewport={"width": width, "height": height})
+            context = chrome.new_context(
+                offline=offline, viewport={"width": width, "height": height}
+            )
             yield context.new_page()
         finally:
             chrome.close()

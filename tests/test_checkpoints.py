@@ -1,6 +1,7 @@
-"""Checkpoints that survive a kill (orbit/train/checkpoint.py): each save a new directory made current by
-one rename, `keep_last` of them kept, `adapter` naming the newest, a failing save keeping the previous
-one, and SIGKILL at every point of a save followed by --resume giving exactly the run never stopped."""
+"""Checkpoints that survive a kill (orbit/train/checkpoint.py): each save a new directory made
+current by one rename, `keep_last` of them kept, `adapter` naming the newest, a failing save keeping
+the previous one, and SIGKILL at every point of a save followed by --resume giving exactly the run
+never stopped."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from safetensors.torch import load_file
 from orbit.run import RunStopped, train
 from orbit.train import checkpoint
 
-# A serial run is exact: resumed, it gives what the run never stopped gives (tests/test_hardening.py).
+# A serial run is exact: resumed, it gives what the run never stopped gives
+# (tests/test_hardening.py).
 SERIAL = {"mode": "sync-adapter", "adapter": {"dropout": 0.1}, "rollout": {"max_new_tokens": 10}}
 
 
@@ -28,11 +30,15 @@ def _writer(files: dict[str, str]):
     def write(directory: Path) -> None:
         for name, text in files.items():
             (directory / name).write_text(text)
+
     return write
 
 
 def _state(version: int) -> dict[str, str]:
-    return {"adapter_model.safetensors": "x", checkpoint.STATE_FILE: json.dumps({"version": version})}
+    return {
+        "adapter_model.safetensors": "x",
+        checkpoint.STATE_FILE: json.dumps({"version": version}),
+    }
 
 
 def test_each_save_is_a_new_directory_and_adapter_names_the_newest(tmp_path):
@@ -59,7 +65,8 @@ def test_a_failed_save_says_so_in_one_line_and_keeps_the_previous(tmp_path):
     assert "\n" not in message and "No space left on device" in message
     assert "the checkpoint of step 1 is kept" in message
     assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 1)
-    assert not list((tmp_path / "checkpoints").glob(".*"))  # its half-written temporary directory is gone
+    # its half-written temporary directory is gone
+    assert not list((tmp_path / "checkpoints").glob(".*"))
 
 
 def test_an_older_runs_adapter_directory_is_resumed_and_adopted(tmp_path):
@@ -68,33 +75,46 @@ def test_an_older_runs_adapter_directory_is_resumed_and_adopted(tmp_path):
     _writer(_state(5))(legacy)
     assert checkpoint.latest(tmp_path) == legacy
     checkpoint.save(tmp_path, 6, _writer(_state(6)), keep_last=3)
-    assert [v for v, _ in checkpoint.checkpoints(tmp_path)] == [5, 6] and (tmp_path / "adapter").is_symlink()
+    assert [v for v, _ in checkpoint.checkpoints(tmp_path)] == [5, 6] and (
+        tmp_path / "adapter"
+    ).is_symlink()
 
 
 @pytest.mark.slow
-def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(tmp_path, tiny_llama, monkeypatch):
+def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(
+    tmp_path, tiny_llama, monkeypatch
+):
     run_dir = tmp_path / "run"
     real = checkpoint.save
 
     def full_from_step_3(run_dir, version, write, keep_last):
         if version >= 3:
-            raise checkpoint.CheckpointError(f"could not write the checkpoint of step {version} to ... "
-                                             "(No space left on device); the checkpoint of step 2 is kept")
+            raise checkpoint.CheckpointError(
+                f"could not write the checkpoint of step {version} to ... "
+                "(No space left on device); the checkpoint of step 2 is kept"
+            )
         return real(run_dir, version, write, keep_last)
 
     monkeypatch.setattr(checkpoint, "save", full_from_step_3)
     with pytest.raises(RunStopped) as err:
-        train(checked(recipe_dict(tiny_llama, run_dir, trainer={"steps": 5, "save_every": 1})), live=False)
+        train(
+            checked(recipe_dict(tiny_llama, run_dir, trainer={"steps": 5, "save_every": 1})),
+            live=False,
+        )
     assert "No space left on device" in str(err.value) and "--resume" in str(err.value)
     assert checkpoint.latest(run_dir) == checkpoint.step_dir(run_dir, 2)
     monkeypatch.undo()
-    train(checked(recipe_dict(tiny_llama, run_dir, trainer={"steps": 5, "save_every": 1})), resume=True, live=False)
+    train(
+        checked(recipe_dict(tiny_llama, run_dir, trainer={"steps": 5, "save_every": 1})),
+        resume=True,
+        live=False,
+    )
     assert [r["step"] for r in run_metrics(run_dir)] == [0, 1, 2, 3, 4]
 
 
-# ---- SIGKILL inside a save ------------------------------------------------------------------------------
+# ---- SIGKILL inside a save -----------------------------------------------------------------------
 
-DRIVER = '''
+DRIVER = """
 import sys, time, os
 import orbit.host.files as files
 import orbit.train.checkpoint as ckpt
@@ -121,16 +141,20 @@ if __name__ == "__main__":  # (the engine's spawned process imports this file to
     from orbit.cli import app
     sys.argv = ["orbit", "train", sys.argv[1], "--quiet"]
     app()
-'''
+"""
 
 
 def _run_killed_at(recipe: Path, mark: int, tmp_path: Path) -> bool:
-    """Run the recipe under the driver and SIGKILL it at the `mark`-th point of its first save (step 2);
-    False when that save has no such point (the run went on past it)."""
+    """Run the recipe under the driver and SIGKILL it at the `mark`-th point of its first save (step
+    2); False when that save has no such point (the run went on past it)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(driver), str(recipe)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), str(recipe)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith(f"MARK 2 {mark} "):
@@ -150,13 +174,16 @@ def _run_killed_at(recipe: Path, mark: int, tmp_path: Path) -> bool:
 @pytest.mark.timeout(600)
 def test_sigkill_mid_save_then_resume_is_the_run_never_stopped(tmp_path, tiny_llama):
     """The first save (step 2 of 4) is cut at its points (its 12 marks: writing, written, five files
-    flushed, the directory flushed, renamed, its parent flushed, the newest pointer, the run directory
-    flushed), at the two that leave the states on disk a resume must deal with (a temporary directory; the
-    new checkpoint with the old pointer): every time --resume starts from a complete
-    checkpoint (step 2 once its rename was reached, else the start) and ends with the metrics and the
-    adapter of the run never stopped: no step lost, none repeated."""
+    flushed, the directory flushed, renamed, its parent flushed, the newest pointer, the run
+    directory flushed), at the two that leave the states on disk a resume must deal with (a
+    temporary directory; the new checkpoint with the old pointer): every time --resume starts from a
+    complete checkpoint (step 2 once its rename was reached, else the start) and ends with the
+    metrics and the adapter of the run never stopped: no step lost, none repeated."""
     whole = tmp_path / "whole"
-    train(checked(recipe_dict(tiny_llama, whole, SERIAL, trainer={"steps": 4, "save_every": 2})), live=False)
+    train(
+        checked(recipe_dict(tiny_llama, whole, SERIAL, trainer={"steps": 4, "save_every": 2})),
+        live=False,
+    )
     want = load_file(whole / "adapter" / "adapter_model.safetensors")
     points = 0
     for mark in (5, 9):  # mid-flush (not renamed); renamed, the pointer still old
@@ -166,13 +193,17 @@ def test_sigkill_mid_save_then_resume_is_the_run_never_stopped(tmp_path, tiny_ll
         recipe.write_text(yaml.safe_dump(data))
         assert _run_killed_at(recipe, mark, tmp_path), f"the save has no point {mark}"
         points += 1
-        assert not list((run_dir / "checkpoints").glob("step-*[!0-9]*")), "a torn checkpoint directory"
+        assert not list((run_dir / "checkpoints").glob("step-*[!0-9]*")), (
+            "a torn checkpoint directory"
+        )
         latest = checkpoint.latest(run_dir)
         if latest is not None:
             assert json.loads((latest / "trainer_state.json").read_text())["version"] == 2
         train(checked(data), resume=True, live=False)  # no complete checkpoint yet: from step 0
         rows = run_metrics(run_dir)
-        assert [r["step"] for r in rows] == [0, 1, 2, 3], f"kill point {mark}: steps {[r['step'] for r in rows]}"
+        assert [r["step"] for r in rows] == [0, 1, 2, 3], (
+            f"kill point {mark}: steps {[r['step'] for r in rows]}"
+        )
         got = load_file(run_dir / "adapter" / "adapter_model.safetensors")
         assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want), f"kill point {mark}"
         assert not list((run_dir / "checkpoints").glob(".*")), "a save's leftovers were not cleaned"

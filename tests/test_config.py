@@ -1,4 +1,5 @@
-"""Bad recipes and bad flags fail before any compute, naming the field, value and what is allowed."""
+"""Bad recipes and bad flags fail before any compute, naming the field, value and what is
+allowed."""
 
 from __future__ import annotations
 
@@ -48,8 +49,14 @@ def test_repo_recipes_are_valid(tiny_llama):
         ({"adapter": {"type": "lorx"}}, ["adapter.type", "'lora' or 'oft'", "lorx"]),
         ({"adapter": {"rank": 3}}, ["adapter.rank", "unknown key"]),
         ({"bogus": 1}, ["bogus", "unknown key"]),
-        ({"engine": {"max_inflight": 0}}, ["engine.max_inflight", "greater than or equal to 1", "0"]),
-        ({"engine": {"backend": "vllm"}}, ["engine.backend", "'embedded'", "'sglang-server'", "'vllm'"]),
+        (
+            {"engine": {"max_inflight": 0}},
+            ["engine.max_inflight", "greater than or equal to 1", "0"],
+        ),
+        (
+            {"engine": {"backend": "vllm"}},
+            ["engine.backend", "'embedded'", "'sglang-server'", "'vllm'"],
+        ),
         ({"rollout": {"top_p": 1.5}}, ["rollout.top_p", "1.5"]),
         ({"rollout": {"group_size": "four"}}, ["rollout.group_size", "four"]),
         ({"mode": "turbo"}, ["mode", "double-buffer", "turbo"]),
@@ -75,18 +82,33 @@ def test_missing_model_path():
 
 def test_drop_without_replenish_is_rejected(tiny_llama):
     with pytest.raises(RecipeError, match="drop stale groups without replacing them"):
-        parse_recipe({"model": str(tiny_llama), "max_staleness": 1, "rollout": {"replenish": False}})
+        parse_recipe(
+            {"model": str(tiny_llama), "max_staleness": 1, "rollout": {"replenish": False}}
+        )
     parse_recipe({"model": str(tiny_llama), "max_staleness": None, "rollout": {"replenish": False}})
     # serial modes never drop (every batch is fresh): nothing to replenish, nothing to refuse
     for mode in ("sync", "sync-adapter"):
-        parse_recipe({"model": str(tiny_llama), "mode": mode, "max_staleness": 1, "rollout": {"replenish": False}})
+        parse_recipe(
+            {
+                "model": str(tiny_llama),
+                "mode": mode,
+                "max_staleness": 1,
+                "rollout": {"replenish": False},
+            }
+        )
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("no weights", "has no weights (expected model.safetensors or model.safetensors.index.json)"),
-    ("no tokenizer", "has no tokenizer (expected tokenizer.json or tokenizer_config.json)"),
-    ("gpt2", "is a 'gpt2' model; the embedded engine runs llama, qwen2, qwen3"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        (
+            "no weights",
+            "has no weights (expected model.safetensors or model.safetensors.index.json)",
+        ),
+        ("no tokenizer", "has no tokenizer (expected tokenizer.json or tokenizer_config.json)"),
+        ("gpt2", "is a 'gpt2' model; the embedded engine runs llama, qwen2, qwen3"),
+    ],
+)
 @pytest.mark.slow
 def test_a_bad_model_directory_is_one_line(tmp_path, tiny_llama, problem, message):
     model = tmp_path / "model"
@@ -105,14 +127,22 @@ def test_a_bad_model_directory_is_one_line(tmp_path, tiny_llama, problem, messag
     assert str(model) in str(err.value) and "\n" not in str(err.value)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"model": str(model), "out": str(tmp_path / "run")}))
-    res = subprocess.run([sys.executable, "-m", "orbit.cli", "train", str(recipe)], capture_output=True, text=True)
-    assert res.returncode == 2 and "Traceback" not in res.stderr and message in " ".join(res.stderr.split())
+    res = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "train", str(recipe)], capture_output=True, text=True
+    )
+    assert (
+        res.returncode == 2
+        and "Traceback" not in res.stderr
+        and message in " ".join(res.stderr.split())
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_group_larger_than_inflight_is_rejected(tiny_llama):
     with pytest.raises(RecipeError, match="engine.max_inflight"):
-        parse_recipe({"model": str(tiny_llama), "engine": {"max_inflight": 2}, "rollout": {"group_size": 4}})
+        parse_recipe(
+            {"model": str(tiny_llama), "engine": {"max_inflight": 2}, "rollout": {"group_size": 4}}
+        )
 
 
 def test_not_yaml_and_not_found(tmp_path):
@@ -126,23 +156,34 @@ def test_not_yaml_and_not_found(tmp_path):
 
 def test_modes_are_rows_of_loop_and_push():
     assert {(m.loop, m.push) for m in MODES.values()} == {
-        ("serial", "full"), ("serial", "adapter"), ("overlapped", "full"),
-        ("overlapped", "adapter"), ("overlapped", "double-buffer"),
+        ("serial", "full"),
+        ("serial", "adapter"),
+        ("overlapped", "full"),
+        ("overlapped", "adapter"),
+        ("overlapped", "double-buffer"),
     }
 
 
 def _orbit(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orbit.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orbit.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
 def test_cli_recipe_check(tmp_path, tiny_llama):
     good = _write(tmp_path, {"model": str(tiny_llama)})
     res = _orbit("recipe", "check", str(good))
-    assert res.returncode == 0 and "algorithm: default (advantage grpo, aggregation token-mean, ratio truncate" in \
-        " ".join(res.stdout.split())
-    dapo = _write(tmp_path, {"model": str(tiny_llama), "algorithm": {"preset": "dapo", "clip_eps_high": 0.3}})
-    out = " ".join(_orbit("recipe", "check", str(dapo)).stdout.split())  # the resolved settings, unwrapped
+    assert (
+        res.returncode == 0
+        and "algorithm: default (advantage grpo, aggregation token-mean, ratio truncate"
+        in " ".join(res.stdout.split())
+    )
+    dapo = _write(
+        tmp_path, {"model": str(tiny_llama), "algorithm": {"preset": "dapo", "clip_eps_high": 0.3}}
+    )
+    # the resolved settings, unwrapped
+    out = " ".join(_orbit("recipe", "check", str(dapo)).stdout.split())
     assert "algorithm: dapo (" in out and "clip_eps_high 0.3," in out and "overlong_buffer 6" in out
     bad = _write(tmp_path, {"model": str(tiny_llama), "rollout": {"temperature": 0}})
     res = _orbit("recipe", "check", str(bad))
@@ -174,10 +215,24 @@ def test_cli_model_tiny_loads_with_transformers(tmp_path):
 
 
 def test_oft_block_size_must_divide_targets(tiny_llama):
-    with pytest.raises(RecipeError, match=r"adapter.oft_block_size: 7 .* allowed: \[2, 4, 8, 16, 32\]"):
-        preflight(parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 7,
-                                                                      "target_modules": ["q_proj", "down_proj"]}}))
-    preflight(parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}}))
+    with pytest.raises(
+        RecipeError, match=r"adapter.oft_block_size: 7 .* allowed: \[2, 4, 8, 16, 32\]"
+    ):
+        preflight(
+            parse_recipe(
+                {
+                    "model": str(tiny_llama),
+                    "adapter": {
+                        "type": "oft",
+                        "oft_block_size": 7,
+                        "target_modules": ["q_proj", "down_proj"],
+                    },
+                }
+            )
+        )
+    preflight(
+        parse_recipe({"model": str(tiny_llama), "adapter": {"type": "oft", "oft_block_size": 16}})
+    )
 
 
 @pytest.mark.slow
@@ -188,9 +243,20 @@ def test_stop_strings_must_be_single_tokens(tmp_path, tiny_llama):
     from orbit.run.preflight import stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    assert stop_token_ids(tok, ["=", "]"]) == (tok.eos_token_id, tok.encode("=")[0], tok.encode("]")[0])
-    recipe = preflight(parse_recipe({"model": str(tiny_llama), "rollout": {"stop": ["no such stop word"]},
-                                     "out": str(tmp_path / "run")}))
+    assert stop_token_ids(tok, ["=", "]"]) == (
+        tok.eos_token_id,
+        tok.encode("=")[0],
+        tok.encode("]")[0],
+    )
+    recipe = preflight(
+        parse_recipe(
+            {
+                "model": str(tiny_llama),
+                "rollout": {"stop": ["no such stop word"]},
+                "out": str(tmp_path / "run"),
+            }
+        )
+    )
     with pytest.raises(RecipeError, match="rollout.stop: 'no such stop word' is .* tokens"):
         train(recipe, live=False)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -13,7 +13,9 @@ from orbit.run.placement import GiB, ModelSize, choose_backend, device_problems,
 from orbit.run.preflight import preflight, resolve_backend
 
 # Qwen2.5-0.5B-Instruct's shape: 494M parameters, 24 layers, 2 KV heads of 64, vocab 151,936.
-QWEN_05B = ModelSize(params=494_000_000, layers=24, kv_heads=2, head_dim=64, hidden=896, vocab=151_936)
+QWEN_05B = ModelSize(
+    params=494_000_000, layers=24, kv_heads=2, head_dim=64, hidden=896, vocab=151_936
+)
 
 
 def test_sglang_takes_a_device_type_and_a_gpu_id():
@@ -28,7 +30,10 @@ def test_server_launch_args_map_the_device(tiny_llama):
     spec, _ = read_spec(tiny_llama)
     args = launch_args(tiny_llama, SGLangOptions(device="cuda:2"), spec, 30000, 0.4, 2)
     joined = " ".join(args)
-    assert "--device cuda --base-gpu-id 2 --tp-size 2" in joined and "--mem-fraction-static 0.4" in joined
+    assert (
+        "--device cuda --base-gpu-id 2 --tp-size 2" in joined
+        and "--mem-fraction-static 0.4" in joined
+    )
     assert "cuda:2" not in joined
 
 
@@ -45,15 +50,24 @@ def test_auto_backend_resolves_at_load_and_says_why(tiny_llama):
     assert r.recipe.engine.backend == "embedded"
     [note] = r.notes
     assert note.startswith("engine: embedded (engine.backend auto: the engine runs on cpu")
-    attached = parse_recipe({"model": str(tiny_llama), "engine": {"servers": ["http://127.0.0.1:1"]}})
-    assert resolve_backend(attached.engine) == "engine: sglang-server (engine.backend auto: engine.servers are given)"
+    attached = parse_recipe(
+        {"model": str(tiny_llama), "engine": {"servers": ["http://127.0.0.1:1"]}}
+    )
+    assert (
+        resolve_backend(attached.engine)
+        == "engine: sglang-server (engine.backend auto: engine.servers are given)"
+    )
     assert attached.engine.backend == "sglang-server"
-    assert preflight(parse_recipe({"model": str(tiny_llama), "engine": {"backend": "embedded"}})).notes == ()
+    assert (
+        preflight(parse_recipe({"model": str(tiny_llama), "engine": {"backend": "embedded"}})).notes
+        == ()
+    )
 
 
 def test_impossible_device_combinations_name_the_field():
     assert device_problems(["cuda:0"], ["cuda:1"], 1, "sglang", gpu_count=2) == []
-    assert device_problems(["cuda:0"], ["cuda:0"], 1, "sglang", gpu_count=1) == []  # colocated: allowed
+    # colocated: allowed
+    assert device_problems(["cuda:0"], ["cuda:0"], 1, "sglang", gpu_count=1) == []
     [p] = device_problems(["cpu"], ["cuda:3"], 1, "sglang", gpu_count=2)
     assert p.startswith("engine.device: cuda:3 does not exist") and "cuda:0..cuda:1" in p
     [p] = device_problems(["cuda:0"], ["cpu"], 1, "embedded", gpu_count=0)
@@ -62,13 +76,18 @@ def test_impossible_device_combinations_name_the_field():
     assert p.startswith("trainer.device: cuda:1 is one of engine 0's tensor-parallel GPUs")
     problems = device_problems(["cuda:0"], ["cuda:1"], 2, "embedded", gpu_count=2)
     assert any(p.startswith("engine.tp: 2 needs an SGLang backend") for p in problems)
-    assert any("engine.devices" in p for p in device_problems(["cpu"], ["cuda:0", "cuda:5"], 1, "sglang", 2))
+    assert any(
+        "engine.devices" in p
+        for p in device_problems(["cpu"], ["cuda:0", "cuda:5"], 1, "sglang", 2)
+    )
     # trainer ranks: a world the GPUs cannot give, a rank inside an engine's tensor-parallel group
     [p] = device_problems(["cuda:0", "cuda:1", "cuda:2"], ["cuda:0"], 1, "sglang", gpu_count=2)
     assert p.startswith("trainer.devices: cuda:2 does not exist")
     problems = device_problems(["cuda:2", "cuda:3"], ["cuda:0"], 4, "sglang", gpu_count=4)
     assert [p.split(" is one of engine 0's tensor-parallel GPUs")[0] for p in problems] == [
-        "trainer.devices: cuda:2", "trainer.devices: cuda:3"]
+        "trainer.devices: cuda:2",
+        "trainer.devices: cuda:3",
+    ]
 
 
 def test_recipe_on_a_missing_gpu_fails_at_load(tiny_llama):
@@ -76,42 +95,85 @@ def test_recipe_on_a_missing_gpu_fails_at_load(tiny_llama):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the check passes here")
-    with pytest.raises(RecipeError, match=r"trainer.device: cuda:0 does not exist; this machine has no CUDA GPU"):
+    with pytest.raises(
+        RecipeError, match=r"trainer.device: cuda:0 does not exist; this machine has no CUDA GPU"
+    ):
         preflight(parse_recipe({"model": str(tiny_llama), "trainer": {"device": "cuda:0"}}))
 
 
 def test_colocated_plan_on_an_80_gib_card():
-    plan = plan_colocated(QWEN_05B, total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16",
-                          tokens=8 * 1536, seq=1536, max_running=64)
-    step = 3 * 256 * 151_936 * 4 + 16 * 8 * 1536 * 896 * 24 * 4  # a chunk of logits + the activations
+    plan = plan_colocated(
+        QWEN_05B,
+        total=80 * GiB,
+        free=79 * GiB,
+        engine_dtype="bfloat16",
+        trainer_dtype="bfloat16",
+        tokens=8 * 1536,
+        seq=1536,
+        max_running=64,
+    )
+    # a chunk of logits + the activations
+    step = 3 * 256 * 151_936 * 4 + 16 * 8 * 1536 * 896 * 24 * 4
     assert plan.trainer_step == step
     trainer_room = 494_000_000 * 2 + step + int(0.05 * 80 * GiB)
-    fraction = min(0.85, (79 * GiB - trainer_room) / (80 * GiB))  # the rest of the free memory, capped
+    # the rest of the free memory, capped
+    fraction = min(0.85, (79 * GiB - trainer_room) / (80 * GiB))
     assert plan.mem_fraction == round(fraction, 3)
-    assert plan.kv == int(fraction * 80 * GiB) - 494_000_000 * 2  # SGLang's share minus the engine's weights
+    # SGLang's share minus the engine's weights
+    assert plan.kv == int(fraction * 80 * GiB) - 494_000_000 * 2
     per_token = 2 * 24 * 2 * 64 * 2
     assert plan.max_context == plan.kv // (per_token * 64)
     assert plan.mem_fraction * 80 * GiB + trainer_room <= 79 * GiB + 0.001 * 80 * GiB
 
 
 def test_colocated_plan_counts_a_rank_share_of_a_sharded_base():
-    args = dict(total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16", tokens=8 * 1536,
-                seq=1536, max_running=64)
+    args = dict(
+        total=80 * GiB,
+        free=79 * GiB,
+        engine_dtype="bfloat16",
+        trainer_dtype="bfloat16",
+        tokens=8 * 1536,
+        seq=1536,
+        max_running=64,
+    )
     whole, sharded = plan_colocated(QWEN_05B, **args), plan_colocated(QWEN_05B, **args, shards=4)
-    gathered = 2 * 494_000_000 // 24 + 151_936 * 896  # two layers at once and the whole output projection
+    # two layers at once and the whole output projection
+    gathered = 2 * 494_000_000 // 24 + 151_936 * 896
     assert sharded.trainer_weights == (494_000_000 // 4 + gathered) * 2 < whole.trainer_weights
     assert sharded.kv > whole.kv  # what the trainer rank no longer holds goes to the engine
 
 
 def test_colocated_plan_that_cannot_fit_says_the_numbers():
     with pytest.raises(ValueError) as err:
-        plan_colocated(QWEN_05B, total=8 * GiB, free=6 * GiB, engine_dtype="float32", trainer_dtype="float32",
-                       tokens=32 * 4096, seq=4096, max_running=256)
+        plan_colocated(
+            QWEN_05B,
+            total=8 * GiB,
+            free=6 * GiB,
+            engine_dtype="float32",
+            trainer_dtype="float32",
+            tokens=32 * 4096,
+            seq=4096,
+            max_running=256,
+        )
     text = str(err.value)
-    assert "cannot share this GPU" in text and "GiB free" in text and "engine KV" in text and "model" in text
+    assert (
+        "cannot share this GPU" in text
+        and "GiB free" in text
+        and "engine KV" in text
+        and "model" in text
+    )
     with pytest.raises(ValueError, match="engine.mem_fraction 0.9 leaves the trainer too little"):
-        plan_colocated(QWEN_05B, total=80 * GiB, free=79 * GiB, engine_dtype="bfloat16", trainer_dtype="bfloat16",
-                       tokens=8 * 1536, seq=1536, max_running=64, mem_fraction=0.9)
+        plan_colocated(
+            QWEN_05B,
+            total=80 * GiB,
+            free=79 * GiB,
+            engine_dtype="bfloat16",
+            trainer_dtype="bfloat16",
+            tokens=8 * 1536,
+            seq=1536,
+            max_running=64,
+            mem_fraction=0.9,
+        )
 
 
 def test_model_size_of_a_checkpoint(tiny_llama):
@@ -132,4 +194,9 @@ def test_gpu_recipes_place_trainer_and_engine(name, colocated):
     r = load_recipe(Path(__file__).parent.parent / "recipes" / f"{name}.yaml")
     assert r.engine.backend == "sglang" and r.engine.dtype == r.trainer.dtype == "bfloat16"
     assert (r.trainer.device == r.engine.device) is colocated
-    assert device_problems(r.trainer.device, r.engine.engine_devices(), r.engine.tp, r.engine.backend, 2) == []
+    assert (
+        device_problems(
+            r.trainer.device, r.engine.engine_devices(), r.engine.tp, r.engine.backend, 2
+        )
+        == []
+    )

@@ -1,5 +1,6 @@
 """Protocol behaviour of the embedded engine: prefix cache, pause modes, slot rules, bad input,
-and the real path (client + engine process): double-buffer flip, errors across the process, death."""
+and the real path (client + engine process): double-buffer flip, errors across the process,
+death."""
 
 from __future__ import annotations
 
@@ -43,13 +44,17 @@ def _greedy_reference_and_started(model: Path, ps: list[list[int]], steps: int, 
     return ref, core, rids
 
 
-# ---- prefix cache ---------------------------------------------------------------------------------
+# ---- prefix cache --------------------------------------------------------------------------------
 
 
 def test_group_shares_prompt_prefill_and_flush_drops_it(tiny_llama):
     p = prompts(1, seed=30, low=10, high=12)[0]
-    group = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
-    alone = [_run(engine_core(tiny_llama), [(p, sp, None)])[0] for sp in group]  # each computes its own prefill
+    group = [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=s, ignore_eos=True)
+        for s in range(4)
+    ]
+    # each computes its own prefill
+    alone = [_run(engine_core(tiny_llama), [(p, sp, None)])[0] for sp in group]
 
     core = engine_core(tiny_llama, prefix_cache_size=2)
     together = _run(core, [(p, sp, None) for sp in group])
@@ -74,13 +79,14 @@ def test_group_shares_prompt_prefill_and_flush_drops_it(tiny_llama):
     assert core.stats().prefix_cache_entries == 2  # LRU bound
 
 
-# ---- pause modes ----------------------------------------------------------------------------------
+# ---- pause modes ---------------------------------------------------------------------------------
 
 
 def test_a_steps_prefill_takes_about_a_second_at_the_measured_speed(tiny_llama):
-    """The loop answers control calls only between steps: 32 prompts prefilled at once took 17 s on SmolLM2 on one
-    core (the pool's 5 s ping then called the engine hung). A step admits what its measured prefill speed does in
-    PREFILL_STEP_S, FIRST_PREFILL_TOKENS before it has a speed, and never more than max_prefill_tokens."""
+    """The loop answers control calls only between steps: 32 prompts prefilled at once took 17 s on
+    SmolLM2 on one core (the pool's 5 s ping then called the engine hung). A step admits what its
+    measured prefill speed does in PREFILL_STEP_S, FIRST_PREFILL_TOKENS before it has a speed, and
+    never more than max_prefill_tokens."""
     from orbit.engine.embedded.engine import FIRST_PREFILL_TOKENS, PREFILL_STEP_S
 
     sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
@@ -91,7 +97,8 @@ def test_a_steps_prefill_takes_about_a_second_at_the_measured_speed(tiny_llama):
     assert len(core.scheduler.running) == FIRST_PREFILL_TOKENS // 30  # as many whole prompts as fit
     core._prefill_rate = 100 / PREFILL_STEP_S  # as if prefills had run at 100 tokens a second
     core.step()
-    assert len(core.scheduler.running) == FIRST_PREFILL_TOKENS // 30 + 3  # 100 tokens: 3 more prompts
+    # 100 tokens: 3 more prompts
+    assert len(core.scheduler.running) == FIRST_PREFILL_TOKENS // 30 + 3
     core = engine_core(tiny_llama, max_running=32, max_prefill_tokens=60)
     core._prefill_rate = 1e9
     for p in prompts(4, seed=6, low=30, high=31):
@@ -118,7 +125,8 @@ def test_pause_in_place_resumes_without_recompute(tiny_llama):
         assert done[rid].output_ids == r.output_ids and done[rid].finish_reason == "length"
     assert late_rid in done
     st = core.stats()
-    assert st.prefill_tokens == before.prefill_tokens + len(late)  # only the late prompt was prefilled
+    # only the late prompt was prefilled
+    assert st.prefill_tokens == before.prefill_tokens + len(late)
     assert st.retracted == 0 and st.paused_s > 0 and not st.paused
 
 
@@ -141,7 +149,8 @@ def test_pause_retract_recomputes_and_keeps_logprobs(tiny_llama):
 
 def test_pause_abort_finishes_running_and_waiting(tiny_llama):
     ps = prompts(3, seed=43)
-    ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 4, max_running=2)  # the third waits
+    # the third waits
+    ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 4, max_running=2)
     core.pause_generation("abort")
     done = dict(core.pop_finished())
     assert sorted(done) == sorted(rids)
@@ -155,7 +164,7 @@ def test_pause_abort_finishes_running_and_waiting(tiny_llama):
     assert _run(core, [(ps[0], GREEDY, None)])[0].output_ids == ref[0].output_ids
 
 
-# ---- slot rules -----------------------------------------------------------------------------------
+# ---- slot rules ----------------------------------------------------------------------------------
 
 
 def test_active_binds_at_submission(tiny_llama):
@@ -189,13 +198,17 @@ def test_overwriting_a_busy_slot_aborts_only_its_requests(tiny_llama):
     ref = [_run(core, [job])[0] for job in jobs]
     rids = [core.submit(*job) for job in jobs]
     _steps(core, 3)
-    core.load_adapter(0, *adapters[2], version=3)  # generation is running: slot 0's requests go first
+    # generation is running: slot 0's requests go first
+    core.load_adapter(0, *adapters[2], version=3)
     aborted = dict(core.pop_finished())
     assert sorted(aborted) == rids[:2]
     for rid, r in zip(rids[:2], ref[:2], strict=True):
         c = aborted[rid]
         assert c.finish_reason == "abort" and c.version_start == 1
-        assert 0 < len(c.output_ids) < GREEDY.max_new_tokens and c.output_ids == r.output_ids[: len(c.output_ids)]
+        assert (
+            0 < len(c.output_ids) < GREEDY.max_new_tokens
+            and c.output_ids == r.output_ids[: len(c.output_ids)]
+        )
     assert core.stats().aborted_on_load == 2
     done = dict(core.run_until_idle())
     for rid, r in zip(rids[2:], ref[2:], strict=True):  # slot 1 and base rows: undisturbed
@@ -215,15 +228,24 @@ def test_overwriting_a_paused_slot_keeps_bindings(tiny_llama):
         rids = [core.submit(p, GREEDY, 0) for p in ps]
         _steps(core, 4)
         core.pause_generation(mode)
-        kept = {s.rid: len(s.output_ids) for s in list(core.scheduler.waiting) + core.scheduler.running}
+        kept = {
+            s.rid: len(s.output_ids) for s in list(core.scheduler.waiting) + core.scheduler.running
+        }
         core.load_adapter(0, *new, version=2)
         core.continue_generation()
         done = dict(core.run_until_idle())
         assert core.stats().aborted == 0
         for rid, p, r in zip(rids, ps, ref, strict=True):
             c, k = done[rid], kept[rid]
-            assert c.finish_reason == "length" and (c.slot, c.version_start, c.version_end) == (0, 1, 2)
-            assert c.output_ids[:k] == r.output_ids[:k] and max_diff(c.logprobs[:k], r.logprobs[:k]) <= 1e-5
+            assert c.finish_reason == "length" and (c.slot, c.version_start, c.version_end) == (
+                0,
+                1,
+                2,
+            )
+            assert (
+                c.output_ids[:k] == r.output_ids[:k]
+                and max_diff(c.logprobs[:k], r.logprobs[:k]) <= 1e-5
+            )
             if mode == "retract":  # recomputed: every later token is exactly the new adapter's
                 assert max_diff(c.logprobs[k:], score(core, p, c.output_ids, 0)[k:]) <= 1e-4
 
@@ -233,7 +255,12 @@ def test_release_and_resume_memory(tiny_llama):
     ref, core, rids = _greedy_reference_and_started(tiny_llama, ps, 4)
     core.release_memory()
     st = core.stats()
-    assert not core.pool.allocated and st.running == 0 and st.waiting == 3 and st.prefix_cache_entries == 0
+    assert (
+        not core.pool.allocated
+        and st.running == 0
+        and st.waiting == 3
+        and st.prefix_cache_entries == 0
+    )
     _steps(core, 2)
     assert core.stats().tokens_generated == st.tokens_generated
     core.resume_memory()
@@ -241,7 +268,7 @@ def test_release_and_resume_memory(tiny_llama):
     assert [done[r].output_ids for r in rids] == [r.output_ids for r in ref]
 
 
-# ---- the real path: client + engine process ---------------------------------------------------------
+# ---- the real path: client + engine process ------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +301,12 @@ def test_double_buffer_flip_without_stalling(engine, tiny_llama):
     engine.load_adapter(1, second, config, version=2)  # the inactive slot, while slot 0 serves
     t_loaded = time.time()
     st = engine.stats()
-    assert (st.paused, st.paused_s, st.aborted_on_load, st.slot_versions) == (False, paused_s, 0, (1, 2))
+    assert (st.paused, st.paused_s, st.aborted_on_load, st.slot_versions) == (
+        False,
+        paused_s,
+        0,
+        (1, 2),
+    )
 
     # a producer thread keeps submitting on ACTIVE while this thread flips
     produced: list = []
@@ -282,7 +314,9 @@ def test_double_buffer_flip_without_stalling(engine, tiny_llama):
 
     def producer() -> None:
         while not stop.is_set():
-            produced.append(engine.generate(ps[0], SamplingParams(max_new_tokens=8, temperature=0.0)))
+            produced.append(
+                engine.generate(ps[0], SamplingParams(max_new_tokens=8, temperature=0.0))
+            )
             time.sleep(0.002)
 
     thread = threading.Thread(target=producer)
@@ -299,9 +333,11 @@ def test_double_buffer_flip_without_stalling(engine, tiny_llama):
         c = fut.result(timeout=60)
         assert c.meta == {"i": i}
         assert c.output_ids == ref.output_ids and max_diff(c.logprobs, ref.logprobs) <= 1e-5
-        assert (c.slot, c.version_start, c.version_end) == (0, 1, 1)  # finished on slot 0 after the flip
+        # finished on slot 0 after the flip
+        assert (c.slot, c.version_start, c.version_end) == (0, 1, 1)
         assert c.t_end > t_loaded  # the load returned while they were still running
-    in_process = engine_core(tiny_llama)  # the same adapter, scored by the engine's code in this process
+    # the same adapter, scored by the engine's code in this process
+    in_process = engine_core(tiny_llama)
     in_process.load_adapter(1, second, config, version=2)
     for fut, p in zip(news, ps, strict=True):
         c = fut.result(timeout=60)
@@ -320,7 +356,11 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
     p = prompts(1, seed=90)[0]
 
     def probe(slot):  # greedy logprobs of a fixed prompt: what the slot (or the base) holds
-        return engine.generate(p, SamplingParams(max_new_tokens=6, temperature=0.0), slot=slot).result(30).logprobs
+        return (
+            engine.generate(p, SamplingParams(max_new_tokens=6, temperature=0.0), slot=slot)
+            .result(30)
+            .logprobs
+        )
 
     slot_before, base_before = probe(1), probe(None)
     a_name = next(n for n in good if "lora_A" in n)
@@ -335,8 +375,18 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
         ({**good, a_name: good[a_name].to(torch.int64)}, config, 1, "dtype"),
         ({**good, a_name: nan}, config, 1, "NaN"),
         ({**good, a_name: inf}, config, 1, "NaN/Inf"),
-        ({**good, a_name.replace("lora_A", "lora_C"): good[a_name]}, config, 1, "unknown adapter tensor name"),
-        ({**good, a_name.replace("layers.0", "layers.9"): good[a_name]}, config, 1, "unknown adapter tensor name"),
+        (
+            {**good, a_name.replace("lora_A", "lora_C"): good[a_name]},
+            config,
+            1,
+            "unknown adapter tensor name",
+        ),
+        (
+            {**good, a_name.replace("layers.0", "layers.9"): good[a_name]},
+            config,
+            1,
+            "unknown adapter tensor name",
+        ),
         (missing, config, 1, "lacks lora_B"),
         (good, config, 2, "slot must be one of 0..1"),
         (good, {**config, "peft_type": "IA3"}, 1, "unsupported peft_type"),
@@ -349,9 +399,11 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
     assert engine.stats().slot_versions[1] == 10
 
     weights = {"model.layers.0.mlp.up_proj.weight": torch.zeros(160, 64)}
-    for tensors, message in [({"model.layers.0.mlp.up_proj.wieght": torch.zeros(160, 64)}, "unknown parameter"),
-                             ({"model.layers.0.mlp.up_proj.weight": torch.zeros(64, 160)}, "shape"),
-                             ({**weights, "model.norm.weight": torch.full((64,), float("nan"))}, "NaN")]:
+    for tensors, message in [
+        ({"model.layers.0.mlp.up_proj.wieght": torch.zeros(160, 64)}, "unknown parameter"),
+        ({"model.layers.0.mlp.up_proj.weight": torch.zeros(64, 160)}, "shape"),
+        ({**weights, "model.norm.weight": torch.full((64,), float("nan"))}, "NaN"),
+    ]:
         with pytest.raises(EngineError, match=message):
             engine.update_weights(tensors, 99)
     assert probe(None) == base_before and engine.stats().base_version == 0
@@ -381,8 +433,12 @@ def test_bad_inputs_are_refused_and_the_engine_keeps_serving(engine, tiny_llama)
 @pytest.mark.slow
 def test_pause_abort_through_the_process(engine):
     ps = prompts(3, seed=95)
-    futs = [engine.generate(p, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), slot=None)
-            for p in ps]
+    futs = [
+        engine.generate(
+            p, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), slot=None
+        )
+        for p in ps
+    ]
     _wait_until(lambda: engine.stats().running == 3)
     engine.pause_generation("abort")
     assert all(f.done() for f in futs)  # resolved before the control call returned
@@ -393,7 +449,9 @@ def test_pause_abort_through_the_process(engine):
 @pytest.mark.slow
 def test_killed_engine_raises_dead_error_promptly(tiny_llama):
     client = start_embedded_engine(tiny_llama, max_running=4)
-    futs = [client.generate(p, SamplingParams(max_new_tokens=400, ignore_eos=True)) for p in prompts(4)]
+    futs = [
+        client.generate(p, SamplingParams(max_new_tokens=400, ignore_eos=True)) for p in prompts(4)
+    ]
     _wait_until(lambda: client.stats().running == 4)
     os.kill(client.pid, signal.SIGKILL)
     t0 = time.monotonic()

@@ -25,7 +25,10 @@ from orbit.engine.embedded import EngineCore
 TOL = 1e-4
 ADAPTERS = {  # name -> (peft kind, config options)
     "lora": ("lora", {}),
-    "lora-rslora-qv": ("lora", {"use_rslora": True, "r": 8, "target_modules": ["q_proj", "v_proj"]}),
+    "lora-rslora-qv": (
+        "lora",
+        {"use_rslora": True, "r": 8, "target_modules": ["q_proj", "v_proj"]},
+    ),
     "oft-cayley-neumann": ("oft", {}),
     "oft-exact-cayley": ("oft", {"use_cayley_neumann": False, "oft_block_size": 8}),
     "oft-coft-block-share": ("oft", {"coft": True, "eps": 1e-3, "block_share": True}),
@@ -42,7 +45,8 @@ def _continuations(n: int, seed: int) -> list[list[int]]:
 def test_base_logprobs_match_transformers(tiny_any):
     core, ref = engine_core(tiny_any), hf_model(tiny_any)
     items = list(zip(prompts(4), _continuations(4, 0), strict=True))
-    batched = score_batch(core, [(p, c, None) for p, c in items])  # padded batch of different lengths
+    # padded batch of different lengths
+    batched = score_batch(core, [(p, c, None) for p, c in items])
     for (p, c), got in zip(items, batched, strict=True):
         want = hf_logprobs(ref, p, c)
         assert max_diff(score(core, p, c, None), want) <= TOL
@@ -79,8 +83,10 @@ def test_greedy_generation_matches_transformers_generate(tiny_any, adapter):
     eos = core.spec.eos_token_ids[0]
     ps = prompts(n, seed=4)
     lengths = [40, 12, 33, 40, 25, 40][:n] if adapter is None else [24, 8, 20, 24]
-    rids = [core.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0), slot)
-            for p, n in zip(ps, lengths, strict=True)]
+    rids = [
+        core.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0), slot)
+        for p, n in zip(ps, lengths, strict=True)
+    ]
     done = dict(core.run_until_idle())
     for rid, p, n in zip(rids, ps, lengths, strict=True):
         c = done[rid]
@@ -98,11 +104,13 @@ def test_sampled_logprobs_are_the_truncated_policy(tiny_llama, top_p, top_k):
 
     core, ref = engine_core(tiny_llama), hf_model(tiny_llama)
     p = prompts(1, seed=5)[0]
-    sp = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=top_p, top_k=top_k, seed=3, ignore_eos=True)
+    sp = SamplingParams(
+        max_new_tokens=40, temperature=0.7, top_p=top_p, top_k=top_k, seed=3, ignore_eos=True
+    )
     rid = core.submit(p, sp, None)
     c = dict(core.run_until_idle())[rid]
     with torch.no_grad():
-        logits = ref(torch.tensor([p + c.output_ids])).logits[0, len(p) - 1:-1]
+        logits = ref(torch.tensor([p + c.output_ids])).logits[0, len(p) - 1 : -1]
     scores = TemperatureLogitsWarper(sp.temperature)(None, logits)
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
@@ -110,18 +118,33 @@ def test_sampled_logprobs_are_the_truncated_policy(tiny_llama, top_p, top_k):
         scores = TopPLogitsWarper(top_p)(None, scores)
     want = torch.log_softmax(scores, -1).gather(1, torch.tensor(c.output_ids)[:, None]).squeeze(1)
     assert max_diff(c.logprobs, want.tolist()) <= TOL
-    untruncated = torch.log_softmax(logits / sp.temperature, -1).gather(1, torch.tensor(c.output_ids)[:, None])
-    if top_p < 1 or top_k:  # the truncation really moved them: each kept token gains log(1 / kept mass)
-        assert min(a - b for a, b in zip(c.logprobs, untruncated.squeeze(1).tolist(), strict=True)) > 1e-3
+    untruncated = torch.log_softmax(logits / sp.temperature, -1).gather(
+        1, torch.tensor(c.output_ids)[:, None]
+    )
+    # the truncation really moved them: each kept token gains log(1 / kept mass)
+    if top_p < 1 or top_k:
+        assert (
+            min(a - b for a, b in zip(c.logprobs, untruncated.squeeze(1).tolist(), strict=True))
+            > 1e-3
+        )
 
 
 def test_top_k_one_is_greedy(tiny_qwen2):
     core = engine_core(tiny_qwen2)
     p = prompts(1, seed=6)[0]
-    greedy = core.submit(p, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), None)
-    top1 = core.submit(p, SamplingParams(max_new_tokens=20, temperature=1.3, top_k=1, seed=1, ignore_eos=True), None)
-    tiny_p = core.submit(p, SamplingParams(max_new_tokens=20, temperature=1.3, top_p=1e-6, seed=2, ignore_eos=True),
-                         None)
+    greedy = core.submit(
+        p, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), None
+    )
+    top1 = core.submit(
+        p,
+        SamplingParams(max_new_tokens=20, temperature=1.3, top_k=1, seed=1, ignore_eos=True),
+        None,
+    )
+    tiny_p = core.submit(
+        p,
+        SamplingParams(max_new_tokens=20, temperature=1.3, top_p=1e-6, seed=2, ignore_eos=True),
+        None,
+    )
     done = dict(core.run_until_idle())
     assert done[top1].output_ids == done[greedy].output_ids == done[tiny_p].output_ids
 
@@ -140,9 +163,20 @@ def test_mixed_batch_rows_match_alone(tiny_any):
     core = _three_slotengine_core(tiny_any)
     ps = prompts(3, seed=7)
     # every other row truncates (top_p 0.95): its logprobs are of the truncated distribution
-    jobs = [(p, slot, SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, top_p=(0.95, 1.0)[i % 2], seed=i,
-                                     ignore_eos=True))
-            for i, (p, slot) in enumerate((p, s) for p in ps for s in (0, 1, None))]
+    jobs = [
+        (
+            p,
+            slot,
+            SamplingParams(
+                max_new_tokens=16 + 4 * i,
+                temperature=1.0,
+                top_p=(0.95, 1.0)[i % 2],
+                seed=i,
+                ignore_eos=True,
+            ),
+        )
+        for i, (p, slot) in enumerate((p, s) for p in ps for s in (0, 1, None))
+    ]
     alone = []
     for p, slot, sp in jobs:
         rid = core.submit(p, sp, slot)
@@ -156,8 +190,10 @@ def test_mixed_batch_rows_match_alone(tiny_any):
         diffs = [abs(x - y) for x, y in zip(t.logprobs, a.logprobs, strict=True)]
         if sp.top_p == 1.0:
             assert max(diffs) <= 1e-5
-        else:  # top-p's kept set can differ by the one token at the 0.95 boundary when the logits move by
-            # ~1e-6 with the batch: that position's kept mass then differs by that token's small probability
+        # top-p's kept set can differ by the one token at the 0.95 boundary when the logits move by
+        else:
+            # ~1e-6 with the batch: that position's kept mass then differs by that token's small
+            # probability
             assert sum(d > 1e-5 for d in diffs) <= 1 and max(diffs) < 0.05
         untruncated = score(core, p, t.output_ids, slot)
         if sp.top_p == 1.0:
@@ -191,7 +227,9 @@ def test_full_weight_push_equals_adapter_slot(tiny_any):
 def test_params_name_every_checkpoint_tensor(tiny_any):
     """params() covers the whole HF state dict (Qwen3's q_norm/k_norm included), shapes equal."""
     params, hf = engine_core(tiny_any).decoder.params(), hf_model(tiny_any).state_dict()
-    assert {k: tuple(v.shape) for k, v in params.items()} == {k: tuple(v.shape) for k, v in hf.items()}
+    assert {k: tuple(v.shape) for k, v in params.items()} == {
+        k: tuple(v.shape) for k, v in hf.items()
+    }
 
 
 def test_full_weight_push_writes_qk_norms(tiny_qwen3):
@@ -199,8 +237,11 @@ def test_full_weight_push_writes_qk_norms(tiny_qwen3):
     core, ref = engine_core(tiny_qwen3), hf_model(tiny_qwen3)
     gen = torch.Generator().manual_seed(15)
     state = ref.state_dict()
-    new = {k: v * (1 + 0.3 * torch.randn(v.shape, generator=gen)) for k, v in state.items()
-           if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    new = {
+        k: v * (1 + 0.3 * torch.randn(v.shape, generator=gen))
+        for k, v in state.items()
+        if k.endswith(("q_norm.weight", "k_norm.weight"))
+    }
     assert len(new) == 2 * core.spec.num_layers
     p, c = prompts(1, seed=12)[0], _continuations(1, 12)[0]
     before = score(core, p, c, None)
@@ -211,14 +252,23 @@ def test_full_weight_push_writes_qk_norms(tiny_qwen3):
     assert max_diff(before, after) > 10 * TOL
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 128},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    ],
+)
 def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
-    """Non-default rope types come from transformers' ROPE_INIT_FUNCTIONS (inv_freq and attention scaling)."""
+    """Non-default rope types come from transformers' ROPE_INIT_FUNCTIONS (inv_freq and attention
+    scaling)."""
     for f in tiny_llama.iterdir():
         shutil.copy(f, tmp_path / f.name)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -227,12 +277,15 @@ def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
     core, ref = engine_core(tmp_path), hf_model(tmp_path)
     p, c = prompts(1, seed=9, low=40, high=41)[0], _continuations(1, 9)[0]
     assert max_diff(score(core, p, c, None), hf_logprobs(ref, p, c)) <= TOL
-    assert max_diff(score(core, p, c, None), score(engine_core(tiny_llama), p, c, None)) > 10 * TOL  # it mattered
+    # it mattered
+    assert max_diff(score(core, p, c, None), score(engine_core(tiny_llama), p, c, None)) > 10 * TOL
 
 
 def test_sharded_checkpoint(tiny_qwen2, tmp_path):
     hf_model(tiny_qwen2).save_pretrained(tmp_path, max_shard_size="150KB")
-    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (
+        tmp_path / "model.safetensors"
+    ).exists()
     p, c = prompts(1, seed=10)[0], _continuations(1, 10)[0]
     assert score(engine_core(tmp_path), p, c, None) == score(engine_core(tiny_qwen2), p, c, None)
 
@@ -246,9 +299,13 @@ def test_adapter_dtypes_are_converted_and_low_precision_runs(tiny_llama):
     assert max_diff(score(core, p, c, 0), want) <= TOL
     for dtype in ("bfloat16", "float16"):  # engine dtype: weights, KV and adapters converted
         low = engine_core(tiny_llama, dtype=dtype)
-        low.load_adapter(0, {k: v.to(torch.bfloat16) for k, v in tensors.items()}, config, version=1)
+        low.load_adapter(
+            0, {k: v.to(torch.bfloat16) for k, v in tensors.items()}, config, version=1
+        )
         assert max_diff(score(low, p, c, 0), want) <= 0.1
-        out = _run_one(low, p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), 0)
+        out = _run_one(
+            low, p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), 0
+        )
         assert len(out.output_ids) == 8
 
 

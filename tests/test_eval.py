@@ -34,7 +34,9 @@ MIN_GAIN = 0.10  # measured: +17 to +30 points over seeds and runs; the test ask
 def arith_run(tmp_path_factory, warm_arith) -> Path:
     """recipes/tiny-arith.yaml, as is but for the model and run paths: double-buffer, 80 steps."""
     run_dir = tmp_path_factory.mktemp("arith") / "run"
-    recipe = load_recipe(RECIPE, {"model": str(warm_arith), "out": str(run_dir), "mode": "double-buffer"})
+    recipe = load_recipe(
+        RECIPE, {"model": str(warm_arith), "out": str(run_dir), "mode": "double-buffer"}
+    )
     assert recipe.mode == "double-buffer" and recipe.task.name == "arith"
     result = train(preflight(recipe), live=False)
     assert result.steps_done == recipe.trainer.steps
@@ -47,8 +49,11 @@ def test_rl_raises_held_out_accuracy_over_the_warm_start(arith_run):
     assert res.exit_code == 0, res.output
     report = json.loads((arith_run / "eval.json").read_text())
     base, trained = report["results"]["base"], report["results"]["trained"]
-    print(f"held-out accuracy: warm start {base['accuracy']:.1%} -> trained {trained['accuracy']:.1%} "
-          f"(format {base['format_rate']:.1%} -> {trained['format_rate']:.1%})")
+    print(
+        f"held-out accuracy: warm start {base['accuracy']:.1%} -> trained "
+        f"{trained['accuracy']:.1%} "
+        f"(format {base['format_rate']:.1%} -> {trained['format_rate']:.1%})"
+    )
     assert 0.2 <= base["accuracy"] <= 0.6  # partial competence: RL has room
     assert trained["accuracy"] >= base["accuracy"] + MIN_GAIN
     assert report["delta"]["accuracy"] == pytest.approx(trained["accuracy"] - base["accuracy"])
@@ -58,20 +63,33 @@ def test_rl_raises_held_out_accuracy_over_the_warm_start(arith_run):
 
 
 def test_eval_report_fields(arith_run):
-    report = json.loads((arith_run / "eval.json").read_text()) if (arith_run / "eval.json").exists() else None
+    report = (
+        json.loads((arith_run / "eval.json").read_text())
+        if (arith_run / "eval.json").exists()
+        else None
+    )
     if report is None:
         report = run_eval(resolve_target(arith_run), n=EVAL_N)
     assert report["kind"] == "run" and report["split"] == "eval" and report["decoding"] == "greedy"
     assert report["n"] == EVAL_N and report["task"]["name"] == "arith"
     for which in ("base", "trained"):
         r = report["results"][which]
-        assert set(r) >= {"n", "accuracy", "format_rate", "reward_mean", "avg_turns", "avg_tool_calls",
-                          "failure_modes"}
+        assert set(r) >= {
+            "n",
+            "accuracy",
+            "format_rate",
+            "reward_mean",
+            "avg_turns",
+            "avg_tool_calls",
+            "failure_modes",
+        }
         assert sum(r["failure_modes"].values()) == EVAL_N
         assert set(r["failure_modes"]) >= {"success", "wrong_format", "tool_spam", "wrong_answer"}
         assert r["failure_modes"]["success"] == round(r["accuracy"] * EVAL_N)
         assert r["avg_turns"] == 1.0 and r["avg_tool_calls"] == 0.0  # arith: single turn, no tools
-    samples = [json.loads(line) for line in (arith_run / "eval_samples.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line) for line in (arith_run / "eval_samples.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 2 * EVAL_N and {s["model"] for s in samples} == {"base", "trained"}
     assert all(s["id"].startswith("arith-eval-") for s in samples)  # held-out prompts only
 
@@ -80,7 +98,10 @@ def test_eval_adapter_dir_writes_next_to_the_adapter(arith_run, tmp_path):
     adapter = arith_run / "adapter"
     report = run_eval(resolve_target(adapter), n=20)
     assert report["kind"] == "adapter" and list(report["results"]) == ["trained"]
-    assert report["adapter_version"] == json.loads((adapter / "trainer_state.json").read_text())["version"]
+    assert (
+        report["adapter_version"]
+        == json.loads((adapter / "trainer_state.json").read_text())["version"]
+    )
     assert json.loads((adapter / "eval.json").read_text())["results"]["trained"]["n"] == 20
 
 
@@ -114,11 +135,15 @@ def test_eval_errors(tmp_path, tiny_llama):
 
 
 def test_eval_tells_a_missing_split_from_a_task_bug(tiny_llama):
-    """A task without an eval split is a usage error (exit 2); a TypeError inside the task's own eval
-    prompts is the task failing (exit 1), not 'no held-out split'."""
-    res = CliRunner().invoke(app, ["eval", str(tiny_llama), "--task", "tests/user_tasks.py:no_split", "--n", "2"])
+    """A task without an eval split is a usage error (exit 2); a TypeError inside the task's own
+    eval prompts is the task failing (exit 1), not 'no held-out split'."""
+    res = CliRunner().invoke(
+        app, ["eval", str(tiny_llama), "--task", "tests/user_tasks.py:no_split", "--n", "2"]
+    )
     assert res.exit_code == 2 and "has no held-out split" in res.output, res.output
-    res = CliRunner().invoke(app, ["eval", str(tiny_llama), "--task", "tests/user_tasks.py:eval_split_bug", "--n", "2"])
+    res = CliRunner().invoke(
+        app, ["eval", str(tiny_llama), "--task", "tests/user_tasks.py:eval_split_bug", "--n", "2"]
+    )
     flat = " ".join(res.output.split())
     assert res.exit_code == 1 and "the task failed" in flat and "TypeError" in flat, res.output
     assert "no held-out split" not in flat
@@ -126,7 +151,9 @@ def test_eval_tells_a_missing_split_from_a_task_bug(tiny_llama):
 
 def test_eval_jsonl_dataset_stops_at_its_held_out_rows(tmp_path, tiny_task_tokens):
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(30)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(30))
+    )
     model = tmp_path / "model"
     shutil.copytree(tiny_task_tokens, model)
     report = run_eval(resolve_target(model, task=str(data), max_new_tokens=4), n=50)

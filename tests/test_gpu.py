@@ -24,7 +24,9 @@ from orbit.run.preflight import preflight
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,10 +53,20 @@ def model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("llama-h64")
     tok = build_tokenizer(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        dtype="float32",
     )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -68,10 +80,13 @@ def model(tmp_path_factory) -> Path:
 
 
 def _trainer(model: Path, dtype: str):
-    """Orbit's trainer on the GPU with random non-zero LoRA A and B (the recipe's default adapter)."""
+    """Orbit's trainer on the GPU with random non-zero LoRA A and B (the recipe's default
+    adapter)."""
     from orbit.train.trainer import Trainer
 
-    trainer = Trainer(model, AdapterConfig(), TrainerConfig(device="cuda", dtype=dtype), temperature=1.0, seed=1)
+    trainer = Trainer(
+        model, AdapterConfig(), TrainerConfig(device="cuda", dtype=dtype), temperature=1.0, seed=1
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -81,18 +96,28 @@ def _trainer(model: Path, dtype: str):
 
 
 def _agreement(engine, trainer) -> tuple[float, float, float]:
-    """The trainer's adapter in slot 0; 16 sampled completions (T = 1). Returns mean and max |engine -
-    trainer| logprob of the sampled tokens, and the mean effect of the adapter on them."""
+    """The trainer's adapter in slot 0; 16 sampled completions (T = 1). Returns mean and max |engine
+    - trainer| logprob of the sampled tokens, and the mean effect of the adapter on them."""
     engine.load_adapter(0, trainer.adapter_tensors(), trainer.adapter_config(), version=1)
-    futures = [engine.generate(p, SamplingParams(max_new_tokens=32, temperature=1.0, seed=i), slot=0)
-               for i, p in enumerate(prompts(16, seed=4))]
+    futures = [
+        engine.generate(p, SamplingParams(max_new_tokens=32, temperature=1.0, seed=i), slot=0)
+        for i, p in enumerate(prompts(16, seed=4))
+    ]
     done = [f.result(300) for f in futures]
     samples = [Sample(c.prompt_ids, c.output_ids, c.logprobs, 0.0, 1, 1) for c in done]
-    diffs = [abs(a - b) for c, ref in zip(done, trainer.logprobs(samples), strict=True)
-             for a, b in zip(c.logprobs, ref, strict=True)]
-    with trainer.model.disable_adapter():  # the same tokens under the base model: what the adapter changes
+    diffs = [
+        abs(a - b)
+        for c, ref in zip(done, trainer.logprobs(samples), strict=True)
+        for a, b in zip(c.logprobs, ref, strict=True)
+    ]
+    # the same tokens under the base model: what the adapter changes
+    with trainer.model.disable_adapter():
         base = trainer.logprobs(samples)
-    effect = [abs(a - b) for c, ref in zip(done, base, strict=True) for a, b in zip(c.logprobs, ref, strict=True)]
+    effect = [
+        abs(a - b)
+        for c, ref in zip(done, base, strict=True)
+        for a, b in zip(c.logprobs, ref, strict=True)
+    ]
     assert diffs, "no tokens generated"
     return sum(diffs) / len(diffs), max(diffs), sum(effect) / len(effect)
 
@@ -100,8 +125,13 @@ def _agreement(engine, trainer) -> tuple[float, float, float]:
 def _check_agreement(engine, trainer, what: str, capsys) -> None:
     mean, worst, effect = _agreement(engine, trainer)
     with capsys.disabled():
-        print(f"\n{what}: mean |engine - trainer| logprob {mean:.2e} (max {worst:.2e}); adapter effect {effect:.2f}")
-    assert effect > 5 * BF16_MEAN_TOL, "the adapter must move the logprobs, else the comparison proves nothing"
+        print(
+            f"\n{what}: mean |engine - trainer| logprob {mean:.2e} (max {worst:.2e}); adapter "
+            f"effect {effect:.2f}"
+        )
+    assert effect > 5 * BF16_MEAN_TOL, (
+        "the adapter must move the logprobs, else the comparison proves nothing"
+    )
     assert mean < BF16_MEAN_TOL
 
 
@@ -110,9 +140,21 @@ def _recipe(model: Path, out: Path, mode: str, **patch) -> dict:
         "model": str(model),
         "adapter": {"type": "lora", "r": 8, "alpha": 16},
         # backend named: `auto` would pick SGLang on a GPU where it is installed
-        "engine": {"backend": "embedded", "max_inflight": 16, "max_running": 16, "device": "cuda", "dtype": "bfloat16"},
+        "engine": {
+            "backend": "embedded",
+            "max_inflight": 16,
+            "max_running": 16,
+            "device": "cuda",
+            "dtype": "bfloat16",
+        },
         "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
-        "trainer": {"lr": 0.01, "steps": STEPS, "save_every": 2, "device": "cuda", "dtype": "bfloat16"},
+        "trainer": {
+            "lr": 0.01,
+            "steps": STEPS,
+            "save_every": 2,
+            "device": "cuda",
+            "dtype": "bfloat16",
+        },
         "mode": mode,
         "max_staleness": 2,
         "out": str(out),
@@ -129,7 +171,7 @@ def _check_run(run_dir: Path) -> None:
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
 
 
-# ---- the embedded engine ---------------------------------------------------------------------------
+# ---- the embedded engine -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("trainer_dtype", ["float32", "bfloat16"])
@@ -139,7 +181,9 @@ def test_embedded_engine_matches_the_trainer_in_bf16(model, trainer_dtype, capsy
     trainer = _trainer(model, trainer_dtype)
     engine = start_embedded_engine(model, max_running=16, dtype="bfloat16", device="cuda")
     try:
-        _check_agreement(engine, trainer, f"embedded bf16 vs trainer {trainer_dtype} (cuda)", capsys)
+        _check_agreement(
+            engine, trainer, f"embedded bf16 vs trainer {trainer_dtype} (cuda)", capsys
+        )
     finally:
         engine.shutdown()
 
@@ -154,12 +198,15 @@ def test_each_mode_on_the_gpu(model, tmp_path, mode):
 
 
 def test_embedded_engine_tokens_per_second_against_generate(model, capsys):
-    """Printed, not asserted: bench/engine_throughput.py's workload on the GPU, both sides in bf16."""
+    """Printed, not asserted: bench/engine_throughput.py's workload on the GPU, both sides in
+    bf16."""
     from transformers import AutoModelForCausalLM
 
     from orbit.engine.embedded import start_embedded_engine
 
-    spec = importlib.util.spec_from_file_location("engine_throughput", ROOT / "bench" / "engine_throughput.py")
+    spec = importlib.util.spec_from_file_location(
+        "engine_throughput", ROOT / "bench" / "engine_throughput.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ps, lengths = bench.workload(64, seed=0)
@@ -174,15 +221,19 @@ def test_embedded_engine_tokens_per_second_against_generate(model, capsys):
     finally:
         engine.shutdown()
     with capsys.disabled():
-        print(f"\n{torch.cuda.get_device_name()}, bf16, {len(ps)} requests, {sum(lengths)} useful tokens: embedded "
-              f"{eng_tok / eng_s:,.0f} tok/s, transformers generate {hf_tok / hf_s:,.0f} tok/s "
-              f"({(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x)")
+        print(
+            f"\n{torch.cuda.get_device_name()}, bf16, {len(ps)} requests, {sum(lengths)} useful "
+            "tokens: embedded "
+            f"{eng_tok / eng_s:,.0f} tok/s, transformers generate {hf_tok / hf_s:,.0f} tok/s "
+            f"({(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x)"
+        )
     assert eng_tok == hf_tok == sum(lengths)
 
 
-# ---- SGLang ------------------------------------------------------------------------------------------
+# ---- SGLang --------------------------------------------------------------------------------------
 
-SGLANG_MEM_FRACTION = 0.3  # of the GPU's memory for SGLang's weights and KV pool; the trainer shares the GPU
+# of the GPU's memory for SGLang's weights and KV pool; the trainer shares the GPU
+SGLANG_MEM_FRACTION = 0.3
 
 
 @pytest.mark.sglang
@@ -191,8 +242,15 @@ def test_sglang_matches_the_trainer_in_bf16(model, capsys):
     from orbit.engine.sglang import ALL_TARGETS, start_sglang_engine
 
     trainer = _trainer(model, "bfloat16")
-    engine = start_sglang_engine(model, device="cuda", dtype="bfloat16", max_running=16, max_lora_rank=8,
-                                 lora_target_modules=ALL_TARGETS, mem_fraction=SGLANG_MEM_FRACTION)
+    engine = start_sglang_engine(
+        model,
+        device="cuda",
+        dtype="bfloat16",
+        max_running=16,
+        max_lora_rank=8,
+        lora_target_modules=ALL_TARGETS,
+        mem_fraction=SGLANG_MEM_FRACTION,
+    )
     try:
         _check_agreement(engine, trainer, "SGLang bf16 vs trainer bf16 (cuda)", capsys)
     finally:
@@ -205,8 +263,12 @@ def test_sglang_matches_the_trainer_in_bf16(model, capsys):
 def test_each_mode_on_sglang_on_the_gpu(model, tmp_path, mode):
     from orbit.run.lifecycle import train
 
-    recipe = _recipe(model, tmp_path / mode, mode,
-                     engine={"backend": "sglang", "mem_fraction": SGLANG_MEM_FRACTION})
+    recipe = _recipe(
+        model,
+        tmp_path / mode,
+        mode,
+        engine={"backend": "sglang", "mem_fraction": SGLANG_MEM_FRACTION},
+    )
     result = train(preflight(parse_recipe(recipe)), live=False)
     assert result.steps_done == STEPS
     _check_run(tmp_path / mode)

@@ -80,8 +80,14 @@ def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
         started = time.monotonic()
 
         def interrupt(delay=rng.uniform(0.3, 1.5), run_dir=run_dir):
-            _when(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size)
-            time.sleep(delay)  # somewhere inside a later step: waiting, training, pushing or writing
+            _when(
+                lambda: (
+                    (run_dir / "metrics.jsonl").exists()
+                    and (run_dir / "metrics.jsonl").stat().st_size
+                )
+            )
+            # somewhere inside a later step: waiting, training, pushing or writing
+            time.sleep(delay)
             os.kill(os.getpid(), signal.SIGINT)
 
         killer = threading.Thread(target=interrupt, daemon=True)
@@ -91,7 +97,9 @@ def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
         killer.join()
         rows = run_metrics(run_dir)
         saved = _saved_version(run_dir)
-        assert saved == rows[-1]["version"] == len(rows), f"trial {trial}: adapter {saved}, lines {len(rows)}"
+        assert saved == rows[-1]["version"] == len(rows), (
+            f"trial {trial}: adapter {saved}, lines {len(rows)}"
+        )
         assert f"step {saved}" in str(err.value) and "--resume" in str(err.value)
         assert time.monotonic() - started < 60
     # and the last one resumes from its checkpoint, numbering on
@@ -110,12 +118,17 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama,
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("after_s", [0.5, 1.5])  # importing Orbit and torch; typer parsing, loading (later: above)
+# importing Orbit and torch; typer parsing, loading (later: above)
+@pytest.mark.parametrize("after_s", [0.5, 1.5])
 def test_ctrl_c_during_start_up_on_the_command_line(tmp_path, tiny_llama, after_s):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, tmp_path / "run")))
-    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -124,23 +137,36 @@ def test_ctrl_c_during_start_up_on_the_command_line(tmp_path, tiny_llama, after_
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-# ---- an engine that dies or goes silent ---------------------------------------------------------------
+# ---- an engine that dies or goes silent ----------------------------------------------------------
 
 
 @pytest.mark.timeout(180)
 def test_engine_death_saves_the_newest_adapter_on_the_command_line(tmp_path, tiny_llama):
-    """Engine killed after 3 steps: orbit exits within 2 s with one clear line (no traceback), leaves
-    nothing running, and the adapter of its last step is saved with that step's metrics line."""
+    """Engine killed after 3 steps: orbit exits within 2 s with one clear line (no traceback),
+    leaves nothing running, and the adapter of its last step is saved with that step's metrics
+    line."""
     run_dir = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
     # engine.restarts 0: it is not brought back (tests/test_pool.py has the comeback)
-    recipe.write_text(yaml.safe_dump(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, engine={"restarts": 0})))
-    proc = subprocess.Popen([sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    recipe.write_text(
+        yaml.safe_dump(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, engine={"restarts": 0}))
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orbit.cli", "train", str(recipe), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3, timeout=120)
-        engines = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline())]
+        _when(
+            lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3,
+            timeout=120,
+        )
+        engines = [
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline())
+        ]
         assert engines, "no engine process found"
         killed = time.monotonic()
         for e in engines:
@@ -174,17 +200,27 @@ class _GoesSilent:
 @pytest.mark.timeout(120)
 def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llama, monkeypatch):
     """The producer goes quiet: the run stops after stall_timeout_s with what was seen (in flight,
-    grants left, the engine's state), saves the adapter of its last step and leaves nothing running."""
+    grants left, the engine's state), saves the adapter of its last step and leaves nothing
+    running."""
     real = orbit.run.lifecycle.make_task
     monkeypatch.setattr(orbit.run.lifecycle, "make_task", lambda *a: _GoesSilent(real(*a), n=6))
     engines = _capture_engine(monkeypatch)
     run_dir = tmp_path / "run"
-    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 1.5}))
+    recipe = checked(
+        _recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 1.5})
+    )
     with pytest.raises(RunStopped) as err:
         train(recipe, live=False)
     message = " ".join(str(err.value).split())
-    assert "rollouts cannot go on: no rollout arrived for" in message and "(rollout.stall_timeout_s: 1.5)" in message
-    assert "group(s) in flight" in message and "grant(s) left" in message and "engine versions [" in message
+    assert (
+        "rollouts cannot go on: no rollout arrived for" in message
+        and "(rollout.stall_timeout_s: 1.5)" in message
+    )
+    assert (
+        "group(s) in flight" in message
+        and "grant(s) left" in message
+        and "engine versions [" in message
+    )
     assert "engine 0: 0 running, 0 waiting, not paused" in message
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
     assert _gone(engines[0].info.pid)
@@ -192,12 +228,20 @@ def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llam
 
 @pytest.mark.timeout(120)
 def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeypatch):
-    """SIGSTOP: the engine is alive but silent. Whatever the trainer was doing (waiting for rollouts or
-    pushing), the run stops within about stall_timeout_s, names the engine, saves, and kills it."""
+    """SIGSTOP: the engine is alive but silent. Whatever the trainer was doing (waiting for rollouts
+    or pushing), the run stops within about stall_timeout_s, names the engine, saves, and kills
+    it."""
     engines = _capture_engine(monkeypatch)
     run_dir = tmp_path / "run"
-    recipe = checked(_recipe(tiny_llama, run_dir, trainer={"steps": 500}, rollout={"stall_timeout_s": 2},
-                             engine={"restarts": 0}))
+    recipe = checked(
+        _recipe(
+            tiny_llama,
+            run_dir,
+            trainer={"steps": 500},
+            rollout={"stall_timeout_s": 2},
+            engine={"restarts": 0},
+        )
+    )
 
     def stop_engine():
         _when(lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 2)
@@ -209,17 +253,23 @@ def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeyp
         train(recipe, live=False)
     message = " ".join(str(err.value).split())
     # whichever noticed first: a control call's bound, the pool's ping, or the rollout stall
-    assert (f"engine process {engines[0].info.pid} did not answer" in message and "it is hung" in message) or (
-        "did not answer for 5 s (hung)" in message) or (
-        "no rollout arrived" in message and "engine 0: no answer within 2 s" in message), message
+    assert (
+        (
+            f"engine process {engines[0].info.pid} did not answer" in message
+            and "it is hung" in message
+        )
+        or ("did not answer for 5 s (hung)" in message)
+        or ("no rollout arrived" in message and "engine 0: no answer within 2 s" in message)
+    ), message
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
-    assert time.monotonic() - t0 < 60  # seconds, not for ever (a loaded 2-core CI machine is slow to start)
+    # seconds, not for ever (a loaded 2-core CI machine is slow to start)
+    assert time.monotonic() - t0 < 60
     assert _gone(engines[0].info.pid)
 
 
 def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
-    """Every request aborted (a pause in abort mode, again and again): after max_attempts the producer
-    stops with the prompt and the last finish reason instead of resubmitting for ever."""
+    """Every request aborted (a pause in abort mode, again and again): after max_attempts the
+    producer stops with the prompt and the last finish reason instead of resubmitting for ever."""
     from transformers import AutoTokenizer
 
     from orbit.engine.base import SamplingParams
@@ -230,8 +280,14 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
     with start_embedded_engine(tiny_llama, max_running=8) as engine:
         pool = EnginePool([engine], [8], monitor=False)
         pipeline = Pipeline(pool, 1, 0, group_size=2, max_inflight=8)
-        producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=200, ignore_eos=True), seed=0,
-                            max_attempts=3)
+        producer = Producer(
+            pipeline,
+            pool,
+            task,
+            SamplingParams(max_new_tokens=200, ignore_eos=True),
+            seed=0,
+            max_attempts=3,
+        )
         stop = threading.Event()
 
         def abort_everything():
@@ -252,7 +308,11 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
             aborter.join()
             producer.stop()
     cause = str(err.value.__cause__)
-    assert "prompt 'pattern-" in cause and "aborted 3 times" in cause and "rollout.max_attempts: 3" in cause
+    assert (
+        "prompt 'pattern-" in cause
+        and "aborted 3 times" in cause
+        and "rollout.max_attempts: 3" in cause
+    )
     assert "last finish reason 'abort'" in cause
 
 
@@ -293,7 +353,7 @@ def test_stall_error_from_a_producer_that_never_gets_an_answer():
     assert "engine 0: 2 running, 0 waiting, not paused" in msg and "grant(s) left" in msg
 
 
-# ---- failed starts, resume -----------------------------------------------------------------------------
+# ---- failed starts, resume -----------------------------------------------------------------------
 
 
 def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypatch):
@@ -319,21 +379,28 @@ def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypa
 
 @pytest.mark.parametrize("mode", ["sync-adapter", "sync"])
 def test_a_serial_run_resumed_equals_the_run_never_stopped(tmp_path, tiny_llama, mode):
-    """Fixed seeds, embedded engine: stop at step 2, resume to 4 — steps 2 and 3 and the final adapter
-    are those of the uninterrupted run (no prompt replayed or skipped, the same random state)."""
+    """Fixed seeds, embedded engine: stop at step 2, resume to 4 — steps 2 and 3 and the final
+    adapter are those of the uninterrupted run (no prompt replayed or skipped, the same random
+    state)."""
     patch = dict(mode=mode, adapter={"dropout": 0.1}, rollout={"max_new_tokens": 10})
     whole = tmp_path / "whole"
     train(checked(_recipe(tiny_llama, whole, trainer={"steps": 4}, **patch)), live=False)
     part = tmp_path / "part"
     train(checked(_recipe(tiny_llama, part, trainer={"steps": 2}, **patch)), live=False)
-    train(checked(_recipe(tiny_llama, part, trainer={"steps": 4}, **patch)), resume=True, live=False)
+    train(
+        checked(_recipe(tiny_llama, part, trainer={"steps": 4}, **patch)), resume=True, live=False
+    )
     a, b = run_metrics(whole), run_metrics(part)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for x, y in zip(a, b, strict=True):
-        assert x["reward_mean"] == y["reward_mean"] and x["tokens_generated"] == y["tokens_generated"]
+        assert (
+            x["reward_mean"] == y["reward_mean"] and x["tokens_generated"] == y["tokens_generated"]
+        )
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
-    wa, wb = load_file(whole / "adapter" / "adapter_model.safetensors"), load_file(part / "adapter" /
-                                                                                    "adapter_model.safetensors")
+    wa, wb = (
+        load_file(whole / "adapter" / "adapter_model.safetensors"),
+        load_file(part / "adapter" / "adapter_model.safetensors"),
+    )
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
     assert any(float(t.abs().max()) > 0 for k, t in wa.items() if "lora_B" in k)  # it trained
     assert torch.equal(torch.tensor([r["version"] for r in a]), torch.tensor([1, 2, 3, 4]))
@@ -360,6 +427,7 @@ def test_a_call_cut_off_by_the_engines_shutdown_says_the_engine_is_gone():
         with pytest.raises(EngineDeadError, match="engine 1 was shut down"):
             loop.wait(cut)
     finally:
+
         async def nothing():
             pass
 

@@ -33,9 +33,12 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 # What sglang 0.5.23's own metadata pins (Requires-Dist), which `orbit-rl[sglang]` must accept.
 SGLANG_PINS = {"torch": "2.14.1", "transformers": "5.19.0", "tokenizers": "0.23.2"}
-# Lines of pip's output that mean the package index could not be reached (not that resolution failed).
-OFFLINE = re.compile(r"NewConnectionError|Failed to establish a new connection|Network is unreachable|"
-                     r"Temporary failure in name resolution|ConnectTimeout|Read timed out|ProxyError")
+# Lines of pip's output that mean the package index could not be reached (not that resolution
+# failed).
+OFFLINE = re.compile(
+    r"NewConnectionError|Failed to establish a new connection|Network is unreachable|"
+    r"Temporary failure in name resolution|ConnectTimeout|Read timed out|ProxyError"
+)
 
 
 def _project() -> dict:
@@ -59,15 +62,21 @@ def _constraints() -> dict[str, str]:
 
 def test_ranges_hold_the_cpu_pins_and_sglangs():
     ranges = _ranges()
-    for pins, whose in ((_constraints(), "constraints.txt"), (SGLANG_PINS, f"sglang {SGLANG_VERSION}")):
+    for pins, whose in (
+        (_constraints(), "constraints.txt"),
+        (SGLANG_PINS, f"sglang {SGLANG_VERSION}"),
+    ):
         for name in ("torch", "transformers", "tokenizers"):
-            assert pins[name] in ranges[name], f"{whose} pins {name}=={pins[name]}, outside {ranges[name]}"
+            assert pins[name] in ranges[name], (
+                f"{whose} pins {name}=={pins[name]}, outside {ranges[name]}"
+            )
     # ranges, not pins: a user's CUDA torch of another patch release must satisfy Orbit as it is
     assert "2.14.0" in ranges["torch"] and "2.4.1" not in ranges["torch"]
 
 
 def test_sglang_pins_above_are_sglangs_own():
-    """SGLANG_PINS is read from sglang's metadata where sglang is installed (`make test` installs it)."""
+    """SGLANG_PINS is read from sglang's metadata where sglang is installed (`make test` installs
+    it)."""
     try:
         declared = importlib.metadata.requires("sglang") or []
     except importlib.metadata.PackageNotFoundError:
@@ -84,11 +93,13 @@ def test_sglang_extra_requests_the_supported_release():
     extra = _project()["optional-dependencies"]["sglang"]
     assert extra == [f"sglang=={SGLANG_VERSION}"]
     script = (ROOT / "scripts" / "install_sglang.sh").read_text()
-    assert f"\nSGLANG_VERSION={SGLANG_VERSION}\n" in script  # the CPU path installs the same release
+    # the CPU path installs the same release
+    assert f"\nSGLANG_VERSION={SGLANG_VERSION}\n" in script
 
 
 def test_gpu_tests_are_left_out_of_the_default_run():
-    """`make test` must never need a GPU: the default selection deselects `gpu` (make test-gpu passes -m gpu)."""
+    """`make test` must never need a GPU: the default selection deselects `gpu` (make test-gpu
+    passes -m gpu)."""
     options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert options["addopts"][-2:] == ["-m", "not gpu"]
     assert any(m.startswith("gpu:") for m in options["markers"])
@@ -99,9 +110,12 @@ def test_gpu_tests_are_left_out_of_the_default_run():
 def test_installing_orbit_keeps_the_installed_torch(tmp_path):
     """`pip install --dry-run --report` of Orbit's source into this environment: pip resolves every
     dependency against what is installed (and the index) and plans no torch. Nothing is downloaded
-    but setuptools for the metadata build; the source is copied so no build output lands in the repo."""
+    but setuptools for the metadata build; the source is copied so no build output lands in the
+    repo."""
     torch_version = importlib.metadata.version("torch")
-    assert torch_version in _ranges()["torch"], f"this environment's torch {torch_version} is outside the range"
+    assert torch_version in _ranges()["torch"], (
+        f"this environment's torch {torch_version} is outside the range"
+    )
     src = tmp_path / "src"
     shutil.copytree(ROOT / "orbit", src / "orbit", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -109,17 +123,39 @@ def test_installing_orbit_keeps_the_installed_torch(tmp_path):
     report = tmp_path / "report.json"
     # short timeouts: without an index pip would otherwise retry for minutes before saying so
     env = {**os.environ, "PIP_DEFAULT_TIMEOUT": "15", "PIP_RETRIES": "1"}
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
-                           str(src)], capture_output=True, text=True, env=env, timeout=110)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            str(report),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=110,
+    )
     if done.returncode != 0:
         output = done.stdout + done.stderr
         if OFFLINE.search(output) and not in_ci():
             pytest.skip(f"pip cannot reach the package index: {OFFLINE.search(output).group(0)}")
-        pytest.fail(f"pip install --dry-run failed (exit {done.returncode}):\n{output[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"pip install --dry-run failed (exit {done.returncode}):\n{output[-3000:]}",
+            pytrace=False,
+        )
     plan = json.loads(report.read_text())["install"]
     planned = {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in plan}
-    assert "torch" not in planned, f"pip would replace torch {torch_version} with {planned['torch']['version']}"
-    assert not [n for n in planned if n.startswith("nvidia-")], f"pip would install CUDA wheels: {sorted(planned)}"
+    assert "torch" not in planned, (
+        f"pip would replace torch {torch_version} with {planned['torch']['version']}"
+    )
+    assert not [n for n in planned if n.startswith("nvidia-")], (
+        f"pip would install CUDA wheels: {sorted(planned)}"
+    )
     # the metadata as built (what PyPI would carry), not only pyproject's text
     orbit = planned["orbit-rl"]
     assert f'sglang=={SGLANG_VERSION}; extra == "sglang"' in orbit["requires_dist"]

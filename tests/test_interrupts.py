@@ -1,4 +1,5 @@
-"""Ctrl-C the ways Python loses it: wrapped in another error, dropped in a __del__, or marked unhandled."""
+"""Ctrl-C the ways Python loses it: wrapped in another error, dropped in a __del__, or marked
+unhandled."""
 
 import os
 import signal
@@ -32,13 +33,15 @@ def test_a_ctrl_c_python_dropped_in_a_del_is_raised_again():
 
         class Dropper:
             def __del__(self):
-                interrupts._remember(signal.SIGINT, None)  # what the handler does when Ctrl-C lands here
+                # what the handler does when Ctrl-C lands here
+                interrupts._remember(signal.SIGINT, None)
 
         Dropper()  # Python drops the KeyboardInterrupt ("Exception ignored in ...")
         with pytest.raises(KeyboardInterrupt):
             interrupts.raise_if_dropped()
         interrupts.handled()
-        interrupts.raise_if_dropped()  # once handled, never raised again (a later run in this process)
+        # once handled, never raised again (a later run in this process)
+        interrupts.raise_if_dropped()
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = previous_hook
@@ -48,7 +51,8 @@ def test_a_ctrl_c_python_dropped_in_a_del_is_raised_again():
 @pytest.mark.slow
 def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
     """CPython 3.11 would kill the process with SIGINT at exit (returncode -2) without the reset."""
-    (tmp_path / "ctrlc_in_exec.py").write_text(textwrap.dedent("""
+    (tmp_path / "ctrlc_in_exec.py").write_text(
+        textwrap.dedent("""
         import signal, sys
         from orbit.host import interrupts
 
@@ -63,12 +67,18 @@ def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
             if sys.argv[1:] == ["handled"]:
                 interrupts.handled()
             sys.exit(130)
-    """))
+    """)
+    )
 
     def run(*args):
         env = {**os.environ, "PYTHONPATH": str(Path(interrupts.__file__).parents[1])}
-        return subprocess.run([sys.executable, "-m", "ctrlc_in_exec", *args], cwd=tmp_path, env=env,
-                              capture_output=True, timeout=60).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "ctrlc_in_exec", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            timeout=60,
+        ).returncode
 
     assert run("handled") == 130
     if sys.version_info[:2] == (3, 11):

@@ -63,7 +63,8 @@ def test_clip_loss_and_gradient():
     objective = [min(R_HI * 2, 1.2 * 2), min(R_LO * 2, 0.8 * 2), min(-R_HI, -1.2), min(-R_LO, -0.8)]
     assert loss.item() == pytest.approx(-sum(objective) / 4, rel=1e-5)
     loss.backward()
-    # clipped tokens (1st: r A > 1.2 A; 4th: r A > 0.8 A) give no gradient; others d(-r A)/dlogp = -r A
+    # clipped tokens (1st: r A > 1.2 A; 4th: r A > 0.8 A) give no gradient; others d(-r A)/dlogp =
+    # -r A
     grad = [[0.0, -R_LO * 2 / 4], [R_HI / 4, 0.0]]
     assert logp.grad.tolist() == [pytest.approx(g, rel=1e-5, abs=1e-9) for g in grad]
     assert stats.clip_frac == pytest.approx(0.5)
@@ -86,7 +87,11 @@ def test_masked_tokens_do_not_contribute(ratio: str):
     # the same loss as the unmasked tokens alone, flattened into one row
     keep = mask.bool()
     sub, _ = policy_loss(
-        logp.detach()[keep][None], behaviour[keep][None], torch.tensor([[1.5, 1.5, -0.5]]), torch.ones(1, 3), cfg
+        logp.detach()[keep][None],
+        behaviour[keep][None],
+        torch.tensor([[1.5, 1.5, -0.5]]),
+        torch.ones(1, 3),
+        cfg,
     )
     assert loss.item() == pytest.approx(sub.item(), rel=1e-6)
 
@@ -99,7 +104,10 @@ def test_the_norm_lets_micro_batches_add_up():
     mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
     whole, _ = policy_loss(logp, behaviour, adv, mask, cfg)
     halves = (slice(0, 1), slice(1, 3))
-    parts = [policy_loss(logp[s], behaviour[s], adv[s], mask[s], cfg, Norm(tokens=5, sequences=3))[0] for s in halves]
+    parts = [
+        policy_loss(logp[s], behaviour[s], adv[s], mask[s], cfg, Norm(tokens=5, sequences=3))[0]
+        for s in halves
+    ]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -118,29 +126,40 @@ def test_kl_k3_term():
 
 
 def test_decoupled_loss_hand_values():
-    """Clip against the proximal policy, weight by the truncated behaviour ratio (AReaL's decoupled PPO)."""
+    """Clip against the proximal policy, weight by the truncated behaviour ratio (AReaL's decoupled
+    PPO)."""
     logp = torch.tensor(LOGP, requires_grad=True)
     prox = torch.tensor([[-1.2, -2.0], [-0.8, -2.0]])
     adv = torch.tensor([2.0, -1.0])
     cfg = LossConfig(ratio="decoupled", clip_eps_low=0.2, clip_eps_high=0.2, truncate_max=1.5)
-    loss, stats = policy_loss(logp, torch.tensor(BEHAVIOUR), adv, torch.ones(2, 2), cfg, prox_logp=prox)
+    loss, stats = policy_loss(
+        logp, torch.tensor(BEHAVIOUR), adv, torch.ones(2, 2), cfg, prox_logp=prox
+    )
     r = [[math.exp(0.2), 1.0], [math.exp(-0.2), 1.0]]  # p_theta / p_prox
-    w = [[math.exp(0.3), math.exp(-1.0)], [1.5, math.exp(-1.0)]]  # min(p_prox / p_engine, 1.5): e^0.7 is cut
+    # min(p_prox / p_engine, 1.5): e^0.7 is cut
+    w = [[math.exp(0.3), math.exp(-1.0)], [1.5, math.exp(-1.0)]]
     a = [[2.0, 2.0], [-1.0, -1.0]]
-    objective = [[min(r[i][j] * a[i][j], min(max(r[i][j], 0.8), 1.2) * a[i][j]) for j in range(2)] for i in range(2)]
+    objective = [
+        [min(r[i][j] * a[i][j], min(max(r[i][j], 0.8), 1.2) * a[i][j]) for j in range(2)]
+        for i in range(2)
+    ]
     expected = -sum(w[i][j] * objective[i][j] for i in range(2) for j in range(2)) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     loss.backward()
-    # token (0, 0): r A = 2.44 > 1.2 A, the clip binds: no gradient; elsewhere d(-w r A)/dlogp = -w r A
+    # token (0, 0): r A = 2.44 > 1.2 A, the clip binds: no gradient; elsewhere d(-w r A)/dlogp = -w
+    # r A
     grad = [[0.0, -w[0][1] * 1.0 * 2 / 4], [w[1][0] * r[1][0] / 4, w[1][1] / 4]]
     assert logp.grad.tolist() == [pytest.approx(g, rel=1e-5, abs=1e-9) for g in grad]
-    assert stats.clip_frac == pytest.approx(0.5)  # one clipped by the proximal clip, one by the weight cap
-    assert stats.ratio_mean == pytest.approx((R_HI + R_LO) / 2, rel=1e-5)  # ratios stay p_trainer / p_engine
+    # one clipped by the proximal clip, one by the weight cap
+    assert stats.clip_frac == pytest.approx(0.5)
+    # ratios stay p_trainer / p_engine
+    assert stats.ratio_mean == pytest.approx((R_HI + R_LO) / 2, rel=1e-5)
 
 
 def test_decoupled_default_proximal_is_this_step_and_keeps_stale_gradients():
-    """Orbit takes one optimizer step per batch, so the proximal policy is the trainer's own logprob,
-    detached: no token is clipped away for being stale, unlike `clip` against a drifted engine policy."""
+    """Orbit takes one optimizer step per batch, so the proximal policy is the trainer's own
+    logprob, detached: no token is clipped away for being stale, unlike `clip` against a drifted
+    engine policy."""
     logp, behaviour, adv, mask = _inputs([2.0, -1.0])
     cfg = LossConfig(ratio="decoupled", truncate_max=1.5)
     loss, stats = policy_loss(logp, behaviour, adv, mask, cfg)
@@ -155,7 +174,8 @@ def test_decoupled_default_proximal_is_this_step_and_keeps_stale_gradients():
 
 
 def test_truncated_logprobs_hand_values():
-    """Logits [2, 1, 0, -1]: top_p 0.8 keeps {0, 1} (mass before token 2 is 0.88), top_k 3 keeps {0, 1, 2}."""
+    """Logits [2, 1, 0, -1]: top_p 0.8 keeps {0, 1} (mass before token 2 is 0.88), top_k 3 keeps {0,
+    1, 2}."""
     from orbit.rl.truncation import truncated_logprobs
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)
@@ -164,27 +184,39 @@ def test_truncated_logprobs_hand_values():
     assert got.item() == pytest.approx(-math.log(1 + math.e), rel=1e-6)  # e^1 / (e^2 + e^1)
     got.sum().backward()
     # the gradient carries the renormalisation: onehot(1) - softmax over the kept set only
-    kept = [math.e ** 2 / (math.e ** 2 + math.e), math.e / (math.e ** 2 + math.e)]
-    assert logits.grad.tolist()[0] == pytest.approx([-kept[0], 1 - kept[1], 0.0, 0.0], rel=1e-5, abs=1e-7)
+    kept = [math.e**2 / (math.e**2 + math.e), math.e / (math.e**2 + math.e)]
+    assert logits.grad.tolist()[0] == pytest.approx(
+        [-kept[0], 1 - kept[1], 0.0, 0.0], rel=1e-5, abs=1e-7
+    )
     assert truncated_logprobs(logp, torch.tensor([2]), 1.0, 3).item() == pytest.approx(
-        -math.log(math.e ** 2 + math.e + 1), rel=1e-6)
-    assert truncated_logprobs(logp, torch.tensor([1]), 1.0, 0).item() == pytest.approx(logp[0, 1].item())
-    # a target outside the kept set (numerics at the edge) widens it down to the target: finite, not -inf
+        -math.log(math.e**2 + math.e + 1), rel=1e-6
+    )
+    assert truncated_logprobs(logp, torch.tensor([1]), 1.0, 0).item() == pytest.approx(
+        logp[0, 1].item()
+    )
+    # a target outside the kept set (numerics at the edge) widens it down to the target: finite, not
+    # -inf
     assert truncated_logprobs(logp, torch.tensor([3]), 0.8, 0).item() == pytest.approx(
-        -1.0 - math.log(math.e ** 2 + math.e + 1 + math.e ** -1), rel=1e-6)
+        -1.0 - math.log(math.e**2 + math.e + 1 + math.e**-1), rel=1e-6
+    )
 
 
 def test_loss_on_truncated_logprobs_pins_the_sampled_policy():
-    """Engine and trainer on the same truncated distribution: ratio 1, and the gradient is the truncated
-    policy's: -A (onehot - kept softmax) / tokens, not the untruncated one's."""
+    """Engine and trainer on the same truncated distribution: ratio 1, and the gradient is the
+    truncated policy's: -A (onehot - kept softmax) / tokens, not the untruncated one's."""
     from orbit.rl.truncation import truncated_logprobs
 
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]], requires_grad=True)  # one sample, one token
-    logp = truncated_logprobs(torch.log_softmax(logits, -1), torch.tensor([[1]]), top_p=0.8, top_k=0)
-    behaviour = torch.tensor([[-math.log(1 + math.e)]])  # what the engine reports for the sampled token
+    logp = truncated_logprobs(
+        torch.log_softmax(logits, -1), torch.tensor([[1]]), top_p=0.8, top_k=0
+    )
+    # what the engine reports for the sampled token
+    behaviour = torch.tensor([[-math.log(1 + math.e)]])
     loss, stats = policy_loss(logp, behaviour, torch.tensor([2.0]), torch.ones(1, 1), LossConfig())
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-6)
     assert loss.item() == pytest.approx(2.0 * math.log(1 + math.e), rel=1e-6)
     loss.backward()
-    kept = [math.e ** 2 / (math.e ** 2 + math.e), math.e / (math.e ** 2 + math.e)]
-    assert logits.grad[0, 0].tolist() == pytest.approx([2 * kept[0], -2 * (1 - kept[1]), 0.0, 0.0], rel=1e-5, abs=1e-7)
+    kept = [math.e**2 / (math.e**2 + math.e), math.e / (math.e**2 + math.e)]
+    assert logits.grad[0, 0].tolist() == pytest.approx(
+        [2 * kept[0], -2 * (1 - kept[1]), 0.0, 0.0], rel=1e-5, abs=1e-7
+    )

@@ -1,6 +1,6 @@
-"""Unit tests of the rollout pipeline (admission, in flight, complete, take) and of the pieces a sample
-passes on its way: episodes, held interrupts. An engine double stands in for the engine: these test
-one piece each; the end-to-end tests run the real engines."""
+"""Unit tests of the rollout pipeline (admission, in flight, complete, take) and of the pieces a
+sample passes on its way: episodes, held interrupts. An engine double stands in for the engine:
+these test one piece each; the end-to-end tests run the real engines."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def _pool(n: int = 1) -> EnginePool:
     return EnginePool([FakeEngine() for _ in range(n)], [8] * n, monitor=False)
 
 
-def _pipeline(pool: EnginePool, batch: int = 2, k: int | None = 1, run_ahead: bool = False, **kw) -> Pipeline:
+def _pipeline(
+    pool: EnginePool, batch: int = 2, k: int | None = 1, run_ahead: bool = False, **kw
+) -> Pipeline:
     pipe = Pipeline(pool, batch, k, group_size=2, max_inflight=kw.pop("max_inflight", 64), **kw)
     if run_ahead:  # the former rule, bench/admission.py's
         pipe.admission = RunAhead(batch, k)
@@ -49,13 +51,24 @@ def _start_all(pipe: Pipeline) -> list[int]:
 
 def _complete(pipe: Pipeline, gid: int, rewards: tuple[float, float] = (0.0, 1.0)) -> None:
     version = pipe.in_flight[gid].version
-    samples = [Sample([1], [5, 6], [-0.1, -0.2], reward=r, version_start=version, version_end=version,
-                      group_id=gid) for r in rewards]
+    samples = [
+        Sample(
+            [1],
+            [5, 6],
+            [-0.1, -0.2],
+            reward=r,
+            version_start=version,
+            version_end=version,
+            group_id=gid,
+        )
+        for r in rewards
+    ]
     pipe.complete(gid, Group(PROMPT, samples, gid))
 
 
 def test_admission_starts_a_group_only_on_an_engine_fresh_enough():
-    """B = 2, K = 1: with the engine at version v, at most (v + K + 1) * B groups may have started."""
+    """B = 2, K = 1: with the engine at version v, at most (v + K + 1) * B groups may have
+    started."""
     pool = _pool()
     pipe = _pipeline(pool)
     pipe.grant(100)
@@ -110,21 +123,30 @@ def test_stale_groups_are_dropped_and_replaced():
     [fresh] = _start_all(pipe)
     threading.Timer(0.2, lambda: _complete(pipe, fresh)).start()
     batch = pipe.take(1, version=1, stall_s=10)  # the version-0 group is too old at version 1
-    assert batch.stale_dropped == 1 and batch.dropped_tokens == 4 and [g.id for g in batch.groups] == [fresh]
-    assert _start_all(pipe) == [2]  # its replacement was granted: admission counts it as not started
+    assert (
+        batch.stale_dropped == 1
+        and batch.dropped_tokens == 4
+        and [g.id for g in batch.groups] == [fresh]
+    )
+    # its replacement was granted: admission counts it as not started
+    assert _start_all(pipe) == [2]
 
 
 def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart():
-    """A group whose rewards are all equal never reaches the trainer; another starts in its place, admission
-    counting it as not started (so the staleness bound holds as for a dropped group), and the batch is full."""
+    """A group whose rewards are all equal never reaches the trainer; another starts in its place,
+    admission counting it as not started (so the staleness bound holds as for a dropped group), and
+    the batch is full."""
     pool = _pool()
-    pipe = _pipeline(pool, batch=2, k=0, keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries)
+    pipe = _pipeline(
+        pool, batch=2, k=0, keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries
+    )
     pipe.grant(2)
     assert _start_all(pipe) == [0, 1]
     _complete(pipe, 0, (1.0, 1.0))  # no signal
     _complete(pipe, 1)
     assert pipe.counts.filtered == 1 and pipe.counts.filtered_tokens == 4
-    assert _start_all(pipe) == [2]  # the replacement, at version 0: K = 0 admits exactly 2 groups at v0
+    # the replacement, at version 0: K = 0 admits exactly 2 groups at v0
+    assert _start_all(pipe) == [2]
     assert _start_all(pipe) == []
     _complete(pipe, 2, (0.0, 0.5))
     batch = pipe.take(2, version=0, stall_s=5)
@@ -132,20 +154,29 @@ def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart()
 
 
 def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
-    pipe = _pipeline(_pool(), batch=1, k=None, filter_limit=2,
-                     keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries)
+    pipe = _pipeline(
+        _pool(),
+        batch=1,
+        k=None,
+        filter_limit=2,
+        keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries,
+    )
     pipe.grant(1)
     for _ in range(3):
         [gid] = _start_all(pipe)
         _complete(pipe, gid, (0.0, 0.0))
-    with pytest.raises(RolloutError, match="dynamic sampling dropped 3 groups in a row whose rewards were all equal"):
+    with pytest.raises(
+        RolloutError,
+        match="dynamic sampling dropped 3 groups in a row whose rewards were all equal",
+    ):
         pipe.take(1, version=0, stall_s=5)
 
 
 def test_lost_episodes_stop_the_run_only_past_the_share_of_a_batchs_worth():
-    """Losses are judged once a batch's worth of episodes (2 groups of 2) ended since the last batch, each loss
-    counted with its episode's end: three losses ending together first (a timed-out episode beside this batch's
-    failures) do not stop the run, half lost does not, more than half does, naming the last reason."""
+    """Losses are judged once a batch's worth of episodes (2 groups of 2) ended since the last
+    batch, each loss counted with its episode's end: three losses ending together first (a timed-out
+    episode beside this batch's failures) do not stop the run, half lost does not, more than half
+    does, naming the last reason."""
     pipe = _pipeline(_pool(), batch=2, k=None, max_lost_frac=0.5)
     pipe.grant(2)
     for why in ("timed out", "raised", "nan"):
@@ -156,14 +187,18 @@ def test_lost_episodes_stop_the_run_only_past_the_share_of_a_batchs_worth():
     [gid, gid2] = _start_all(pipe)
     _complete(pipe, gid)
     _complete(pipe, gid2)
-    with pytest.raises(RolloutError, match="4 of the last 7 agent episodes were lost .*max_lost_frac 0.5.*"
-                                           "the last: the agent raised ValueError"):
+    with pytest.raises(
+        RolloutError,
+        match="4 of the last 7 agent episodes were lost .*max_lost_frac 0.5.*"
+        "the last: the agent raised ValueError",
+    ):
         pipe.take(2, version=0, stall_s=5)
 
 
 def test_a_group_at_its_deadline_is_waited_for_not_overtaken():
-    """B = 1, K = 1: a group started at version 0 must be trained at step 1; the trainer waits for it
-    rather than taking a newer complete group past it (overtaken, it would go stale: a length bias)."""
+    """B = 1, K = 1: a group started at version 0 must be trained at step 1; the trainer waits for
+    it rather than taking a newer complete group past it (overtaken, it would go stale: a length
+    bias)."""
     pool = _pool()
     pipe = _pipeline(pool, batch=1, k=1)
     pipe.grant(100)
@@ -192,15 +227,18 @@ def test_a_stall_says_what_was_seen():
 
 
 def test_an_engine_that_left_while_asked_is_named_with_the_pools_reason():
-    """The stall asks each engine for its state; the ping drops a hung one meanwhile (and kills it): the
-    description gives the reason it left, not the kill's own words."""
+    """The stall asks each engine for its state; the ping drops a hung one meanwhile (and kills it):
+    the description gives the reason it left, not the kill's own words."""
+
     class Hung(FakeEngine):
         def stats(self):
             time.sleep(0.3)
             raise RuntimeError("engine was killed")
 
     pool = EnginePool([Hung()], [8], monitor=False)
-    threading.Timer(0.1, lambda: pool.drop(pool.members[0], "did not answer for 5 s (hung)")).start()
+    threading.Timer(
+        0.1, lambda: pool.drop(pool.members[0], "did not answer for 5 s (hung)")
+    ).start()
     [(index, answer)] = pool.states(2.0)
     assert index == 0 and "left the pool: did not answer for 5 s (hung)" in str(answer)
 
@@ -214,12 +252,28 @@ def test_a_failed_producer_wakes_the_trainer_with_its_error():
 
 def test_an_episode_concatenates_turns_and_masks_what_was_injected():
     episode = Episode([1, 2])
-    episode.add_turn(Completion([1, 2], [5, 6], [-0.5, -0.6], "stop", 0, 3, 3, t_start=1.0, t_end=2.0))
+    episode.add_turn(
+        Completion([1, 2], [5, 6], [-0.5, -0.6], "stop", 0, 3, 3, t_start=1.0, t_end=2.0)
+    )
     episode.inject([7, 8, 9])
-    episode.add_turn(Completion([1, 2, 5, 6, 7, 8, 9], [10], [-0.1], "stop", 0, 4, 4, t_start=3.0, t_end=4.0))
+    episode.add_turn(
+        Completion([1, 2, 5, 6, 7, 8, 9], [10], [-0.1], "stop", 0, 4, 4, t_start=3.0, t_end=4.0)
+    )
     assert episode.context() == [1, 2, 5, 6, 7, 8, 9, 10]
-    assert episode.loss_mask == [1, 1, 0, 0, 0, 1] and episode.logprobs == [-0.5, -0.6, 0.0, 0.0, 0.0, -0.1]
-    assert (episode.version_start, episode.version_end, episode.turns, episode.tool_results) == (3, 4, 2, 1)
+    assert episode.loss_mask == [1, 1, 0, 0, 0, 1] and episode.logprobs == [
+        -0.5,
+        -0.6,
+        0.0,
+        0.0,
+        0.0,
+        -0.1,
+    ]
+    assert (episode.version_start, episode.version_end, episode.turns, episode.tool_results) == (
+        3,
+        4,
+        2,
+        1,
+    )
     assert (episode.t_start, episode.t_end) == (1.0, 4.0)
 
 

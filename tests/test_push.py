@@ -15,7 +15,15 @@ from orbit.engine.base import Capabilities, EngineDeadError, EngineError, Sampli
 from orbit.engine.pool import EnginePool
 from orbit.engine.sglang.gate import SlotGate
 from orbit.push.fleet import FleetPush
-from orbit.push.phases import AdapterPush, DoubleBufferPush, FullPush, MergedPush, Target, make_push, run_phases
+from orbit.push.phases import (
+    AdapterPush,
+    DoubleBufferPush,
+    FullPush,
+    MergedPush,
+    Target,
+    make_push,
+    run_phases,
+)
 from orbit.run.revive import Revival
 
 
@@ -45,8 +53,17 @@ def test_double_buffer_writes_the_inactive_slot_while_serving_then_flips():
     push.initial(engine, Policy(0))
     engine.calls.clear()
     run_phases([Target(push, engine)], Policy(1), None)
-    assert _kinds(engine) == [("load", 1), "pause_generation", "flush_cache", "activate", "continue_generation"]
-    assert engine.calls[1] == ("pause_generation", "in_place") and engine.calls[3] == ("activate", 1)
+    assert _kinds(engine) == [
+        ("load", 1),
+        "pause_generation",
+        "flush_cache",
+        "activate",
+        "continue_generation",
+    ]
+    assert engine.calls[1] == ("pause_generation", "in_place") and engine.calls[3] == (
+        "activate",
+        1,
+    )
     engine.active_slot = 1
     engine.calls.clear()
     run_phases([Target(push, engine)], Policy(2), None)
@@ -61,7 +78,8 @@ def test_the_ring_skips_slots_with_requests_and_reuses_the_one_inactive_longest(
     push.apply(engine, Policy(1), None)  # active 1; slot 0 deactivated at flip 1
     assert push.choose_slot(1, (0, 0, 0, 0)) == 2  # never used: inactive longest
     assert push.choose_slot(1, (0, 0, 3, 0)) == 3  # slot 2 still has requests of its own
-    assert push.choose_slot(1, (5, 0, 5, 5)) == 2  # all busy: the one inactive longest (its requests wait or abort)
+    # all busy: the one inactive longest (its requests wait or abort)
+    assert push.choose_slot(1, (5, 0, 5, 5)) == 2
     push.target = 2
     push.apply(engine, Policy(2), None)
     assert push.choose_slot(2, (0, 0, 0, 0)) == 3 and push.choose_slot(2, (0, 0, 0, 5)) == 0
@@ -70,16 +88,23 @@ def test_the_ring_skips_slots_with_requests_and_reuses_the_one_inactive_longest(
 def test_an_adapter_push_on_sglang_loads_while_generation_runs():
     engine = FakeEngine()
     caps = engine.capabilities
-    engine.capabilities = type(caps)(slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False)
+    engine.capabilities = type(caps)(
+        slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False
+    )
     push = make_push("adapter", "lora", engine.capabilities)
     run_phases([Target(push, engine)], Policy(1), None)
-    assert _kinds(engine) == [("load", 0)]  # no pause: the slot's requests finish first, new ones wait
+    # no pause: the slot's requests finish first, new ones wait
+    assert _kinds(engine) == [("load", 0)]
 
 
 def test_make_push_follows_adapter_type_and_engine_capabilities():
     # what the embedded engine and SGLang declare (EmbeddedClient, SGLangEngine)
-    embedded = Capabilities(slots=3, oft_slots=True, loads_while_paused=True, flush_while_running=True)
-    sglang = Capabilities(slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False)
+    embedded = Capabilities(
+        slots=3, oft_slots=True, loads_while_paused=True, flush_while_running=True
+    )
+    sglang = Capabilities(
+        slots=2, oft_slots=False, loads_while_paused=False, flush_while_running=False
+    )
     for engine in (embedded, sglang):
         for kind in ("lora", "oft"):
             assert type(make_push("full", kind, engine)) is FullPush
@@ -96,7 +121,9 @@ def test_make_push_follows_adapter_type_and_engine_capabilities():
     assert not make_push("double-buffer", "lora", sglang).flush
 
 
-def _fleet(n: int = 2, flip: str = "independent", **kw) -> tuple[EnginePool, FleetPush, list[FakeEngine]]:
+def _fleet(
+    n: int = 2, flip: str = "independent", **kw
+) -> tuple[EnginePool, FleetPush, list[FakeEngine]]:
     engines = [FakeEngine() for _ in range(n)]
     pool = EnginePool(engines, [8] * n, monitor=False)
     push = FleetPush("double-buffer", "lora", pool, flip, **kw)
@@ -140,7 +167,8 @@ def test_an_engine_busy_with_one_version_skips_to_the_newest():
     gate.set()
     _wait(lambda: pool.versions() == [3])
     push.finish()
-    assert [c[2] for c in engines[0].calls if c[0] == "load_adapter"] == [1, 3]  # 2 was skipped: latest wins
+    # 2 was skipped: latest wins
+    assert [c[2] for c in engines[0].calls if c[0] == "load_adapter"] == [1, 3]
 
 
 def test_a_refused_push_is_warned_and_the_run_stops_only_when_refusals_repeat():
@@ -168,7 +196,9 @@ def test_a_refused_push_is_warned_and_the_run_stops_only_when_refusals_repeat():
     for v in (3, 4, 5):
         push.push(Policy(v))
         _wait(lambda: push.updaters[0].idle())
-    with pytest.raises(EngineError, match="engine 0 refused 3 pushes in a row; the last: bad adapter"):
+    with pytest.raises(
+        EngineError, match="engine 0 refused 3 pushes in a row; the last: bad adapter"
+    ):
         push.push(Policy(6))
     push.stop()
 
@@ -194,7 +224,13 @@ def test_the_barrier_runs_each_phase_on_every_engine_and_waits():
     result = push.push(Policy(1))
     assert pool.versions() == [1, 1] and result.paused_s >= 0 and push.flip_lag()[0] == 1
     for e in engines:
-        assert _kinds(e) == [("load", 1), "pause_generation", "flush_cache", "activate", "continue_generation"]
+        assert _kinds(e) == [
+            ("load", 1),
+            "pause_generation",
+            "flush_cache",
+            "activate",
+            "continue_generation",
+        ]
 
 
 def test_serial_pushes_wait_until_every_engine_serves_the_version():
@@ -202,7 +238,9 @@ def test_serial_pushes_wait_until_every_engine_serves_the_version():
     push.push(Policy(1))
     assert pool.versions() == [1, 1]  # returned only once both serve it
     engines[0].load_adapter = lambda *a: time.sleep(2)
-    with pytest.raises(EngineDeadError, match="did not take version 2 within 0.5 s: engine 0 at v1"):
+    with pytest.raises(
+        EngineDeadError, match="did not take version 2 within 0.5 s: engine 0 at v1"
+    ):
         push.push(Policy(2))
     push.stop()
 
@@ -222,8 +260,9 @@ def test_slot_gate_rewrites_a_slot_only_once_its_requests_are_gone():
 
         await gate.rewrite(0, 1, paused=False, load=ok, unload=unloaded, restore=ok, backup=())
         assert await gate.enter(0) == 1  # a request running on version 1
-        rewrite = asyncio.ensure_future(gate.rewrite(0, 2, paused=False, load=ok, unload=unloaded, restore=ok,
-                                                     backup=()))
+        rewrite = asyncio.ensure_future(
+            gate.rewrite(0, 2, paused=False, load=ok, unload=unloaded, restore=ok, backup=())
+        )
         await asyncio.sleep(0.05)
         held = asyncio.ensure_future(gate.enter(0))  # a new request waits for the new adapter
         await asyncio.sleep(0.05)
@@ -232,19 +271,28 @@ def test_slot_gate_rewrites_a_slot_only_once_its_requests_are_gone():
         await rewrite
         assert await held == 2 and log == ["load", "unload", "load"]
         gate.leave(0)
-        with pytest.raises(EngineError, match="while paused"):  # unloading under paused requests would hang
+        # unloading under paused requests would hang
+        with pytest.raises(EngineError, match="while paused"):
             await gate.rewrite(0, 3, paused=True, load=ok, unload=unloaded, restore=ok, backup=())
 
     asyncio.run(scenario())
 
 
-# ---- engines that come back (orbit/run/revive.py) ----------------------------------------------------
+# ---- engines that come back (orbit/run/revive.py) ------------------------------------------------
 
 
 def _revived(n: int, restart, attached: bool = False, tries: int = 3, wait_s: float = 30.0):
     pool, push, engines = _fleet(n)
-    revival = Revival(pool, push, restart, attached=attached, tries=tries, wait_s=wait_s, poll_s=0.05,
-                      backoff_s=0.01)
+    revival = Revival(
+        pool,
+        push,
+        restart,
+        attached=attached,
+        tries=tries,
+        wait_s=wait_s,
+        poll_s=0.05,
+        backoff_s=0.01,
+    )
     return pool, push, engines, revival
 
 
@@ -256,7 +304,8 @@ def test_a_dead_engine_is_restarted_brought_to_the_newest_version_and_rejoins():
     pool.drop(pool.members[1], "engine process 9 died")
     _wait(lambda: pool.rejoined == 1)
     assert pool.members[1].engine is fresh and pool.versions() == [1, 1]
-    assert _kinds(fresh)[:2] == [("load", 0), "activate"]  # v1 (into its first slot) before it serves anything
+    # v1 (into its first slot) before it serves anything
+    assert _kinds(fresh)[:2] == [("load", 0), "activate"]
     push.push(Policy(2))  # and it flips with the others from then on
     _wait(lambda: pool.versions() == [2, 2])
     revival.stop()
@@ -291,9 +340,14 @@ def test_an_engine_that_cannot_be_restarted_is_given_up_after_its_tries():
     pool.on_warning = warnings.append
     pool.drop(pool.members[0], "engine process 9 died")
     held = pool.generate([1], SamplingParams())
-    with pytest.raises(EngineDeadError, match=r"engine process 9 died; not restarted after 2 tries \(RuntimeError"):
+    with pytest.raises(
+        EngineDeadError, match=r"engine process 9 died; not restarted after 2 tries \(RuntimeError"
+    ):
         held.result(5)
-    assert sum("restart" in w and "failed: RuntimeError: the device is gone" in w for w in warnings) == 2
+    assert (
+        sum("restart" in w and "failed: RuntimeError: the device is gone" in w for w in warnings)
+        == 2
+    )
     with pytest.raises(EngineDeadError):
         pool.require_alive()
     revival.stop()
@@ -345,7 +399,8 @@ def test_an_engine_that_dies_again_soon_after_coming_back_uses_up_its_tries():
     for n in (1, 2):
         pool.drop(pool.members[0], "engine process 9 died", pool.members[0].engine)
         _wait(lambda n=n: pool.rejoined == n)
-    pool.drop(pool.members[0], "engine process 9 died", pool.members[0].engine)  # a third death within STEADY_S
+    # a third death within STEADY_S
+    pool.drop(pool.members[0], "engine process 9 died", pool.members[0].engine)
     _wait(lambda: not pool.members[0].reviving)
     assert not pool.members[0].alive and "not restarted after 2 tries" in pool.members[0].reason
     revival.stop()

@@ -48,14 +48,16 @@ def test_recipe_with_sglang_missing_fails_before_compute(tiny_llama, monkeypatch
     assert "install_sglang.sh" in str(err.value)
 
 
-# ---- fixtures -------------------------------------------------------------------------------------
+# ---- fixtures ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     from orbit.engine.sglang import start_sglang_engine
 
-    eng = start_sglang_engine(tiny_llama, max_running=16, max_lora_rank=8, lora_target_modules=ALL_TARGETS)
+    eng = start_sglang_engine(
+        tiny_llama, max_running=16, max_lora_rank=8, lora_target_modules=ALL_TARGETS
+    )
     yield eng
     eng.shutdown()
 
@@ -110,7 +112,8 @@ GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def _greedy(engine, prompt: list[int], slot) -> list:
-    """SGLang's greedy tokens and their logprobs (log_softmax(logits)) on a slot (None: the base)."""
+    """SGLang's greedy tokens and their logprobs (log_softmax(logits)) on a slot (None: the
+    base)."""
     c = engine.generate(prompt, GREEDY, slot=slot).result(120)
     return c.output_ids, c.logprobs
 
@@ -126,7 +129,7 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-# ---- numerics -------------------------------------------------------------------------------------
+# ---- numerics ------------------------------------------------------------------------------------
 
 
 @needs_sglang
@@ -136,12 +139,16 @@ def test_base_logprobs_match_transformers(engine, tiny_llama):
     for p in prompts(4, seed=3):
         worst_tf = max(worst_tf, _greedy_vs(engine, ref_model, p, slot=None))
     for t in (1.0, 0.7):
-        futs = [engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=None)
-                for p in prompts(4, seed=4)]
+        futs = [
+            engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=None)
+            for p in prompts(4, seed=4)
+        ]
         for f in futs:
             c = f.result(120)
-            worst_sampled = max(worst_sampled, _max_diff(c.logprobs, _sampled_ref(ref_model, c.prompt_ids,
-                                                                                   c.output_ids, t)))
+            worst_sampled = max(
+                worst_sampled,
+                _max_diff(c.logprobs, _sampled_ref(ref_model, c.prompt_ids, c.output_ids, t)),
+            )
     print(f"\nbase vs transformers: greedy {worst_tf:.2e}, sampled (T=1, 0.7) {worst_sampled:.2e}")
     assert worst_tf < BASE_TOL and worst_sampled < BASE_TOL
 
@@ -158,19 +165,27 @@ def test_trainer_adapter_in_a_slot_matches_peft(engine, policy_a):
         ids, with_adapter = _greedy(engine, p, slot=0)
         effect = _max_diff(hf_logprobs(peft_model, p, ids), with_adapter)
     for t in (1.0, 0.7):
-        futs = [engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=0) for p in prompts(4, 6)]
+        futs = [
+            engine.generate(p, SamplingParams(max_new_tokens=24, temperature=t), slot=0)
+            for p in prompts(4, 6)
+        ]
         for f in futs:
             c = f.result(120)
             assert c.slot == 0 and c.version_start == c.version_end == 1
-            worst_sampled = max(worst_sampled, _max_diff(c.logprobs, _sampled_ref(peft_model, c.prompt_ids,
-                                                                                   c.output_ids, t)))
-    print(f"\nLoRA (trainer export, q/k/v/o r=8) vs peft: greedy {worst_tf:.2e}, sampled {worst_sampled:.2e}"
-          f" (adapter effect {effect:.2f})")
+            worst_sampled = max(
+                worst_sampled,
+                _max_diff(c.logprobs, _sampled_ref(peft_model, c.prompt_ids, c.output_ids, t)),
+            )
+    print(
+        f"\nLoRA (trainer export, q/k/v/o r=8) vs peft: greedy {worst_tf:.2e}, sampled "
+        f"{worst_sampled:.2e}"
+        f" (adapter effect {effect:.2f})"
+    )
     assert effect > 0.1, "the adapter must change the logprobs, else the comparison proves nothing"
     assert worst_tf < LORA_TOL and worst_sampled < LORA_TOL
 
 
-# ---- slots: the flip, overwriting a serving slot ---------------------------------------------------
+# ---- slots: the flip, overwriting a serving slot -------------------------------------------------
 
 
 @needs_sglang
@@ -179,7 +194,8 @@ def test_flip_in_flight_finish_on_old_slot_new_start_on_new(engine, policy_a, po
     old = _serve_long(engine, policy_a, 1, prompts(4, seed=7))
     _load(engine, 1, policy_b, version=2)  # the inactive slot, while slot 0 serves
     running = sum(not f.done() for f in old)
-    engine.pause_generation("in_place")  # the double-buffer flip on SGLang (no flush: see push/phases.py)
+    # the double-buffer flip on SGLang (no flush: see push/phases.py)
+    engine.pause_generation("in_place")
     engine.activate(1)
     engine.continue_generation()
     new = [engine.generate(p, SHORT) for p in prompts(4, seed=8)]
@@ -192,10 +208,20 @@ def test_flip_in_flight_finish_on_old_slot_new_start_on_new(engine, policy_a, po
     for c in news:
         assert (c.slot, c.version_start, c.version_end) == (1, 2, 2)
     # and the numbers say the same: old requests ran on A to the end, new ones on B
-    assert _max_diff(olds[0].logprobs, _sampled_ref(policy_a.model, olds[0].prompt_ids, olds[0].output_ids, 1.0)) \
+    assert (
+        _max_diff(
+            olds[0].logprobs,
+            _sampled_ref(policy_a.model, olds[0].prompt_ids, olds[0].output_ids, 1.0),
+        )
         < LORA_TOL
-    assert _max_diff(news[0].logprobs, _sampled_ref(policy_b.model, news[0].prompt_ids, news[0].output_ids, 1.0)) \
+    )
+    assert (
+        _max_diff(
+            news[0].logprobs,
+            _sampled_ref(policy_b.model, news[0].prompt_ids, news[0].output_ids, 1.0),
+        )
         < LORA_TOL
+    )
 
 
 @needs_sglang
@@ -206,15 +232,21 @@ def test_overwriting_the_serving_slot_lets_its_requests_finish_first(engine, pol
     loader = threading.Thread(target=_load, args=(engine, 0, policy_b, 4))
     loader.start()
     time.sleep(0.05)
-    held = engine.generate(prompts(1, seed=10)[0], SHORT)  # submitted while slot 0 is being rewritten
+    # submitted while slot 0 is being rewritten
+    held = engine.generate(prompts(1, seed=10)[0], SHORT)
     loader.join(120)
     assert not loader.is_alive()
-    assert all(f.done() for f in running), "load_adapter returned before the slot's requests finished"
+    assert all(f.done() for f in running), (
+        "load_adapter returned before the slot's requests finished"
+    )
     for c in (f.result() for f in running):
         assert (c.version_start, c.version_end, len(c.output_ids)) == (3, 3, 200)
     c = held.result(120)
     assert (c.slot, c.version_start, c.version_end) == (0, 4, 4)
-    assert _max_diff(c.logprobs, _sampled_ref(policy_b.model, c.prompt_ids, c.output_ids, 1.0)) < LORA_TOL
+    assert (
+        _max_diff(c.logprobs, _sampled_ref(policy_b.model, c.prompt_ids, c.output_ids, 1.0))
+        < LORA_TOL
+    )
 
 
 # ---- bad pushes ----------------------------------------------------------------------------------
@@ -244,8 +276,13 @@ def test_bad_adapter_push_is_rejected_and_the_slot_keeps_serving(engine, policy_
         "inf": (bad(**{name: inf}), config),
         "unknown name": (bad(**{name.replace("q_proj", "x_proj"): good[name]}), config),
         "layer out of range": (bad(**{name.replace("layers.0.", "layers.9."): good[name]}), config),
-        "rank above max_lora_rank": ({k: torch.zeros(16, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 16)
-                                      for k, v in good.items()}, {**config, "r": 16}),
+        "rank above max_lora_rank": (
+            {
+                k: torch.zeros(16, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 16)
+                for k, v in good.items()
+            },
+            {**config, "r": 16},
+        ),
         "OFT": ({}, {**config, "peft_type": "OFT"}),
         "DoRA": (good, {**config, "use_dora": True}),
         "missing tensors": ({k: v for k, v in good.items() if "layers.1." not in k}, config),
@@ -285,8 +322,13 @@ def test_bad_weight_push_is_rejected(engine, tiny_llama):
     name = "model.layers.0.self_attn.q_proj.weight"
     nan = w[name].clone()
     nan[0, 0] = float("nan")
-    for tensors in ({"model.layers.0.self_attn.x_proj.weight": w[name]}, {name: w[name][:-1]}, {name: nan},
-                    {name: w[name].to(torch.int64)}, {}):
+    for tensors in (
+        {"model.layers.0.self_attn.x_proj.weight": w[name]},
+        {name: w[name][:-1]},
+        {name: nan},
+        {name: w[name].to(torch.int64)},
+        {},
+    ):
         with pytest.raises(EngineError):
             engine.update_weights(tensors, 50)
     assert engine.stats().base_version == 0
@@ -294,7 +336,7 @@ def test_bad_weight_push_is_rejected(engine, tiny_llama):
     assert after[0] == before[0] and _max_diff(before[1], after[1]) < 1e-6
 
 
-# ---- no hang in the orders the modes use -----------------------------------------------------------
+# ---- no hang in the orders the modes use ---------------------------------------------------------
 
 
 @needs_sglang
@@ -303,7 +345,8 @@ def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_
     ref = hf_model(tiny_llama)
     original = load_file(str(tiny_llama / "model.safetensors"))
 
-    # full push (sync, async-full): retract, flush, update_weights, continue; requests on base continue
+    # full push (sync, async-full): retract, flush, update_weights, continue; requests on base
+    # continue
     futs = [engine.generate(p, LONG, slot=None) for p in prompts(3, seed=13)]
     time.sleep(0.3)
     engine.pause_generation("retract")
@@ -352,7 +395,7 @@ def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_
     assert not stats.paused and stats.running == 0 and stats.paused_s > 0
 
 
-# ---- issue-tracker traps, checked on the real engine ------------------------------------------------
+# ---- issue-tracker traps, checked on the real engine ---------------------------------------------
 
 
 @needs_sglang
@@ -375,9 +418,9 @@ def test_unloading_a_slot_after_its_requests_were_aborted_does_not_hang(engine, 
 @needs_sglang
 @pytest.mark.timeout(180)
 def test_a_reused_slot_never_serves_prefix_kv_of_its_previous_adapter(engine, policy_a, policy_b):
-    """Same prompt on slot 0 under adapter A (its KV goes into SGLang's radix cache), a flip to slot 1,
-    slot 0 rewritten with adapter B two versions later: the prompt's logprobs on slot 0 equal a fresh
-    computation under B (peft), not anything computed under A."""
+    """Same prompt on slot 0 under adapter A (its KV goes into SGLang's radix cache), a flip to slot
+    1, slot 0 rewritten with adapter B two versions later: the prompt's logprobs on slot 0 equal a
+    fresh computation under B (peft), not anything computed under A."""
     p = prompts(1, seed=32, low=40, high=41)[0]  # a long prompt: a prefix-cache hit is most of it
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     _load(engine, 0, policy_a, version=30)
@@ -392,18 +435,22 @@ def test_a_reused_slot_never_serves_prefix_kv_of_its_previous_adapter(engine, po
     under_b = engine.generate(p, greedy).result(60)
     fresh = hf_logprobs(policy_b.model, p, under_b.output_ids)
     assert _max_diff(under_b.logprobs, fresh) < LORA_TOL
-    assert _max_diff(under_a.logprobs, hf_logprobs(policy_a.model, p, under_a.output_ids)) < LORA_TOL
-    assert _max_diff(hf_logprobs(policy_a.model, p, under_b.output_ids), fresh) > 0.1  # A and B differ
+    assert (
+        _max_diff(under_a.logprobs, hf_logprobs(policy_a.model, p, under_a.output_ids)) < LORA_TOL
+    )
+    # A and B differ
+    assert _max_diff(hf_logprobs(policy_a.model, p, under_b.output_ids), fresh) > 0.1
 
 
-# ---- every request gets an answer -------------------------------------------------------------------
+# ---- every request gets an answer ----------------------------------------------------------------
 
 
 @needs_sglang
 @pytest.mark.timeout(120)
 def test_a_reply_that_cannot_be_read_fails_the_request_not_hangs(engine, monkeypatch):
-    """Parsing SGLang's reply happens after the request left SGLang: a reply without meta_info, or with a
-    finish reason Orbit does not know, must fail the future, never leave it unset."""
+    """Parsing SGLang's reply happens after the request left SGLang: a reply without meta_info, or
+    with a finish reason Orbit does not know, must fail the future, never leave it unset."""
+
     async def no_meta(body):
         return {"output_ids": [5, 6]}
 
@@ -413,37 +460,59 @@ def test_a_reply_that_cannot_be_read_fails_the_request_not_hangs(engine, monkeyp
         fut.result(10)
 
     async def odd_finish(body):
-        return {"output_ids": [5], "meta_info": {"finish_reason": {"type": "preempted"},
-                                                 "output_token_logprobs": [[-1.0, 5, None]]}}
+        return {
+            "output_ids": [5],
+            "meta_info": {
+                "finish_reason": {"type": "preempted"},
+                "output_token_logprobs": [[-1.0, 5, None]],
+            },
+        }
 
     monkeypatch.setattr(engine.transport, "generate", odd_finish)
     with pytest.raises(EngineError, match="finish reason Orbit does not know.*preempted"):
         engine.generate(prompts(1, seed=41)[0], SHORT, slot=None).result(10)
     monkeypatch.undo()
-    assert engine.generate(prompts(1, seed=42)[0], SHORT, slot=None).result(60).finish_reason in ("stop", "length")
+    assert engine.generate(prompts(1, seed=42)[0], SHORT, slot=None).result(60).finish_reason in (
+        "stop",
+        "length",
+    )
     assert engine.stats().running == 0
 
 
 @needs_sglang
 def test_top_p_top_k_logprobs_are_the_truncated_policy(engine, tiny_llama):
     """With top-k/top-p SGLang reports the sampled token's logprob under the truncated, renormalised
-    distribution (its sampling mask), which is what Orbit's trainer scores: transformers' warpers agree."""
+    distribution (its sampling mask), which is what Orbit's trainer scores: transformers' warpers
+    agree."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     ref = hf_model(tiny_llama)
     for top_p, top_k in ((0.8, 0), (1.0, 5)):
-        sp = SamplingParams(max_new_tokens=24, temperature=0.7, top_p=top_p, top_k=top_k, ignore_eos=True)
+        sp = SamplingParams(
+            max_new_tokens=24, temperature=0.7, top_p=top_p, top_k=top_k, ignore_eos=True
+        )
         for f in [engine.generate(p, sp, slot=None) for p in prompts(2, seed=43)]:
             c = f.result(120)
             with torch.no_grad():
-                logits = ref(torch.tensor([c.prompt_ids + c.output_ids])).logits[0, len(c.prompt_ids) - 1:-1]
+                logits = ref(torch.tensor([c.prompt_ids + c.output_ids])).logits[
+                    0, len(c.prompt_ids) - 1 : -1
+                ]
             scores = TemperatureLogitsWarper(0.7)(None, logits)
-            scores = TopKLogitsWarper(top_k)(None, scores) if top_k else TopPLogitsWarper(top_p)(None, scores)
-            want = torch.log_softmax(scores, -1).gather(1, torch.tensor(c.output_ids)[:, None]).squeeze(1).tolist()
+            scores = (
+                TopKLogitsWarper(top_k)(None, scores)
+                if top_k
+                else TopPLogitsWarper(top_p)(None, scores)
+            )
+            want = (
+                torch.log_softmax(scores, -1)
+                .gather(1, torch.tensor(c.output_ids)[:, None])
+                .squeeze(1)
+                .tolist()
+            )
             assert _max_diff(c.logprobs, want) < BASE_TOL
 
 
-# ---- a dead scheduler, a clean shutdown -------------------------------------------------------------
+# ---- a dead scheduler, a clean shutdown ----------------------------------------------------------
 
 
 @needs_sglang
@@ -451,7 +520,8 @@ def test_top_p_top_k_logprobs_are_the_truncated_policy(engine, tiny_llama):
 def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_children(tiny_llama):
     from orbit.engine.sglang import start_sglang_engine
 
-    bystander = subprocess.Popen(["sleep", "300"])  # another child of this process (e.g. an embedded engine)
+    # another child of this process (e.g. an embedded engine)
+    bystander = subprocess.Popen(["sleep", "300"])
     try:
         eng = start_sglang_engine(tiny_llama, max_running=8, max_lora_rank=8)
         try:
@@ -477,14 +547,19 @@ def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_childre
         bystander.wait()
 
 
-# ---- push selection and merged weights (no SGLang needed) --------------------------------------------
+# ---- push selection and merged weights (no SGLang needed) ----------------------------------------
 
 
 def test_merged_weights_of_the_adapted_modules_only(tiny_llama):
     from orbit.train.trainer import Trainer
 
-    trainer = Trainer(tiny_llama, AdapterConfig(type="oft", oft_block_size=8, target_modules=["q_proj", "o_proj"]),
-                      TrainerConfig(), temperature=1.0, seed=0)
+    trainer = Trainer(
+        tiny_llama,
+        AdapterConfig(type="oft", oft_block_size=8, target_modules=["q_proj", "o_proj"]),
+        TrainerConfig(),
+        temperature=1.0,
+        seed=0,
+    )
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if "oft_" in name:
@@ -498,11 +573,14 @@ def test_merged_weights_of_the_adapted_modules_only(tiny_llama):
 
 @needs_sglang
 def test_qwen3_as_it_is_base_and_lora_slot_match_transformers_and_peft(tiny_qwen3):
-    """SGLang runs Qwen3 (per-head q/k RMSNorm) as it is: base and a LoRA slot against transformers/peft."""
+    """SGLang runs Qwen3 (per-head q/k RMSNorm) as it is: base and a LoRA slot against
+    transformers/peft."""
     from orbit.engine.sglang import start_sglang_engine
 
     policy = _trainer(tiny_qwen3, seed=3)
-    eng = start_sglang_engine(tiny_qwen3, max_running=8, max_lora_rank=8, lora_target_modules=ALL_TARGETS)
+    eng = start_sglang_engine(
+        tiny_qwen3, max_running=8, max_lora_rank=8, lora_target_modules=ALL_TARGETS
+    )
     try:
         _load(eng, 0, policy, version=1)
         ref = hf_model(tiny_qwen3)

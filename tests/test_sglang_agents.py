@@ -1,6 +1,7 @@
-"""Agent and reasoning-gym tasks on SGLang, in-process and as a server: one sweep each, its two runs an agent
-written against the `openai` client (through Orbit's endpoint, in front of SGLang) and a reasoning-gym dataset,
-a few steps each, the engine's and the trainer's logprobs of the same tokens agreeing every step."""
+"""Agent and reasoning-gym tasks on SGLang, in-process and as a server: one sweep each, its two runs
+an agent written against the `openai` client (through Orbit's endpoint, in front of SGLang) and a
+reasoning-gym dataset, a few steps each, the engine's and the trainer's logprobs of the same tokens
+agreeing every step."""
 
 from __future__ import annotations
 
@@ -25,22 +26,47 @@ STEPS = 3
 def test_an_agent_and_a_reasoning_gym_task_train_on_sglang(tmp_path, tiny_llama, backend):
     model = with_chat_template(tiny_llama, ROOT / ".cache" / "tiny" / "llama-s0-chat")
     recipe = {
-        "model": str(model), "out": str(tmp_path / "sweep"), "mode": "double-buffer", "seed": 1,
+        "model": str(model),
+        "out": str(tmp_path / "sweep"),
+        "mode": "double-buffer",
+        "seed": 1,
         "adapter": {"type": "lora", "r": 8, "alpha": 16},
         "engine": {"backend": backend, "max_inflight": 16, "max_running": 32},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8, "episode_timeout_s": 120},
+        "rollout": {
+            "group_size": 4,
+            "prompts_per_step": 2,
+            "max_new_tokens": 8,
+            "episode_timeout_s": 120,
+        },
         "trainer": {"lr": 0.01, "steps": STEPS, "save_every": STEPS},
         "runs": [
-            {"name": "agent", "task": {"name": "agent", "entry": f"{ROOT}/tests/agents.py:retry",
-                                       "data": str(ROOT / "tests/data/questions.jsonl")}},
-            {"name": "gym", "task": {"name": "reasoning-gym", "dataset": "chain_sum", "answer": "final",
-                                     "config": {"min_terms": 2, "max_terms": 2}}},
+            {
+                "name": "agent",
+                "task": {
+                    "name": "agent",
+                    "entry": f"{ROOT}/tests/agents.py:retry",
+                    "data": str(ROOT / "tests/data/questions.jsonl"),
+                },
+            },
+            {
+                "name": "gym",
+                "task": {
+                    "name": "reasoning-gym",
+                    "dataset": "chain_sum",
+                    "answer": "final",
+                    "config": {"min_terms": 2, "max_terms": 2},
+                },
+            },
         ],
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    res = subprocess.run([sys.executable, "-m", "orbit.cli", "sweep", str(path), "--quiet"], capture_output=True,
-                         text=True, timeout=400)
+    res = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "sweep", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for run in ("agent", "gym"):
         rows = run_metrics(tmp_path / "sweep" / run)

@@ -30,8 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _chat_prompts(tokenizer, n: int) -> list[list[int]]:
     """The recipe's questions as the chat template's user turn."""
-    task = make_task(TaskConfig(name="arith", chat=True, answer="math", max_digits=2, ops="+",
-                                template="What is {a} {op} {b}?"), tokenizer)
+    task = make_task(
+        TaskConfig(
+            name="arith",
+            chat=True,
+            answer="math",
+            max_digits=2,
+            ops="+",
+            template="What is {a} {op} {b}?",
+        ),
+        tokenizer,
+    )
     prompts = task.prompts(seed=0)
     return [list(next(prompts).prompt_ids) for _ in range(n)]
 
@@ -41,14 +50,19 @@ def test_engine_numerics_match_transformers(smollm2):
     core, ref = engine_core(smollm2, max_running=4), hf_model(smollm2)
     prompts = _chat_prompts(tokenizer, 3)
     eos = core.spec.eos_token_ids[0]
-    rids = [core.submit(p, SamplingParams(max_new_tokens=24, temperature=0.0), None) for p in prompts]
+    rids = [
+        core.submit(p, SamplingParams(max_new_tokens=24, temperature=0.0), None) for p in prompts
+    ]
     done = dict(core.run_until_idle())
     for rid, p in zip(rids, prompts, strict=True):
         c = done[rid]
         assert c.output_ids == hf_greedy(ref, p, 24, eos), tokenizer.decode(c.output_ids)
         assert max_diff(c.logprobs, hf_logprobs(ref, p, c.output_ids)) <= TOL
-        # teacher-forced on a continuation the model would not pick: every position, not just its argmax
-        other = tokenizer.encode(" The answer is 12345, and that is final.", add_special_tokens=False)
+        # teacher-forced on a continuation the model would not pick: every position, not just its
+        # argmax
+        other = tokenizer.encode(
+            " The answer is 12345, and that is final.", add_special_tokens=False
+        )
         assert max_diff(score(core, p, other), hf_logprobs(ref, p, other)) <= TOL
 
 
@@ -119,8 +133,12 @@ def test_two_train_steps_on_sglang_in_process(tmp_path, smollm2):
 def test_an_unreadable_gguf_is_one_line(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    out = subprocess.run([sys.executable, "-m", "orbit.cli", "model", "import", str(bad), str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "orbit.cli", "model", "import", str(bad), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode != 0 and len(lines) == 1, lines
     assert str(bad) in lines[0] and "GGUF" in lines[0]

@@ -1,6 +1,7 @@
-"""The soak (bench/soak.py) in its short form: two embedded engines Orbit started, every fault once, and the
-run comes through each with nothing lost and nothing left behind. The 30-minute figures (embedded and
-SGLang servers) are the bench's own; here only what must hold every time is checked, never a speed."""
+"""The soak (bench/soak.py) in its short form: two embedded engines Orbit started, every fault once,
+and the run comes through each with nothing lost and nothing left behind. The 30-minute figures
+(embedded and SGLang servers) are the bench's own; here only what must hold every time is checked,
+never a speed."""
 
 from __future__ import annotations
 

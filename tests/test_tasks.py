@@ -45,7 +45,7 @@ def _take(stream, n):
     return [next(stream) for _ in range(n)]
 
 
-# ---- built-in tasks: prompts, splits, scoring -----------------------------------------------------
+# ---- built-in tasks: prompts, splits, scoring ----------------------------------------------------
 
 
 def test_task_tokens_are_single_tokens(tok):
@@ -75,7 +75,11 @@ def test_arith_scoring_and_failure_modes(tok):
     assert s.reward == pytest.approx(1.2) and s.info["correct"] and s.info["format_ok"]
     assert s.info["failure_mode"] == "success"
     s = task.score(p, _enc(tok, wrong))
-    assert s.reward == pytest.approx(0.2) and not s.info["correct"] and s.info["failure_mode"] == "wrong_answer"
+    assert (
+        s.reward == pytest.approx(0.2)
+        and not s.info["correct"]
+        and s.info["failure_mode"] == "wrong_answer"
+    )
     s = task.score(p, _enc(tok, p.answer) + [tok.eos_token_id])
     assert s.reward == 0.0 and not s.info["format_ok"] and s.info["failure_mode"] == "wrong_format"
     s = task.score(p, _enc(tok, f"<answer>{p.answer}"))  # never closed: no answer tag
@@ -121,8 +125,12 @@ def test_zorplex_tool_scoring_and_failure_modes(tok):
     # +1.0 correct, +0.2 tag, -0.1 for the third call
     assert right.reward == pytest.approx(1.1) and right.info["failure_mode"] == "success"
     assert right.info["tool_calls"] == 3
-    spam = task.score(p, _zorplex_episode(task, tok, p, chain + [chain[0], chain[1]], "10" if p.answer != "10"
-                                          else "11"))
+    spam = task.score(
+        p,
+        _zorplex_episode(
+            task, tok, p, chain + [chain[0], chain[1]], "10" if p.answer != "10" else "11"
+        ),
+    )
     assert spam.info["failure_mode"] == "tool_spam" and spam.reward == pytest.approx(0.2 - 0.3)
     no_tag = task.score(p, _zorplex_episode(task, tok, p, chain, None) + _enc(tok, p.answer))
     assert no_tag.info["failure_mode"] == "wrong_format" and no_tag.reward == pytest.approx(-0.1)
@@ -146,30 +154,47 @@ def test_zorplex_splits_disjoint(tok):
 
 @pytest.mark.slow
 def test_chat_model_style_tool_calls(tiny_task_tokens, tmp_path):
-    """The GPU recipes' shape: a chat template around the prompt, <tool_call>...</tool_call> calls that
-    stop at the one-token </tool_call>, and tool responses in their own markup."""
+    """The GPU recipes' shape: a chat template around the prompt, <tool_call>...</tool_call> calls
+    that stop at the one-token </tool_call>, and tool responses in their own markup."""
     chat_tok = AutoTokenizer.from_pretrained(tiny_task_tokens)
     chat_tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
-    chat_tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    cfg = TaskConfig(name="zorplex", chat=True, call_format="<tool_call>LOOKUP({key})</tool_call>",
-                     call_end="</tool_call>", result_format="\n<tool_response>{value}</tool_response>\n",
-                     template="What is the zorplex value of {key}?")
+    chat_tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    cfg = TaskConfig(
+        name="zorplex",
+        chat=True,
+        call_format="<tool_call>LOOKUP({key})</tool_call>",
+        call_end="</tool_call>",
+        result_format="\n<tool_response>{value}</tool_response>\n",
+        template="What is the zorplex value of {key}?",
+    )
     task = make_task(cfg, chat_tok)
     p = next(task.prompts(0))
-    assert chat_tok.decode(p.prompt_ids) == f"<|user|>What is the zorplex value of {p.meta['chain'][0]}?\n<|assistant|>"
+    assert (
+        chat_tok.decode(p.prompt_ids)
+        == f"<|user|>What is the zorplex value of {p.meta['chain'][0]}?\n<|assistant|>"
+    )
     end = chat_tok.convert_tokens_to_ids("</tool_call>")
     assert end in task.stop_token_ids
     key = p.meta["chain"][0]
     turn = _enc(chat_tok, f"<tool_call>LOOKUP({key})</tool_call>")
     assert turn[-1] == end
-    assert chat_tok.decode(task.next_turn(p, turn)) == f"\n<tool_response>{p.meta['table'][key]}</tool_response>\n"
+    assert (
+        chat_tok.decode(task.next_turn(p, turn))
+        == f"\n<tool_response>{p.meta['table'][key]}</tool_response>\n"
+    )
     demo = task.demonstration(p)
     assert task.score(p, [t for seg in demo for t in seg.ids]).info["correct"]
-    arith = make_task(TaskConfig(name="arith", chat=True, template="Compute {a} {op} {b}."), chat_tok)
+    arith = make_task(
+        TaskConfig(name="arith", chat=True, template="Compute {a} {op} {b}."), chat_tok
+    )
     assert chat_tok.decode(next(arith.prompts(0)).prompt_ids).startswith("<|user|>Compute ")
     with pytest.raises(RecipeError, match="no chat template"):
-        make_task(TaskConfig(name="arith", chat=True), AutoTokenizer.from_pretrained(tiny_task_tokens))
+        make_task(
+            TaskConfig(name="arith", chat=True), AutoTokenizer.from_pretrained(tiny_task_tokens)
+        )
 
 
 def test_call_end_must_be_one_token(tok):
@@ -181,8 +206,8 @@ def test_call_end_must_be_one_token(tok):
 
 
 class OracleEngine(FakeEngine):
-    """A scripted engine that plays zorplex perfectly: it calls LOOKUP along the chain, then answers.
-    Records every request; turn i reports weights version i."""
+    """A scripted engine that plays zorplex perfectly: it calls LOOKUP along the chain, then
+    answers. Records every request; turn i reports weights version i."""
 
     def __init__(self, task, tok, prompts) -> None:
         super().__init__()
@@ -195,18 +220,29 @@ class OracleEngine(FakeEngine):
         with self.lock:
             self.requests.append((list(prompt_ids), sampling))
         prompt = next(p for ids, p in self.by_ids.items() if tuple(prompt_ids[: len(ids)]) == ids)
-        transcript = self.tok.decode(prompt_ids[len(prompt.prompt_ids):])
+        transcript = self.tok.decode(prompt_ids[len(prompt.prompt_ids) :])
         turn = transcript.count("LOOKUP(")
         chain = prompt.meta["chain"]
-        text = f"LOOKUP({chain[turn]})" if turn < len(chain) else f"<answer>{prompt.answer}</answer>"
+        text = (
+            f"LOOKUP({chain[turn]})" if turn < len(chain) else f"<answer>{prompt.answer}</answer>"
+        )
         out = _enc(self.tok, text)
         fut: Future = Future()
-        fut.set_result(Completion(list(prompt_ids), out, [-0.5] * len(out), "stop", None, turn, turn))
+        fut.set_result(
+            Completion(list(prompt_ids), out, [-0.5] * len(out), "stop", None, turn, turn)
+        )
         return fut
 
 
-def _rollout(engine, task, sampling: SamplingParams, group_size: int, groups: int, max_inflight: int,
-             timeout: float):
+def _rollout(
+    engine,
+    task,
+    sampling: SamplingParams,
+    group_size: int,
+    groups: int,
+    max_inflight: int,
+    timeout: float,
+):
     """One batch of `groups` groups from a real Producer and Pipeline over `engine`."""
     pool = EnginePool([engine], [max_inflight], monitor=False)
     pipeline = Pipeline(pool, groups, None, group_size, max_inflight)
@@ -223,11 +259,21 @@ def test_multi_turn_rollout_injects_tool_results_and_masks_them(tok):
     task = make_task(TaskConfig(name="zorplex", min_hops=2, max_hops=3), tok)
     prompts = _take(task.prompts(0), 4)
     engine = OracleEngine(task, tok, prompts)
-    batch = _rollout(engine, task, SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
-                     group_size=2, groups=2, max_inflight=8, timeout=30)
+    batch = _rollout(
+        engine,
+        task,
+        SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
+        group_size=2,
+        groups=2,
+        max_inflight=8,
+        timeout=30,
+    )
     call_end, answer_end = _enc(tok, ")")[0], _enc(tok, "</answer>")[0]
     # every turn may stop at a call's end or the answer's end, besides eos
-    assert all({call_end, answer_end, tok.eos_token_id} <= set(s.stop_token_ids) for _, s in engine.requests)
+    assert all(
+        {call_end, answer_end, tok.eos_token_id} <= set(s.stop_token_ids)
+        for _, s in engine.requests
+    )
     for group in batch.groups:
         p, hops = group.prompt, len(group.prompt.meta["chain"])
         for s in group.samples:
@@ -237,7 +283,10 @@ def test_multi_turn_rollout_injects_tool_results_and_masks_them(tok):
                 result = _enc(tok, f"={p.meta['table'][key]};")
                 expected += call + result
                 mask += [1] * len(call) + [0] * len(result)
-                assert tok.decode(result) == f"={p.meta['chain'][i + 1] if i + 1 < hops else p.answer};"
+                assert (
+                    tok.decode(result)
+                    == f"={p.meta['chain'][i + 1] if i + 1 < hops else p.answer};"
+                )
             answer = _enc(tok, f"<answer>{p.answer}</answer>")
             expected += answer
             mask += [1] * len(answer)
@@ -245,7 +294,9 @@ def test_multi_turn_rollout_injects_tool_results_and_masks_them(tok):
             # injected tokens carry logprob 0.0; the model's carry the engine's
             assert s.behaviour_logprobs == [-0.5 if m else 0.0 for m in mask]
             assert s.version_start == 0 and s.version_end == hops  # first turn, last turn
-            assert s.info["correct"] and s.info["turns"] == hops + 1 and s.info["tool_results"] == hops
+            assert (
+                s.info["correct"] and s.info["turns"] == hops + 1 and s.info["tool_results"] == hops
+            )
             assert s.reward == pytest.approx(1.2 - 0.1 * max(0, hops - 2))
     # each turn's request is the prompt plus everything so far
     contexts = [ids for ids, _ in engine.requests]
@@ -260,22 +311,38 @@ def test_trainer_excludes_injected_tokens_from_loss(tiny_task_tokens, tok):
     """The gradient comes only from the model's own tokens: the injected tokens' logprobs (and their
     recorded behaviour logprobs) never enter it; they are context only."""
     prompt = _enc(tok, "zorplex(c)?")
-    parts = [("LOOKUP(c)", 1), ("=q;", 0), ("LOOKUP(q)", 1), ("=47;", 0), ("<answer>47</answer>", 1)]
+    parts = [
+        ("LOOKUP(c)", 1),
+        ("=q;", 0),
+        ("LOOKUP(q)", 1),
+        ("=47;", 0),
+        ("<answer>47</answer>", 1),
+    ]
     out = [t for text, _ in parts for t in _enc(tok, text)]
     mask = [m for text, m in parts for _ in _enc(tok, text)]
     assert 0 < sum(mask) < len(mask)
 
     def grads(behaviour_on_injected: float, loss_mask: list[int]) -> tuple[torch.Tensor, object]:
         cfg = TrainerConfig(lr=1.0, max_grad_norm=1e9)  # the default loss: the truncated IS weight
-        trainer = Trainer(tiny_task_tokens, AdapterConfig(r=4, alpha=8), cfg, temperature=1.0, seed=0)
+        trainer = Trainer(
+            tiny_task_tokens, AdapterConfig(r=4, alpha=8), cfg, temperature=1.0, seed=0
+        )
         trainer.optimizer = torch.optim.SGD(trainer.params, lr=1.0)  # the update is exactly -grad
         before = [p.detach().clone() for p in trainer.params]
         model_lp = trainer.logprobs([Sample(prompt, out, [0.0] * len(out), 0.0, 0, 0)])[0]
-        behaviour = [lp if m else behaviour_on_injected for lp, m in zip(model_lp, mask, strict=True)]
-        samples = [Sample(prompt, out, behaviour, 1.0, 0, 0, loss_mask=loss_mask, advantage=1.0),
-                   Sample(prompt, out[:3], behaviour[:3], 0.0, 0, 0, loss_mask=loss_mask[:3], advantage=-1.0)]
+        behaviour = [
+            lp if m else behaviour_on_injected for lp, m in zip(model_lp, mask, strict=True)
+        ]
+        samples = [
+            Sample(prompt, out, behaviour, 1.0, 0, 0, loss_mask=loss_mask, advantage=1.0),
+            Sample(
+                prompt, out[:3], behaviour[:3], 0.0, 0, 0, loss_mask=loss_mask[:3], advantage=-1.0
+            ),
+        ]
         result = trainer.step(samples)
-        grad = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, trainer.params, strict=True)])
+        grad = torch.cat(
+            [(b - p.detach()).flatten() for b, p in zip(before, trainer.params, strict=True)]
+        )
         return grad, result
 
     g0, r0 = grads(0.0, mask)
@@ -283,7 +350,8 @@ def test_trainer_excludes_injected_tokens_from_loss(tiny_task_tokens, tok):
     assert torch.count_nonzero(g0) > 0
     assert torch.allclose(g0, g1, atol=1e-7, rtol=0)
     assert r0.tokens == sum(mask) + 3  # trained-on tokens: the model's own only
-    assert r0.logprob_diff == pytest.approx(0.0, abs=1e-5)  # injected tokens are not compared either
+    # injected tokens are not compared either
+    assert r0.logprob_diff == pytest.approx(0.0, abs=1e-5)
     g2, _ = grads(0.0, [1] * len(out))  # if they were trained on, the gradient would differ
     assert not torch.allclose(g0, g2, atol=1e-6, rtol=0)
 
@@ -292,15 +360,23 @@ def test_trainer_excludes_injected_tokens_from_loss(tiny_task_tokens, tok):
 @pytest.mark.timeout(240)
 def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
     """Real episodes through the embedded engine: tool results injected between turns, masked, and
-    the engine's logprobs of later turns (made with the injected context) agree with the trainer's."""
+    the engine's logprobs of later turns (made with the injected context) agree with the
+    trainer's."""
     from orbit.engine.embedded import start_embedded_engine
 
     tokenizer = AutoTokenizer.from_pretrained(warm_zorplex)
     task = make_task(TaskConfig(name="zorplex"), tokenizer)
     engine = start_embedded_engine(warm_zorplex, max_running=16, threads=1, seed=0)
     try:
-        batch = _rollout(engine, task, SamplingParams(max_new_tokens=8, temperature=1.0),
-                         group_size=4, groups=3, max_inflight=16, timeout=120)
+        batch = _rollout(
+            engine,
+            task,
+            SamplingParams(max_new_tokens=8, temperature=1.0),
+            group_size=4,
+            groups=3,
+            max_inflight=16,
+            timeout=120,
+        )
     finally:
         engine.shutdown()
     samples = batch.samples
@@ -308,7 +384,8 @@ def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
     for group in batch.groups:
         for s in group.samples:
             i = 0
-            while i < len(s.output_ids):  # every run of masked tokens is the tool's answer to the call before it
+            # every run of masked tokens is the tool's answer to the call before it
+            while i < len(s.output_ids):
                 if s.loss_mask[i]:
                     i += 1
                     continue
@@ -321,7 +398,9 @@ def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
                 injected += 1
                 i = j
     assert injected >= 6  # the warm-started model calls the tool
-    trainer = Trainer(warm_zorplex, AdapterConfig(r=4, alpha=8), TrainerConfig(), temperature=1.0, seed=0)
+    trainer = Trainer(
+        warm_zorplex, AdapterConfig(r=4, alpha=8), TrainerConfig(), temperature=1.0, seed=0
+    )
     for s, lps in zip(samples, trainer.logprobs(samples), strict=True):
         for lp, beh, m in zip(lps, s.behaviour_logprobs, s.loss_mask, strict=True):
             if m:
@@ -331,12 +410,21 @@ def test_multi_turn_on_the_engine_matches_the_trainer(warm_zorplex):
     assert result.logprob_diff < 1e-3
 
 
-# ---- user tasks, datasets, errors -----------------------------------------------------------------
+# ---- user tasks, datasets, errors ----------------------------------------------------------------
 
 
 def _recipe(model: Path, out: Path, task: dict, **patch) -> dict:
-    return recipe_dict(model, out, {"rollout": {"max_new_tokens": 8}, "trainer": {"save_every": 1}, "task": task,
-                                    "mode": "double-buffer"}, **patch)
+    return recipe_dict(
+        model,
+        out,
+        {
+            "rollout": {"max_new_tokens": 8},
+            "trainer": {"save_every": 1},
+            "task": task,
+            "mode": "double-buffer",
+        },
+        **patch,
+    )
 
 
 @pytest.mark.slow
@@ -346,7 +434,9 @@ def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "words.py").write_text(USER_TASKS.read_text())
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = checked(_recipe(tiny_llama, tmp_path / "run", {"name": "mytasks.words:count_word", "word": "no"}))
+    recipe = checked(
+        _recipe(tiny_llama, tmp_path / "run", {"name": "mytasks.words:count_word", "word": "no"})
+    )
     assert recipe.recipe.task.options() == {"word": "no"}
     result = train(recipe, live=False)
     assert result.steps_done == 3
@@ -356,27 +446,52 @@ def test_user_task_by_import_path_trains(tmp_path, tiny_llama, monkeypatch):
     saved = yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())
     assert saved["task"] == {"name": "mytasks.words:count_word", "word": "no"}
     # the file form works too
-    recipe = checked(_recipe(tiny_llama, tmp_path / "run2", {"name": f"{USER_TASKS}:count_word"},
-                                  trainer={"steps": 1}))
+    recipe = checked(
+        _recipe(
+            tiny_llama,
+            tmp_path / "run2",
+            {"name": f"{USER_TASKS}:count_word"},
+            trainer={"steps": 1},
+        )
+    )
     assert train(recipe, live=False).steps_done == 1
 
 
-@pytest.mark.parametrize("name, message", [
-    ("no_such_pkg.tasks:make", r"task.name: cannot import 'no_such_pkg.tasks'.*No module named 'no_such_pkg'"),
-    (f"{USER_TASKS}:nope", r"task.name: module .* has no attribute 'nope'"),
-    ("tasks/missing.py:make", r"task.name: no such file 'tasks/missing.py'"),
-    ("just_a_name", r"task.name: unknown task 'just_a_name' \(built-in: pattern, arith, zorplex, jsonl"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "no_such_pkg.tasks:make",
+            r"task.name: cannot import 'no_such_pkg.tasks'.*No module named 'no_such_pkg'",
+        ),
+        (f"{USER_TASKS}:nope", r"task.name: module .* has no attribute 'nope'"),
+        ("tasks/missing.py:make", r"task.name: no such file 'tasks/missing.py'"),
+        (
+            "just_a_name",
+            r"task.name: unknown task 'just_a_name' \(built-in: pattern, arith, zorplex, jsonl",
+        ),
+    ],
+)
 def test_bad_task_path_fails_at_recipe_load(tmp_path, tiny_llama, name, message):
     with pytest.raises(RecipeError, match=message):
         checked(_recipe(tiny_llama, tmp_path / "run", {"name": name}))
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name, message", [
-    ("not_a_task", r"task.name: .*returned int, which is not a task: it lacks \['name', 'prompts', 'score'\]"),
-    ("factory_raises", r"task.name: .*the factory raised ValueError: this factory needs an API key"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "not_a_task",
+            r"task.name: .*returned int, which is not a task: it lacks \['name', 'prompts', "
+            r"'score'\]",
+        ),
+        (
+            "factory_raises",
+            r"task.name: .*the factory raised ValueError: this factory needs an API key",
+        ),
+    ],
+)
 @pytest.mark.slow
 def test_bad_task_factory_fails_before_any_compute(tmp_path, tiny_llama, name, message):
     recipe = checked(_recipe(tiny_llama, tmp_path / "run", {"name": f"{USER_TASKS}:{name}"}))
@@ -399,24 +514,32 @@ def _write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-@pytest.mark.parametrize("bad, message", [
-    ('{"prompt": "2+2=", "answer": 4', r"line 3: not valid JSON"),
-    ({"prompt": "2+2="}, r"line 3: missing 'answer'"),
-    ({"answer": "4"}, r"line 3: missing 'prompt'"),
-    (["2+2=", "4"], r"line 3: a row must be an object"),
-    ({"prompt": "", "answer": "4"}, r"line 3: 'prompt' must be a non-empty string"),
-    ({"prompt": "2+2=", "answer": None}, r"line 3: 'answer' must be a string or a number"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"prompt": "2+2=", "answer": 4', r"line 3: not valid JSON"),
+        ({"prompt": "2+2="}, r"line 3: missing 'answer'"),
+        ({"answer": "4"}, r"line 3: missing 'prompt'"),
+        (["2+2=", "4"], r"line 3: a row must be an object"),
+        ({"prompt": "", "answer": "4"}, r"line 3: 'prompt' must be a non-empty string"),
+        ({"prompt": "2+2=", "answer": None}, r"line 3: 'answer' must be a string or a number"),
+    ],
+)
 @pytest.mark.slow
 def test_bad_dataset_row_names_the_line(tmp_path, tiny_task_tokens, bad, message):
-    data = _write_jsonl(tmp_path / "data.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "1+2=", "answer": "3"},
-                                                  bad])
+    data = _write_jsonl(
+        tmp_path / "data.jsonl",
+        [{"prompt": "1+1=", "answer": 2}, {"prompt": "1+2=", "answer": "3"}, bad],
+    )
     with pytest.raises(RecipeError, match=r"task.path: .*data.jsonl " + message):
         checked(_recipe(tiny_task_tokens, tmp_path / "run", {"name": "jsonl", "path": str(data)}))
     runner = CliRunner()
     recipe_file = tmp_path / "r.yaml"
-    recipe_file.write_text(yaml.safe_dump(_recipe(tiny_task_tokens, tmp_path / "run",
-                                                  {"name": "jsonl", "path": str(data)})))
+    recipe_file.write_text(
+        yaml.safe_dump(
+            _recipe(tiny_task_tokens, tmp_path / "run", {"name": "jsonl", "path": str(data)})
+        )
+    )
     res = runner.invoke(app, ["train", str(recipe_file)])
     assert res.exit_code == 2 and "data.jsonl line 3" in res.output
     assert not (tmp_path / "run").exists()
@@ -443,17 +566,24 @@ def test_jsonl_dataset_task(tmp_path, tok):
 @pytest.mark.timeout(240)
 def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
     run_dir = tmp_path / "run"
-    recipe = checked(_recipe(
-        warm_zorplex, run_dir, {"name": f"{USER_TASKS}:broken_zorplex", "fail_after": 60},
-        trainer={"steps": 30, "save_every": 1},
-    ))
+    recipe = checked(
+        _recipe(
+            warm_zorplex,
+            run_dir,
+            {"name": f"{USER_TASKS}:broken_zorplex", "fail_after": 60},
+            trainer={"steps": 30, "save_every": 1},
+        )
+    )
     with pytest.raises(RunStopped) as info:
         train(recipe, live=False)
     assert info.value.end == "task-failed"
     message = str(info.value)
     assert "next_turn (the tool) failed on prompt 'zorplex-train-" in message
     assert "ConnectionError: lookup service unavailable (HTTP 503)" in message
-    assert f"the adapter of step {len(run_metrics(run_dir))} is saved in {run_dir / 'adapter'}" in message
+    assert (
+        f"the adapter of step {len(run_metrics(run_dir))} is saved in {run_dir / 'adapter'}"
+        in message
+    )
     rows = run_metrics(run_dir)  # every line whole
     assert 1 <= len(rows) < 30
     state = json.loads((run_dir / "adapter" / "trainer_state.json").read_text())
@@ -465,10 +595,16 @@ def test_tool_error_stops_the_run_and_keeps_its_data(tmp_path, warm_zorplex):
 @pytest.mark.slow
 def test_tool_error_on_the_command_line(tmp_path, warm_zorplex):
     recipe_file = tmp_path / "r.yaml"
-    recipe_file.write_text(yaml.safe_dump(_recipe(
-        warm_zorplex, tmp_path / "run", {"name": f"{USER_TASKS}:broken_zorplex", "fail_after": 0},
-        trainer={"steps": 5},
-    )))
+    recipe_file.write_text(
+        yaml.safe_dump(
+            _recipe(
+                warm_zorplex,
+                tmp_path / "run",
+                {"name": f"{USER_TASKS}:broken_zorplex", "fail_after": 0},
+                trainer={"steps": 5},
+            )
+        )
+    )
     res = CliRunner().invoke(app, ["train", str(recipe_file), "--quiet"])
     assert res.exit_code == 1
     flat = " ".join(res.output.split())
@@ -477,7 +613,7 @@ def test_tool_error_on_the_command_line(tmp_path, warm_zorplex):
     assert "nothing was trained" in flat and not (tmp_path / "run").exists()
 
 
-# ---- the warm start -------------------------------------------------------------------------------
+# ---- the warm start ------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -500,17 +636,25 @@ def test_warm_start_is_cached(tmp_path, warm_arith, monkeypatch):
     info = json.loads((warm_arith / "warmstart.json").read_text())
     assert info["task"] == "arith" and info["code_version"] in warm_arith.name
     # the cached model is reused: nothing is built again
-    monkeypatch.setattr(ws, "build_warm_model", lambda *a, **k: pytest.fail("rebuilt a cached warm start"))
+    monkeypatch.setattr(
+        ws, "build_warm_model", lambda *a, **k: pytest.fail("rebuilt a cached warm start")
+    )
     assert ws.warm_model("arith", root=warm_arith.parent.parent) == warm_arith
     out = tmp_path / "copy"
-    res = CliRunner().invoke(app, ["model", "tiny", str(out), "--task", "arith"],
-                             env={"ORBIT_CACHE": str(warm_arith.parent.parent)})
+    res = CliRunner().invoke(
+        app,
+        ["model", "tiny", str(out), "--task", "arith"],
+        env={"ORBIT_CACHE": str(warm_arith.parent.parent)},
+    )
     assert res.exit_code == 0, res.output
-    assert (out / "model.safetensors").read_bytes() == (warm_arith / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == (
+        warm_arith / "model.safetensors"
+    ).read_bytes()
 
 
 def _answers_or_dies(conn) -> None:
-    """A worker (spawned: module level) that answers, or exits at once on "die" as a crash in the code it runs."""
+    """A worker (spawned: module level) that answers, or exits at once on "die" as a crash in the
+    code it runs."""
     from orbit.tasks.worker import serve_requests
 
     serve_requests(conn, lambda r: os._exit(3) if r == "die" else ("ok", r))

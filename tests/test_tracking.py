@@ -17,22 +17,45 @@ from orbit.run.trackers import log_images, scalars
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
 
-SAMPLE_FIELDS = {"step", "version", "prompt", "completion", "reward", "failure_mode", "correct", "format_ok"}
+SAMPLE_FIELDS = {
+    "step",
+    "version",
+    "prompt",
+    "completion",
+    "reward",
+    "failure_mode",
+    "correct",
+    "format_ok",
+}
 
 
 def _recipe(model: Path, out: Path, **patch) -> dict:
-    return recipe_dict(model, out, {
-        "rollout": {"max_new_tokens": 8}, "trainer": {"save_every": 3},
-        "task": {"name": "tests/user_tasks.py:count_word"},  # says correct, format_ok, failure_mode
-        "mode": "sync-adapter"}, **patch)
+    return recipe_dict(
+        model,
+        out,
+        {
+            "rollout": {"max_new_tokens": 8},
+            "trainer": {"save_every": 3},
+            "task": {
+                "name": "tests/user_tasks.py:count_word"
+            },  # says correct, format_ok, failure_mode
+            "mode": "sync-adapter",
+        },
+        **patch,
+    )
 
 
 def _offline_wandb(mp: pytest.MonkeyPatch, root: Path) -> None:
     """W&B without network or a key, and nothing written outside the test's directory."""
     mp.setenv("WANDB_MODE", "offline")
     mp.setenv("WANDB_SILENT", "true")
-    for var, sub in (("WANDB_DIR", "dir"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
-                     ("WANDB_DATA_DIR", "data"), ("WANDB_ARTIFACT_DIR", "artifacts")):
+    for var, sub in (
+        ("WANDB_DIR", "dir"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_DATA_DIR", "data"),
+        ("WANDB_ARTIFACT_DIR", "artifacts"),
+    ):
         mp.setenv(var, str(root / sub))
     mp.delenv("WANDB_API_KEY", raising=False)
     mp.setenv("WANDB_PROJECT", "orbit-test")
@@ -80,7 +103,8 @@ def test_tensorboard_has_every_numeric_metric_per_step_and_the_samples(tracked):
 
 def _wandb_records(path: Path):
     """The records of a .wandb file (a LevelDB-style log of protobuf records: 32 KiB blocks, each
-    chunk `crc32 | length | type`, after a 7-byte header). wandb 0.2x+ has no Python reader of it."""
+    chunk `crc32 | length | type`, after a 7-byte header). wandb 0.2x+ has no Python reader of
+    it."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
@@ -90,8 +114,8 @@ def _wandb_records(path: Path):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         record = chunk if kind in (1, 2) else record + chunk  # FULL, FIRST | MIDDLE, LAST
         if kind in (1, 4):
             parsed = pb.Record()
@@ -108,8 +132,11 @@ def test_wandb_offline_run_holds_the_metrics_config_and_samples(tracked):
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["mode"] == "sync-adapter" and config["logging"] == ["tensorboard", "wandb"]
     assert config["rollout"]["group_size"] == 4  # the recipe, nested as dumped
-    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert [h["_step"] for h in history] == [0, 1, 2]
     for h, row in zip(history, run_metrics(tracked), strict=True):
         for name, value in scalars(row).items():
@@ -124,42 +151,62 @@ def test_samples_jsonl_has_a_few_decoded_samples_per_step(tracked):
     for step in range(3):
         mine = [s for s in samples if s["step"] == step]
         assert 1 <= len(mine) <= orbit.run.trackers.SAMPLES_PER_STEP
-        assert len({s["group"] for s in mine}) == min(len(mine), 2)  # one per group first (2 groups a step)
+        # one per group first (2 groups a step)
+        assert len({s["group"] for s in mine}) == min(len(mine), 2)
     for s in samples:
         assert SAMPLE_FIELDS <= set(s), s
-        assert s["prompt"].strip().startswith("yes") and isinstance(s["completion"], str) and s["completion"]
+        assert (
+            s["prompt"].strip().startswith("yes")
+            and isinstance(s["completion"], str)
+            and s["completion"]
+        )
         assert s["failure_mode"] in ("success", "wrong_answer") and s["format_ok"] is True
         assert s["version"] == s["step"]  # sync-adapter: every sample is of the version it trains
 
 
-@pytest.mark.parametrize("logging, message", [
-    (["tensorboard", "tensorboard"], "logging: 'tensorboard' is listed more than once"),
-    (["mlflow"], r"logging\.0: .*'tensorboard' or 'wandb'.*mlflow"),
-])
+@pytest.mark.parametrize(
+    "logging, message",
+    [
+        (["tensorboard", "tensorboard"], "logging: 'tensorboard' is listed more than once"),
+        (["mlflow"], r"logging\.0: .*'tensorboard' or 'wandb'.*mlflow"),
+    ],
+)
 def test_a_bad_logging_list_fails_at_parse(tmp_path, tiny_llama, logging, message):
     with pytest.raises(RecipeError, match=message):
         checked(_recipe(tiny_llama, tmp_path / "run", logging=logging))
 
 
-def test_a_tracker_not_installed_fails_at_parse_with_the_install_command(tmp_path, tiny_llama, monkeypatch):
-    monkeypatch.setitem(orbit.run.trackers.TRACKERS, "wandb", ("no_such_module_orbit", "pip install wandb"))
-    with pytest.raises(RecipeError, match=r"logging: 'wandb' cannot run: .*not installed.*pip install wandb"):
+def test_a_tracker_not_installed_fails_at_parse_with_the_install_command(
+    tmp_path, tiny_llama, monkeypatch
+):
+    monkeypatch.setitem(
+        orbit.run.trackers.TRACKERS, "wandb", ("no_such_module_orbit", "pip install wandb")
+    )
+    with pytest.raises(
+        RecipeError, match=r"logging: 'wandb' cannot run: .*not installed.*pip install wandb"
+    ):
         checked(_recipe(tiny_llama, tmp_path / "run", logging=["wandb"]))
 
 
-def test_a_tracker_that_cannot_start_fails_the_start_and_leaves_nothing(tmp_path, tiny_llama, monkeypatch):
+def test_a_tracker_that_cannot_start_fails_the_start_and_leaves_nothing(
+    tmp_path, tiny_llama, monkeypatch
+):
     def no_key(*args, **kwargs):
         raise RuntimeError("api_key not configured (no-tty)")
 
     monkeypatch.setattr(orbit.run.trackers._WandB, "__init__", no_key)
     run_dir = tmp_path / "run"
     recipe = checked(_recipe(tiny_llama, run_dir, logging=["tensorboard", "wandb"]))
-    with pytest.raises(RecipeError, match=r"logging: 'wandb' could not start: .*api_key.*WANDB_MODE=offline"):
+    with pytest.raises(
+        RecipeError, match=r"logging: 'wandb' could not start: .*api_key.*WANDB_MODE=offline"
+    ):
         train(recipe, live=False)
     assert not run_dir.exists()  # the tensorboard directory it had opened went too
 
 
-def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, tiny_llama, monkeypatch):
+def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(
+    tmp_path, tiny_llama, monkeypatch
+):
     from torch.utils.tensorboard import SummaryWriter
 
     calls = []
@@ -170,8 +217,12 @@ def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, tin
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", broken)
     run_dir = tmp_path / "run"
-    assert train(checked(_recipe(tiny_llama, run_dir, logging=["tensorboard"])), live=False).steps_done == 3
-    assert [r["step"] for r in run_metrics(run_dir)] == [0, 1, 2] and len(calls) == 3  # tried every step
+    assert (
+        train(checked(_recipe(tiny_llama, run_dir, logging=["tensorboard"])), live=False).steps_done
+        == 3
+    )
+    # tried every step
+    assert [r["step"] for r in run_metrics(run_dir)] == [0, 1, 2] and len(calls) == 3
     log = (run_dir / "run.log").read_text()
     assert log.count("WARNING") == 1 and "tensorboard: OSError: No space left on device" in log
     assert {s["step"] for s in read_jsonl(run_dir / "samples.jsonl")} == {0, 1, 2}
@@ -184,10 +235,17 @@ def test_without_logging_samples_are_written_and_a_resume_keeps_them_in_step(tmp
     # as if the run had gone on to step 2 and died before its checkpoint
     with (run_dir / "samples.jsonl").open("a") as f:
         f.write(json.dumps({"step": 2, "version": 2, "completion": "lost"}) + "\n")
-    train(checked(_recipe(tiny_llama, run_dir, trainer={"steps": 3, "save_every": 2})), resume=True,
-          live=False)
+    train(
+        checked(_recipe(tiny_llama, run_dir, trainer={"steps": 3, "save_every": 2})),
+        resume=True,
+        live=False,
+    )
     steps = [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")]
-    assert steps == sorted(steps) and set(steps) == {0, 1, 2} and "lost" not in (run_dir / "samples.jsonl").read_text()
+    assert (
+        steps == sorted(steps)
+        and set(steps) == {0, 1, 2}
+        and "lost" not in (run_dir / "samples.jsonl").read_text()
+    )
     assert [s["completion"] for s in read_jsonl(run_dir / "samples.discarded.jsonl")] == ["lost"]
 
 
@@ -197,11 +255,15 @@ def test_bench_figures_go_to_the_trackers(tmp_path, tiny_llama, monkeypatch):
     _offline_wandb(monkeypatch, tmp_path)
     png = tmp_path / "panels.png"
     Image.new("RGB", (32, 16), (200, 30, 30)).save(png)
-    recipe = parse_recipe(_recipe(tiny_llama, tmp_path / "unused", logging=["tensorboard", "wandb"]))
+    recipe = parse_recipe(
+        _recipe(tiny_llama, tmp_path / "unused", logging=["tensorboard", "wandb"])
+    )
     log_images(recipe, tmp_path / "bench" / "tracking", {"panels/embedded": png}, name="bench")
     image = _events(tmp_path / "bench" / "tracking" / "tensorboard").Images("panels/embedded")[0]
     assert (image.width, image.height) == (32, 16)
     wandb_run = next((tmp_path / "bench" / "tracking" / "wandb").glob("offline-run-*"))
     assert list((wandb_run / "files" / "media" / "images").rglob("*.png"))
-    log_images(parse_recipe(_recipe(tiny_llama, tmp_path / "x")), tmp_path / "none", {"panels": png})
+    log_images(
+        parse_recipe(_recipe(tiny_llama, tmp_path / "x")), tmp_path / "none", {"panels": png}
+    )
     assert not (tmp_path / "none").exists()  # no `logging`: nothing

@@ -25,9 +25,17 @@ LORA = AdapterConfig(type="lora", r=4, alpha=8.0)
 OFT = AdapterConfig(type="oft", oft_block_size=8, target_modules=ALL_TARGETS)
 
 
-def _trainer(path: Path, adapter: AdapterConfig = LORA, temperature: float = 1.0, seed: int = 0,
-             algorithm: AlgorithmConfig | None = None, **cfg) -> Trainer:
-    return Trainer(path, adapter, TrainerConfig(**cfg), temperature=temperature, seed=seed, algorithm=algorithm)
+def _trainer(
+    path: Path,
+    adapter: AdapterConfig = LORA,
+    temperature: float = 1.0,
+    seed: int = 0,
+    algorithm: AlgorithmConfig | None = None,
+    **cfg,
+) -> Trainer:
+    return Trainer(
+        path, adapter, TrainerConfig(**cfg), temperature=temperature, seed=seed, algorithm=algorithm
+    )
 
 
 def _sample(prompt, output, behaviour=None, advantage=0.0, version=(0, 0), mask=None) -> Sample:
@@ -94,7 +102,8 @@ def _on_policy(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
     lps = trainer.logprobs(samples)
     v = (trainer.version, trainer.version)
     return [
-        _sample(s.prompt_ids, s.output_ids, lp, s.advantage, v, s.loss_mask) for s, lp in zip(samples, lps, strict=True)
+        _sample(s.prompt_ids, s.output_ids, lp, s.advantage, v, s.loss_mask)
+        for s, lp in zip(samples, lps, strict=True)
     ]
 
 
@@ -102,7 +111,8 @@ def _on_policy(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
 
 
 def test_logprobs_match_plain_transformers_base(tiny_any: Path):
-    trainer = _trainer(tiny_any, OFT, temperature=0.7, micro_batch_tokens=8)  # fresh OFT = identity; 2 micro-batches
+    # fresh OFT = identity; 2 micro-batches
+    trainer = _trainer(tiny_any, OFT, temperature=0.7, micro_batch_tokens=8)
     expected = _plain_logprobs(_plain_model(tiny_any), SAMPLES, 0.7)
     got = trainer.logprobs(SAMPLES)
     for g, e in zip(got, expected, strict=True):
@@ -118,7 +128,8 @@ def test_logprobs_match_plain_transformers_with_adapter(tiny_llama: Path, adapte
     got = trainer.logprobs(SAMPLES)
     for g, e, b in zip(got, expected, base, strict=True):
         assert g == pytest.approx(e, abs=1e-5)
-        assert max(abs(x - y) for x, y in zip(g, b, strict=True)) > 1e-3  # the adapter really changed them
+        # the adapter really changed them
+        assert max(abs(x - y) for x, y in zip(g, b, strict=True)) > 1e-3
 
 
 # -- step ------------------------------------------------------------------------------------
@@ -142,10 +153,17 @@ def test_version_and_logprob_diff(tiny_llama: Path):
     assert trainer.version == 0
     lps = trainer.logprobs(SAMPLES)
     fresh = _sample(
-        SAMPLES[0].prompt_ids, SAMPLES[0].output_ids, [x + 0.25 for x in lps[0]], 1.0, (0, 0), mask=[1, 0, 1]
+        SAMPLES[0].prompt_ids,
+        SAMPLES[0].output_ids,
+        [x + 0.25 for x in lps[0]],
+        1.0,
+        (0, 0),
+        mask=[1, 0, 1],
     )
     # generated across a flip: not exactly the current weights, so it counts as drift
-    stale = _sample(SAMPLES[1].prompt_ids, SAMPLES[1].output_ids, [x - 0.5 for x in lps[1]], -1.0, (0, 1))
+    stale = _sample(
+        SAMPLES[1].prompt_ids, SAMPLES[1].output_ids, [x - 0.5 for x in lps[1]], -1.0, (0, 1)
+    )
     result = trainer.step([fresh, stale])
     assert trainer.version == result.version == 1
     assert result.logprob_diff == pytest.approx(0.25, abs=1e-5)
@@ -163,35 +181,48 @@ def test_version_and_logprob_diff(tiny_llama: Path):
     # A sample across a flip (0 -> 1) has no single version to re-score it with.
     result = trainer.step([stale])
     assert math.isnan(result.logprob_diff) and result.logprob_diff_tokens == 0
-    # Unless it records which version made each token (a multi-turn episode: a turn per version, a tool result
-    # between): each token is re-scored under its own version; those of no known version are left out.
+    # Unless it records which version made each token (a multi-turn episode: a turn per version, a
+    # tool result between): each token is re-scored under its own version; those of no known version
+    # are left out.
     at0, at3 = lps[1], trainer.logprobs(SAMPLES)[1]  # versions 0 and 3 (now) on a 5-token output
-    turns = _sample(SAMPLES[1].prompt_ids, SAMPLES[1].output_ids,
-                    [at0[0] + 0.125, at0[1] + 0.125, 0.0, at3[3] + 0.125, at3[4] + 0.125], 1.0, (0, 3),
-                    mask=[1, 1, 0, 1, 1])
+    turns = _sample(
+        SAMPLES[1].prompt_ids,
+        SAMPLES[1].output_ids,
+        [at0[0] + 0.125, at0[1] + 0.125, 0.0, at3[3] + 0.125, at3[4] + 0.125],
+        1.0,
+        (0, 3),
+        mask=[1, 1, 0, 1, 1],
+    )
     turns.token_versions = [0, 0, -1, 3, 3]
     result = trainer.step([turns])
     assert result.logprob_diff == pytest.approx(0.125, abs=1e-5) and result.logprob_diff_tokens == 4
-    result = trainer.step([turns])  # version 3 is stale now and kept; version 0 is no longer kept (SNAPSHOTS)
+    # version 3 is stale now and kept; version 0 is no longer kept (SNAPSHOTS)
+    result = trainer.step([turns])
     assert result.logprob_diff == pytest.approx(0.125, abs=1e-5) and result.logprob_diff_tokens == 2
 
 
 def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
     """With adapter dropout, the training forward is noisy: logprob_diff is measured in eval mode
-    (engine logprobs equal to the eval-mode ones read 0, not the dropout noise). Re-scored stale samples
-    are spread over the step's groups, not the first few samples of the first group."""
+    (engine logprobs equal to the eval-mode ones read 0, not the dropout noise). Re-scored stale
+    samples are spread over the step's groups, not the first few samples of the first group."""
     from orbit.train.batch import spread_over_groups
     from orbit.train.trainer import RESCORE_SAMPLES
 
-    trainer = _trainer(tiny_llama, adapter=AdapterConfig(type="lora", r=4, alpha=8.0, dropout=0.5), seed=3)
+    trainer = _trainer(
+        tiny_llama, adapter=AdapterConfig(type="lora", r=4, alpha=8.0, dropout=0.5), seed=3
+    )
     _perturb(trainer, 0.3)
     exact = trainer.logprobs(SAMPLES)  # eval mode: what an engine reports for the same weights
-    batch = [_sample(s.prompt_ids, s.output_ids, lp, a) for s, lp, a in zip(SAMPLES, exact, (1.0, -1.0, 0.5),
-                                                                              strict=True)]
+    batch = [
+        _sample(s.prompt_ids, s.output_ids, lp, a)
+        for s, lp, a in zip(SAMPLES, exact, (1.0, -1.0, 0.5), strict=True)
+    ]
     result = trainer.step(batch)
     assert result.logprob_diff == pytest.approx(0.0, abs=1e-5) and result.logprob_diff_tokens > 0
     # spread: 4 groups of 4 samples, all from one stale version -> the first of every group first
-    samples = [_sample(SAMPLES[0].prompt_ids, SAMPLES[0].output_ids, version=(0, 0)) for _ in range(16)]
+    samples = [
+        _sample(SAMPLES[0].prompt_ids, SAMPLES[0].output_ids, version=(0, 0)) for _ in range(16)
+    ]
     for i, s in enumerate(samples):
         s.group_id = i // 4
     picked = spread_over_groups(samples, RESCORE_SAMPLES)
@@ -203,23 +234,31 @@ def test_truncated_sampling_is_scored_truncated(tiny_llama: Path):
     """With top_p/top_k the trainer's logprobs are the truncated, renormalised distribution's."""
     from orbit.rl.truncation import truncated_logprobs
 
-    plain, truncated = _trainer(tiny_llama, temperature=0.7), Trainer(
-        tiny_llama, LORA, TrainerConfig(), temperature=0.7, seed=0, top_p=0.8, top_k=5)
+    plain, truncated = (
+        _trainer(tiny_llama, temperature=0.7),
+        Trainer(tiny_llama, LORA, TrainerConfig(), temperature=0.7, seed=0, top_p=0.8, top_k=5),
+    )
     a, b = plain.logprobs(SAMPLES), truncated.logprobs(SAMPLES)
     for s, x, y in zip(SAMPLES, a, b, strict=True):
         ids = torch.tensor([s.prompt_ids + s.output_ids])
         with torch.no_grad():
-            logits = plain.model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+            logits = plain.model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
         logp = torch.log_softmax(logits / 0.7, -1)
-        assert x == pytest.approx(logp.gather(1, torch.tensor(s.output_ids)[:, None]).squeeze(1).tolist(), abs=1e-5)
-        assert y == pytest.approx(truncated_logprobs(logp, torch.tensor(s.output_ids), 0.8, 5).tolist(), abs=1e-5)
+        assert x == pytest.approx(
+            logp.gather(1, torch.tensor(s.output_ids)[:, None]).squeeze(1).tolist(), abs=1e-5
+        )
+        assert y == pytest.approx(
+            truncated_logprobs(logp, torch.tensor(s.output_ids), 0.8, 5).tolist(), abs=1e-5
+        )
         assert all(v > u for u, v in zip(x, y, strict=True))  # renormalised: each kept token gains
 
 
 def test_masked_tokens_do_not_affect_the_update(tiny_llama: Path):
     samples = []
     for garbage in (0.0, -1e9):  # the behaviour logprob of a tool token must not matter
-        s = _sample([1, 40], [50, 51, 52, 53], [-5.0, garbage, garbage, -4.0], 1.0, mask=[1, 0, 0, 1])
+        s = _sample(
+            [1, 40], [50, 51, 52, 53], [-5.0, garbage, garbage, -4.0], 1.0, mask=[1, 0, 0, 1]
+        )
         samples.append([s, _sample([1, 60], [70, 71], [-5.0, -5.0], -1.0)])
     updated = []
     for batch in samples:
@@ -233,7 +272,8 @@ def test_masked_tokens_do_not_affect_the_update(tiny_llama: Path):
 def test_micro_batches_give_the_same_update(tiny_llama: Path):
     samples = _scored([1.0, -0.5, 2.0])
     results, tensors = [], []
-    for micro in (0, 6):  # the whole batch at once; one sample per micro-batch (each is 4..7 tokens)
+    # the whole batch at once; one sample per micro-batch (each is 4..7 tokens)
+    for micro in (0, 6):
         trainer = _trainer(tiny_llama, micro_batch_tokens=micro)
         _perturb(trainer, 0.05)  # so LoRA A and B both get gradients
         results.append(trainer.step(samples))
@@ -245,8 +285,8 @@ def test_micro_batches_give_the_same_update(tiny_llama: Path):
 
 
 def test_micro_batches_hold_whole_prompts_within_the_token_budget():
-    """A micro-batch costs its prompts once each plus its outputs, padded; prompts' samples stay together
-    where they fit, groups sorted by length."""
+    """A micro-batch costs its prompts once each plus its outputs, padded; prompts' samples stay
+    together where they fit, groups sorted by length."""
     from orbit.train.batch import micro_batches, padded_tokens
 
     a = [_sample([1, 1], [5] * n) for n in (3, 1, 2)]  # one prompt, three samples
@@ -256,7 +296,9 @@ def test_micro_batches_hold_whole_prompts_within_the_token_budget():
     assert [[len(s.output_ids) for s in part] for part in parts] == [[1, 2, 3], [20], [4, 4]]
     assert [padded_tokens(part) for part in parts] == [2 + 3 * 3, 3 + 20, 10 + 2 * 4]
     assert padded_tokens(a + b) == 2 * 3 + 4 * 20  # two prompts, padded to the longer; four outputs
-    assert sorted(id(s) for part in micro_batches(a + b + c, 0) for s in part) == sorted(id(s) for s in a + b + c)
+    assert sorted(id(s) for part in micro_batches(a + b + c, 0) for s in part) == sorted(
+        id(s) for s in a + b + c
+    )
     assert len(micro_batches(a + b + c, 0)) == 1
 
 
@@ -265,9 +307,12 @@ def test_a_shared_prompt_runs_once_and_gives_the_whole_sequence_forward(tiny_lla
     gradient are those of running every sequence whole."""
     trainer = _trainer(tiny_llama)
     _perturb(trainer, 0.05)
-    group = [_sample([1, 40, 41, 42], out, [-3.0] * len(out), adv)
-             for out, adv in (([50, 51, 52], 1.0), ([60], -1.0), ([70, 71, 72, 73, 74], 0.5))]
-    whole = _plain_logprobs(trainer.model.eval(), group, 1.0)  # each sequence whole through the peft model
+    group = [
+        _sample([1, 40, 41, 42], out, [-3.0] * len(out), adv)
+        for out, adv in (([50, 51, 52], 1.0), ([60], -1.0), ([70, 71, 72, 73, 74], 0.5))
+    ]
+    # each sequence whole through the peft model
+    whole = _plain_logprobs(trainer.model.eval(), group, 1.0)
     for x, y in zip(trainer.logprobs(group), whole, strict=True):
         assert x == pytest.approx(y, abs=1e-5)
 
@@ -322,8 +367,8 @@ def _groups(advantages: list[float]) -> list[Sample]:
 
 
 def test_minibatches_are_optimizer_steps_on_shares_of_the_batch(tiny_llama: Path):
-    """algorithm.minibatches: 2 on groups [0, 1] and [2] is the same as two steps on each share alone, one
-    version later."""
+    """algorithm.minibatches: 2 on groups [0, 1] and [2] is the same as two steps on each share
+    alone, one version later."""
     batch = _groups([1.0, -1.0, 0.5])
     a = _trainer(tiny_llama, algorithm=AlgorithmConfig(minibatches=2), lr=1e-2)
     b = _trainer(tiny_llama, lr=1e-2)
@@ -335,12 +380,17 @@ def test_minibatches_are_optimizer_steps_on_shares_of_the_batch(tiny_llama: Path
         torch.testing.assert_close(t, b.adapter_tensors()[name], rtol=0, atol=1e-7)
 
 
-def test_the_proximal_policy_is_the_one_before_the_first_optimizer_step(tiny_llama: Path, monkeypatch):
-    """With several optimizer steps per batch (2 epochs of 2 mini-batches), the decoupled loss clips against
-    the trainer's logprobs before the first of them, scored once in eval mode: AReaL's proximal policy."""
+def test_the_proximal_policy_is_the_one_before_the_first_optimizer_step(
+    tiny_llama: Path, monkeypatch
+):
+    """With several optimizer steps per batch (2 epochs of 2 mini-batches), the decoupled loss clips
+    against the trainer's logprobs before the first of them, scored once in eval mode: AReaL's
+    proximal policy."""
     import orbit.train.trainer as trainer_module
 
-    trainer = _trainer(tiny_llama, algorithm=AlgorithmConfig(ratio="decoupled", minibatches=2, epochs=2), lr=1e-1)
+    trainer = _trainer(
+        tiny_llama, algorithm=AlgorithmConfig(ratio="decoupled", minibatches=2, epochs=2), lr=1e-1
+    )
     _perturb(trainer, 0.05)
     batch = _groups([1.0, -1.0, 0.5])
     before = trainer.logprobs(batch)
@@ -359,14 +409,20 @@ def test_the_proximal_policy_is_the_one_before_the_first_optimizer_step(tiny_lla
         for row in range(prox.shape[0]):
             n = int((prox[row] != 0).sum())
             assert prox[row, :n].tolist() == pytest.approx(by_length[n], abs=1e-6)
-    assert not torch.allclose(seen[-1][0], seen[-1][1], atol=1e-4)  # the policy moved; the proximal did not
-    assert result.logprob_diff == pytest.approx(fmean(abs(lp - (-4.0)) for row in before for lp in row), rel=1e-5)
+    # the policy moved; the proximal did not
+    assert not torch.allclose(seen[-1][0], seen[-1][1], atol=1e-4)
+    assert result.logprob_diff == pytest.approx(
+        fmean(abs(lp - (-4.0)) for row in before for lp in row), rel=1e-5
+    )
 
 
 def test_a_failing_optimizer_step_leaves_the_batch_untrained(tiny_llama: Path):
-    """A non-finite gradient in the second mini-batch: the first one's update is undone (adapter, optimizer
-    and schedule as before the batch), so a checkpoint of this version is what the engine served."""
-    trainer = _trainer(tiny_llama, algorithm=AlgorithmConfig(minibatches=2), lr=1e-2, schedule="linear", steps=5)
+    """A non-finite gradient in the second mini-batch: the first one's update is undone (adapter,
+    optimizer and schedule as before the batch), so a checkpoint of this version is what the engine
+    served."""
+    trainer = _trainer(
+        tiny_llama, algorithm=AlgorithmConfig(minibatches=2), lr=1e-2, schedule="linear", steps=5
+    )
     trainer.step(_groups([1.0, -1.0, 0.5]))
     adapter, lr = trainer.adapter_tensors(), trainer.scheduler.get_last_lr()
     moments = {k: v["exp_avg"].clone() for k, v in trainer.optimizer.state_dict()["state"].items()}
@@ -377,12 +433,15 @@ def test_a_failing_optimizer_step_leaves_the_batch_untrained(tiny_llama: Path):
     for name, t in trainer.adapter_tensors().items():
         assert torch.equal(t, adapter[name]), name
     state = trainer.optimizer.state_dict()["state"]
-    assert all(state[k]["step"].item() == 2 and torch.equal(state[k]["exp_avg"], m) for k, m in moments.items())
+    assert all(
+        state[k]["step"].item() == 2 and torch.equal(state[k]["exp_avg"], m)
+        for k, m in moments.items()
+    )
 
 
 def test_entropy_is_the_sampling_distributions(tiny_llama: Path):
-    """The step's entropy: -sum p log p of softmax(logits / T) at each trained token, as plain transformers
-    computes it, averaged over the tokens."""
+    """The step's entropy: -sum p log p of softmax(logits / T) at each trained token, as plain
+    transformers computes it, averaged over the tokens."""
     trainer = _trainer(tiny_llama, temperature=0.7)
     samples = _scored([1.0, -1.0, 0.5])
     model = _plain_model(tiny_llama)
@@ -392,7 +451,10 @@ def test_entropy_is_the_sampling_distributions(tiny_llama: Path):
             logits = model(torch.tensor([s.prompt_ids + s.output_ids])).logits[0]
             logp = torch.log_softmax(logits / 0.7, dim=-1)
             first = len(s.prompt_ids) - 1
-            entropies += [-(logp[first + i].exp() * logp[first + i]).sum().item() for i in range(len(s.output_ids))]
+            entropies += [
+                -(logp[first + i].exp() * logp[first + i]).sum().item()
+                for i in range(len(s.output_ids))
+            ]
     assert trainer.step(samples).entropy == pytest.approx(fmean(entropies), rel=1e-5)
 
 
@@ -400,7 +462,8 @@ def test_entropy_is_the_sampling_distributions(tiny_llama: Path):
 
 
 def test_save_load_resumes_exactly(tiny_llama: Path, tmp_path: Path):
-    """Adapter, optimizer, RNG and the learning-rate schedule (a warm-up, then cosine) continue exactly."""
+    """Adapter, optimizer, RNG and the learning-rate schedule (a warm-up, then cosine) continue
+    exactly."""
     batch = _scored([1.0, -1.0, 0.5])
     cfg = dict(lr=1e-2, weight_decay=0.01, schedule="cosine", warmup_steps=1, steps=4)
     a = _trainer(tiny_llama, **cfg)
@@ -427,7 +490,8 @@ def test_save_load_resumes_exactly(tiny_llama: Path, tmp_path: Path):
         assert ra.lr == rb.lr
         for name, t in a.adapter_tensors().items():
             assert torch.equal(t, b.adapter_tensors()[name]), name
-    assert ra.lr == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))  # the last step: k=3 of 4
+    # the last step: k=3 of 4
+    assert ra.lr == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
     assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["version"] == 2
 
 
@@ -435,11 +499,17 @@ def test_learning_rate_schedules():
     from orbit.train.schedule import lr_factor
 
     assert [lr_factor(k, 1, 10, 0, "constant") for k in (0, 9)] == [1.0, 1.0]
-    assert [lr_factor(k, 1, 10, 2, "linear") for k in (0, 1, 2, 9)] == pytest.approx([0.5, 1.0, 1.0, 0.125])
+    assert [lr_factor(k, 1, 10, 2, "linear") for k in (0, 1, 2, 9)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.125]
+    )
     assert [lr_factor(k, 1, 10, 2, "cosine") for k in (2, 6)] == pytest.approx([1.0, 0.5])
-    # two optimizer steps per batch: the warm-up and the decay count batches, at half-batch resolution
-    assert [lr_factor(k, 2, 10, 1, "linear") for k in (0, 1, 2, 19)] == pytest.approx([0.5, 1.0, 1.0, 1 / 18])
-    assert lr_factor(0, 1, 3, 5, "cosine") == pytest.approx(0.2)  # a warm-up longer than the run: never decays
+    # two optimizer steps per batch: the warm-up and the decay count batches, at half-batch
+    # resolution
+    assert [lr_factor(k, 2, 10, 1, "linear") for k in (0, 1, 2, 19)] == pytest.approx(
+        [0.5, 1.0, 1.0, 1 / 18]
+    )
+    # a warm-up longer than the run: never decays
+    assert lr_factor(0, 1, 3, 5, "cosine") == pytest.approx(0.2)
 
 
 def test_saved_adapter_loads_with_peft(tiny_llama: Path, tmp_path: Path):
@@ -450,7 +520,9 @@ def test_saved_adapter_loads_with_peft(tiny_llama: Path, tmp_path: Path):
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ckpt").eval()
     ids = torch.tensor([SAMPLES[0].prompt_ids + SAMPLES[0].output_ids])
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=0, atol=1e-6
+        )
     for name, t in adapter_tensors(loaded).items():
         assert torch.equal(t, trainer.adapter_tensors()[name]), name
 
@@ -502,13 +574,21 @@ def test_adapter_tensors_and_config(tiny_llama: Path):
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     oft = _trainer(tiny_llama, OFT).adapter_tensors()
-    assert oft["base_model.model.model.layers.0.self_attn.q_proj.oft_R.weight"].shape == (8, 28)  # 64 / 8 blocks
+    # 64 / 8 blocks
+    assert oft["base_model.model.model.layers.0.self_attn.q_proj.oft_R.weight"].shape == (8, 28)
 
 
 def test_peft_config_fields():
-    lora = adapters.peft_config(AdapterConfig(type="lora", r=16, alpha=32.0, dropout=0.1, target_modules=["q_proj"]))
+    lora = adapters.peft_config(
+        AdapterConfig(type="lora", r=16, alpha=32.0, dropout=0.1, target_modules=["q_proj"])
+    )
     assert isinstance(lora, peft.LoraConfig)
-    assert (lora.r, lora.lora_alpha, lora.lora_dropout, set(lora.target_modules)) == (16, 32.0, 0.1, {"q_proj"})
+    assert (lora.r, lora.lora_alpha, lora.lora_dropout, set(lora.target_modules)) == (
+        16,
+        32.0,
+        0.1,
+        {"q_proj"},
+    )
     oft = adapters.peft_config(AdapterConfig(type="oft", oft_block_size=16, dropout=0.1))
     assert isinstance(oft, peft.OFTConfig)
     assert (oft.r, oft.oft_block_size, oft.module_dropout) == (0, 16, 0.1)
@@ -518,7 +598,9 @@ def test_bad_oft_block_size_is_rejected(tiny_llama: Path):
     # hidden 64 and intermediate 160: 64 divides q_proj's in_features but not down_proj's
     bad = AdapterConfig(type="oft", oft_block_size=64, target_modules=["q_proj", "down_proj"])
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"adapter\.oft_block_size.*allowed values: \[2, 4, 8, 16, 32\]"):
+    with pytest.raises(
+        ValueError, match=r"adapter\.oft_block_size.*allowed values: \[2, 4, 8, 16, 32\]"
+    ):
         adapters.peft_config(bad, model)
     with pytest.raises(ValueError, match=r"adapter\.oft_block_size"):
         _trainer(tiny_llama, bad)

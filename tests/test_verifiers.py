@@ -1,6 +1,6 @@
-"""`task: verifiers`: a verifiers 0.4 taskset, run by a bridge in its own virtualenv (`make verifiers`), every
-model call through Orbit's endpoint on the real embedded engine. Outside CI a machine without that virtualenv
-skips these tests; in CI it fails (make test builds it)."""
+"""`task: verifiers`: a verifiers 0.4 taskset, run by a bridge in its own virtualenv (`make
+verifiers`), every model call through Orbit's endpoint on the real embedded engine. Outside CI a
+machine without that virtualenv skips these tests; in CI it fails (make test builds it)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,21 @@ def chat_model(tiny_llama) -> Path:
 def vf_python() -> Path:
     if not VF_PYTHON.exists():
         if os.environ.get("CI"):
-            pytest.fail("no .venv-verifiers: `make verifiers` builds it (CI must run the verifiers tests)")
+            pytest.fail(
+                "no .venv-verifiers: `make verifiers` builds it (CI must run the verifiers tests)"
+            )
         pytest.skip("no .venv-verifiers (make verifiers)")
     return VF_PYTHON
 
 
 def _recipe(model: Path, out: Path, taskset: str, python: Path, **patch) -> dict:
     task = {"name": "verifiers", "taskset": str(TASKSETS / taskset), "python": str(python)}
-    return recipe_dict(model, out, {"task": task, "rollout": {"episode_timeout_s": 60, "max_new_tokens": 8}},
-                       **patch)
+    return recipe_dict(
+        model,
+        out,
+        {"task": task, "rollout": {"episode_timeout_s": 60, "max_new_tokens": 8}},
+        **patch,
+    )
 
 
 def _bridges() -> list[int]:
@@ -57,13 +63,19 @@ def _bridges() -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_verifiers_taskset_trains_and_evaluates_through_the_endpoint(chat_model, vf_python, tmp_path):
-    """Each episode is one of the taskset's tasks, run by verifiers against the episode's URL; the reward is its
-    rubric's; every generated token is trained, scored alike by engine and trainer; the bridge is gone after."""
+def test_a_verifiers_taskset_trains_and_evaluates_through_the_endpoint(
+    chat_model, vf_python, tmp_path
+):
+    """Each episode is one of the taskset's tasks, run by verifiers against the episode's URL; the
+    reward is its rubric's; every generated token is trained, scored alike by engine and trainer;
+    the bridge is gone after."""
     from orbit.measure.eval import resolve_target, run_eval
 
     out = tmp_path / "run"
-    train(checked(_recipe(chat_model, out, "vf_questions.py", vf_python, trainer={"steps": 3})), live=False)
+    train(
+        checked(_recipe(chat_model, out, "vf_questions.py", vf_python, trainer={"steps": 3})),
+        live=False,
+    )
     rows = run_metrics(out)
     assert len(rows) == 3 and all(r["trained_tokens"] > 0 and r["episodes_lost"] == 0 for r in rows)
     assert all(r["logprob_diff"] is not None and r["logprob_diff"] < 1e-3 for r in rows)
@@ -107,7 +119,9 @@ def test_a_taskset_verifiers_cannot_load_is_named_at_start(chat_model, vf_python
 
     data = _recipe(chat_model, tmp_path / "r", "vf_questions.py", vf_python)
     data["task"]["taskset"] = "no_such_taskset_anywhere"
-    with pytest.raises(RecipeError, match="task.taskset: verifiers could not load 'no_such_taskset_anywhere'"):
+    with pytest.raises(
+        RecipeError, match="task.taskset: verifiers could not load 'no_such_taskset_anywhere'"
+    ):
         run_train(checked(data), live=False)
     assert _bridges() == []
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

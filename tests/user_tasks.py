@@ -9,7 +9,8 @@ from orbit.tasks.zorplex import ZorplexTask
 
 
 class CountWord:
-    """A user's own single-turn task: reward = fraction of generated tokens that are `word`'s tokens."""
+    """A user's own single-turn task: reward = fraction of generated tokens that are `word`'s
+    tokens."""
 
     name = "count-word"
 
@@ -23,14 +24,24 @@ class CountWord:
         n = 0
         while True:
             text = f"{self.word} " * rng.randint(1, 4)
-            yield Prompt(f"count-{split}-{n}", text, tuple(self.tokenizer.encode(text, add_special_tokens=False)))
+            yield Prompt(
+                f"count-{split}-{n}",
+                text,
+                tuple(self.tokenizer.encode(text, add_special_tokens=False)),
+            )
             n += 1
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
         hits = sum(t in self.word_ids for t in output_ids)
         reward = hits / max(1, len(output_ids))
-        return Score(reward, {"correct": reward > 0.5, "format_ok": True,
-                              "failure_mode": "success" if reward > 0.5 else "wrong_answer"})
+        return Score(
+            reward,
+            {
+                "correct": reward > 0.5,
+                "format_ok": True,
+                "failure_mode": "success" if reward > 0.5 else "wrong_answer",
+            },
+        )
 
 
 def count_word(tokenizer, word: str = "yes") -> CountWord:
@@ -107,7 +118,8 @@ def broken_scorer(tokenizer, fail_after: int = 10) -> BrokenScorer:
 
 
 class NanReward(CountWord):
-    """A reward function with a bug: NaN after `fail_after` scores (the loss, then the gradient, is NaN)."""
+    """A reward function with a bug: NaN after `fail_after` scores (the loss, then the gradient, is
+    NaN)."""
 
     def __init__(self, tokenizer, fail_after: int = 10) -> None:
         super().__init__(tokenizer)

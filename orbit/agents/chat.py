@@ -1,15 +1,15 @@
 """Chat messages to tokens and back: the model's own chat template, tools in and tool calls out.
 
 Token in, token out. A later call of an episode sends the earlier messages back, the model's replies
-among them, re-serialised by the agent (a tool call's JSON re-spaced, text re-encoded). Rendering them
-again and re-tokenizing would give other tokens than the ones the model sampled (token drift), and the
-trainer would score tokens it never generated. So the tokens of a turn the endpoint answered are reused
-exactly as generated, and only what follows them is rendered (`continuation`): the template's own
-closing of that reply, the new messages, and the next reply's header.
+among them, re-serialised by the agent (a tool call's JSON re-spaced, text re-encoded). Rendering
+them again and re-tokenizing would give other tokens than the ones the model sampled (token drift),
+and the trainer would score tokens it never generated. So the tokens of a turn the endpoint answered
+are reused exactly as generated, and only what follows them is rendered (`continuation`): the
+template's own closing of that reply, the new messages, and the next reply's header.
 
-To find where the reply ends and what the template puts after it, the reply is rendered as a sentinel
-(`SENTINEL`): everything after the sentinel's closing is the new messages as this template renders
-them after such a reply, whatever the reply's content was.
+To find where the reply ends and what the template puts after it, the reply is rendered as a
+sentinel (`SENTINEL`): everything after the sentinel's closing is the new messages as this template
+renders them after such a reply, whatever the reply's content was.
 """
 
 from __future__ import annotations
@@ -50,19 +50,31 @@ def text_of(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    raise ChatError(f"messages: content must be a string or a list of parts, got {type(content).__name__}")
+        return "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    raise ChatError(
+        f"messages: content must be a string or a list of parts, got {type(content).__name__}"
+    )
 
 
 def normal(message: dict) -> tuple:
-    """What makes two messages the same turn: role, text, tool calls (name and parsed arguments), the tool
-    call a result answers. Fields an SDK adds or drops (refusal, annotations, null content) do not count."""
+    """What makes two messages the same turn: role, text, tool calls (name and parsed arguments),
+    the tool call a result answers. Fields an SDK adds or drops (refusal, annotations, null content)
+    do not count."""
     if not isinstance(message, dict) or "role" not in message:
         raise ChatError(f"messages: each message is an object with a role, got {message!r}"[:200])
-    calls = tuple((c.get("function", {}).get("name"), _canonical(c.get("function", {}).get("arguments")))
-                  for c in message.get("tool_calls") or [])
-    return (message["role"], text_of(message.get("content")), calls, message.get("tool_call_id") or "",
-            message.get("name") or "")
+    calls = tuple(
+        (c.get("function", {}).get("name"), _canonical(c.get("function", {}).get("arguments")))
+        for c in message.get("tool_calls") or []
+    )
+    return (
+        message["role"],
+        text_of(message.get("content")),
+        calls,
+        message.get("tool_call_id") or "",
+        message.get("name") or "",
+    )
 
 
 def _canonical(arguments) -> str:
@@ -76,15 +88,23 @@ def _canonical(arguments) -> str:
 
 
 def for_template(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: text content, tool-call arguments as objects (Qwen-style
-    templates write them with tojson)."""
+    """Messages as chat templates expect them: text content, tool-call arguments as objects
+    (Qwen-style templates write them with tojson)."""
     out = []
     for m in messages:
         msg = {"role": m["role"], "content": text_of(m.get("content"))}
         if m.get("tool_calls"):
-            msg["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
-                "name": c.get("function", {}).get("name"),
-                "arguments": _as_object(c.get("function", {}).get("arguments"))}} for c in m["tool_calls"]]
+            msg["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": c.get("id"),
+                    "function": {
+                        "name": c.get("function", {}).get("name"),
+                        "arguments": _as_object(c.get("function", {}).get("arguments")),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
         for key in ("tool_call_id", "name"):
             if m.get(key):
                 msg[key] = m[key]
@@ -116,11 +136,17 @@ class Renderer:
         if not self.has_template:
             raise ChatError("this model's tokenizer has no chat template; use /v1/completions")
         if tools and not self.supports_tools:
-            raise ChatError("tools: this model's chat template does not render tools (it never mentions them); "
-                            "leave tools out, or use a model whose template has tool support")
+            raise ChatError(
+                "tools: this model's chat template does not render tools (it never mentions them); "
+                "leave tools out, or use a model whose template has tool support"
+            )
         try:
-            return self.tokenizer.apply_chat_template(for_template(messages), tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=generation)
+            return self.tokenizer.apply_chat_template(
+                for_template(messages),
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=generation,
+            )
         except TemplateError as err:  # e.g. "Conversation roles must alternate user/assistant/..."
             raise ChatError(f"the model's chat template refused these messages: {err}") from None
 
@@ -131,48 +157,69 @@ class Renderer:
         """The whole conversation rendered, with the header of the reply to generate."""
         return self.encode(self._render(messages, tools, generation=True))
 
-    def continuation(self, messages: list[dict], tools: list[dict] | None, reply_at: int,
-                     generated: list[int], stopped: bool) -> list[int] | None:
-        """The tokens that follow the generated tokens of the reply `messages[reply_at]`: the rest of the
-        template's closing of that reply (`stopped`: the generation ended on a stop token, which may be the
-        closing's start, e.g. <|im_end|>), `messages[reply_at + 1:]` and the next reply's header. None when
-        the template renders the messages before the reply differently once more follow it (the episode
-        then forks)."""
+    def continuation(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        reply_at: int,
+        generated: list[int],
+        stopped: bool,
+    ) -> list[int] | None:
+        """The tokens that follow the generated tokens of the reply `messages[reply_at]`: the rest
+        of the template's closing of that reply (`stopped`: the generation ended on a stop token,
+        which may be the closing's start, e.g. <|im_end|>), `messages[reply_at + 1:]` and the next
+        reply's header. None when the template renders the messages before the reply differently
+        once more follow it (the episode then forks)."""
         probe = [*messages[:reply_at], {"role": "assistant", "content": SENTINEL}]
-        full = self._render(probe + list(messages[reply_at + 1:]), tools, generation=True)
+        full = self._render(probe + list(messages[reply_at + 1 :]), tools, generation=True)
         alone = self._render(probe, tools, generation=False)
         if full.count(SENTINEL) != 1 or alone.count(SENTINEL) != 1:
             return None
-        closing = alone[alone.index(SENTINEL) + len(SENTINEL):]
-        after = full[full.index(SENTINEL) + len(SENTINEL):]
-        if not after.startswith(closing) or full[:full.index(SENTINEL)] != alone[:alone.index(SENTINEL)]:
+        closing = alone[alone.index(SENTINEL) + len(SENTINEL) :]
+        after = full[full.index(SENTINEL) + len(SENTINEL) :]
+        if (
+            not after.startswith(closing)
+            or full[: full.index(SENTINEL)] != alone[: alone.index(SENTINEL)]
+        ):
             return None
-        last = self.tokenizer.decode(generated[-1:], skip_special_tokens=False) if stopped and generated else ""
+        last = (
+            self.tokenizer.decode(generated[-1:], skip_special_tokens=False)
+            if stopped and generated
+            else ""
+        )
         done = len(last) if last and closing.startswith(last) else 0
-        return self.encode(closing[done:] + after[len(closing):])
+        return self.encode(closing[done:] + after[len(closing) :])
 
 
 def parse_reply(text: str, finish_reason: str, tools_given: bool) -> Parsed:
     """The model's reply as the OpenAI API returns it. With tools, Hermes-style calls
-    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5 and Qwen3 write them) become
-    `tool_calls` with finish reason "tool_calls"; a call that does not parse leaves the reply as text with
-    the finish reason the generation had (the OpenAI API's behaviour for a malformed call)."""
+    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5 and Qwen3 write them)
+    become `tool_calls` with finish reason "tool_calls"; a call that does not parse leaves the reply
+    as text with the finish reason the generation had (the OpenAI API's behaviour for a malformed
+    call)."""
     if not tools_given or _TOOL_OPEN not in text:
         return Parsed(text, [], finish_reason)
-    calls, rest, pos = [], text[:text.index(_TOOL_OPEN)], text.index(_TOOL_OPEN)
+    calls, rest, pos = [], text[: text.index(_TOOL_OPEN)], text.index(_TOOL_OPEN)
     while pos >= 0:
         end = text.find(_TOOL_CLOSE, pos)
         if end < 0:
             return Parsed(text, [], finish_reason)
         try:
-            call = json.loads(text[pos + len(_TOOL_OPEN):end].strip())
+            call = json.loads(text[pos + len(_TOOL_OPEN) : end].strip())
         except json.JSONDecodeError:
             return Parsed(text, [], finish_reason)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return Parsed(text, [], finish_reason)
         arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
         pos = text.find(_TOOL_OPEN, end)
     return Parsed(rest.strip() or None, calls, "tool_calls")

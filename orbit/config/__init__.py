@@ -1,5 +1,5 @@
-"""What a recipe can say: its schema and YAML loading (recipe.py), each task's own options (task.py), the
-five loop modes (modes.py), and docs/recipe.md written from the schema (doc.py)."""
+"""What a recipe can say: its schema and YAML loading (recipe.py), each task's own options
+(task.py), the five loop modes (modes.py), and docs/recipe.md written from the schema (doc.py)."""
 
 from orbit.config.recipe import (
     AdapterConfig,

@@ -1,5 +1,6 @@
-"""docs/recipe.md, written from the recipe's schema: every section, field, default and description, so the page
-cannot say anything the code does not (`make docs` writes it; tests/test_docs.py fails when it is stale)."""
+"""docs/recipe.md, written from the recipe's schema: every section, field, default and description,
+so the page cannot say anything the code does not (`make docs` writes it; tests/test_docs.py fails
+when it is stale)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from orbit.rl import MaskBand
 
 HEAD = """# Recipe reference
 
-Every field of a recipe, its default and what it does: generated from the schema (`orbit/config.py`,
-`orbit/rl/config.py`, `orbit/config/task.py`) by `make docs`; a test fails when this page is stale. How the
-pieces fit: [recipes and algorithms](recipes.md), [algorithms](algorithms.md), [tasks and agents](agents.md).
+Every field of a recipe, its default and what it does: generated from the schema
+(`orbit/config/recipe.py`, `orbit/rl/config.py`, `orbit/config/task.py`) by `make docs`; a test
+fails when this page is stale. How the pieces fit: [recipes and algorithms](recipes.md),
+[algorithms](algorithms.md), [tasks and agents](agents.md).
 A recipe that breaks any of this fails at load, before any compute, naming the field.
 """
 
@@ -51,19 +53,34 @@ def _table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> l
 
 def render() -> str:
     out = [HEAD, "## Top level", ""]
-    sections = {n: f for n, f in Recipe.model_fields.items() if n not in ("task",)
-                and isinstance(f.default_factory, type) and issubclass(f.default_factory, BaseModel)}
+    sections = {
+        n: f
+        for n, f in Recipe.model_fields.items()
+        if n not in ("task",)
+        and isinstance(f.default_factory, type)
+        and issubclass(f.default_factory, BaseModel)
+    }
     out += _table(Recipe, "", skip=(*sections, "task"))
     for name, field in sections.items():
         out += ["", f"## `{name}:`", ""] + _table(field.default_factory, f"{name}.")
         if name == "algorithm":
             out += ["", "### `algorithm.mask:`", ""] + _table(MaskBand, "algorithm.mask.")
-    out += ["", "## `task:`", "", "Each built-in task has its own options; an option it does not have fails at load, "
-            "naming it. Options left unset take the task's defaults.", ""]
+    out += [
+        "",
+        "## `task:`",
+        "",
+        "Each built-in task has its own options; an option it does not have fails at load, "
+        "naming it. Options left unset take the task's defaults.",
+        "",
+    ]
     for task, model in BUILTINS.items():
         out += [f"### `task: {{name: {task}}}`", ""] + _table(model, "task.", skip=("name",)) + [""]
-    out += ["### `task: {name: module:factory}`", "", (UserTaskConfig.__doc__ or "").strip().replace("\n    ", " "),
-            ""]
+    out += [
+        "### `task: {name: module:factory}`",
+        "",
+        (UserTaskConfig.__doc__ or "").strip().replace("\n    ", " "),
+        "",
+    ]
     return "\n".join(out).rstrip() + "\n"
 
 

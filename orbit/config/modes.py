@@ -24,9 +24,9 @@ class Mode:
         return self.loop == "serial"
 
     def max_staleness(self, recipe_bound: int | None) -> int | None:
-        """The staleness a sample of this mode may have (docs/design.md §5): a serial loop trains each batch
-        at the version that generated it (0); an overlapped one within the recipe's `max_staleness` (None:
-        unbounded)."""
+        """The staleness a sample of this mode may have (docs/design.md §5): a serial loop trains
+        each batch at the version that generated it (0); an overlapped one within the recipe's
+        `max_staleness` (None: unbounded)."""
         return 0 if self.serial else recipe_bound
 
 
@@ -37,7 +37,9 @@ MODES: dict[str, Mode] = {
         Mode("sync-adapter", "serial", "adapter", "adapter tensors, into the one slot"),
         Mode("async-full", "overlapped", "full", "all model weights"),
         Mode("async-adapter", "overlapped", "adapter", "adapter tensors, into the one slot"),
-        Mode("double-buffer", "overlapped", "double-buffer", "adapter tensors into the inactive slot"),
+        Mode(
+            "double-buffer", "overlapped", "double-buffer", "adapter tensors into the inactive slot"
+        ),
     )
 }
 MODE_NAMES = tuple(MODES)

@@ -19,7 +19,8 @@ PAUSE_MODES: tuple[str, ...] = ("in_place", "retract", "abort")
 FinishReason = Literal["stop", "length", "abort"]
 
 # `slot` argument of `generate`: an adapter slot (0 .. slots - 1), None for the base model without
-# any adapter, or ACTIVE for whatever slot `activate` chose last (the base model before any activate).
+# any adapter, or ACTIVE for whatever slot `activate` chose last (the base model before any
+# activate).
 ACTIVE = "active"
 Slot = int | None | Literal["active"]
 
@@ -33,7 +34,8 @@ class EngineDeadError(EngineError):
 
 
 class EngineStartError(EngineDeadError):
-    """An engine (or a server Orbit started) that did not start: nothing was trained (exit 3, orbit/run/ends.py)."""
+    """An engine (or a server Orbit started) that did not start: nothing was trained (exit 3,
+    orbit/run/ends.py)."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,14 @@ class Completion:
     t_start: float = 0.0  # time.time() when the engine admitted it
     t_end: float = 0.0  # time.time() when it finished
     meta: dict = field(default_factory=dict)  # caller's tag, returned unchanged
-    detail: str = ""  # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
+    # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
+    detail: str = ""
     engine: int = 0  # which engine of the pool ran it (the pool sets it)
 
     @property
     def token_version(self) -> int:
-        """The version every one of its tokens came from; -1 when the weights changed under it (which tokens
-        came before the change is not known)."""
+        """The version every one of its tokens came from; -1 when the weights changed under it
+        (which tokens came before the change is not known)."""
         return self.version_start if self.version_start == self.version_end else -1
 
 
@@ -104,7 +107,8 @@ class EngineStats:
     prefix_cache_entries: int = 0
     prefix_cache_hits: int = 0
     active_slot: int | None = None
-    slot_versions: tuple[int | None, ...] = (None, None)  # per slot: the version it holds (None: empty)
+    # per slot: the version it holds (None: empty)
+    slot_versions: tuple[int | None, ...] = (None, None)
     slot_requests: tuple[int, ...] = (0, 0)  # per slot: requests bound to it, running or waiting
     base_version: int = 0
     paused: bool = False
@@ -130,13 +134,15 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do, for the push strategies (orbit/push/phases.py) to choose by. Every member
-    of a pool has the same (the pool checks)."""
+    """What a backend can do, for the push strategies (orbit/push/phases.py) to choose by. Every
+    member of a pool has the same (the pool checks)."""
 
     slots: int  # adapter slots (engine.slots)
     oft_slots: bool  # OFT adapters load into slots (else OFT is pushed as merged weights)
-    loads_while_paused: bool  # a slot can be overwritten under paused requests (they continue on it)
-    flush_while_running: bool  # flush_cache works with requests running (an in_place pause included)
+    # a slot can be overwritten under paused requests (they continue on it)
+    loads_while_paused: bool
+    # flush_cache works with requests running (an in_place pause included)
+    flush_while_running: bool
 
 
 class Engine(Protocol):
@@ -144,12 +150,17 @@ class Engine(Protocol):
 
     info: EngineInfo
     capabilities: Capabilities
-    # how adapters reach it: "shared-memory" (the embedded engine's process), "in-process" (SGLang in this
-    # process), "local" (a server on this host: Orbit's own files in /dev/shm) or "dir" (engine.adapter_dir)
+    # how adapters reach it: "shared-memory" (the embedded engine's process), "in-process" (SGLang
+    # in this process), "local" (a server on this host: Orbit's own files in /dev/shm) or "dir"
+    # (engine.adapter_dir)
     adapter_transport: str
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE, meta: dict | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        slot: Slot = ACTIVE,
+        meta: dict | None = None,
     ) -> Future[Completion]: ...
 
     def load_adapter(
@@ -176,7 +187,8 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def shutdown(self) -> None:
-        """Abort what is in flight and stop the engine's own processes (only its own). Idempotent."""
+        """Abort what is in flight and stop the engine's own processes (only its own).
+        Idempotent."""
         ...
 
     def kill(self) -> None:
@@ -196,17 +208,31 @@ def resolve(fut: Future, result: object = None, exc: BaseException | None = None
         pass
 
 
-_SUMMED = ("tokens_generated", "busy_s", "paused_s", "running", "waiting", "prefix_cache_entries",
-           "prefix_cache_hits", "prefill_tokens", "aborted", "aborted_on_load", "retracted")
+_SUMMED = (
+    "tokens_generated",
+    "busy_s",
+    "paused_s",
+    "running",
+    "waiting",
+    "prefix_cache_entries",
+    "prefix_cache_hits",
+    "prefill_tokens",
+    "aborted",
+    "aborted_on_load",
+    "retracted",
+)
 
 
 def summed(parts: list[EngineStats]) -> EngineStats:
     """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""
     first = parts[0]
-    total = EngineStats(active_slot=first.active_slot, slot_versions=first.slot_versions,
-                        slot_requests=first.slot_requests, base_version=first.base_version,
-                        paused=any(p.paused for p in parts))
+    total = EngineStats(
+        active_slot=first.active_slot,
+        slot_versions=first.slot_versions,
+        slot_requests=first.slot_requests,
+        base_version=first.base_version,
+        paused=any(p.paused for p in parts),
+    )
     for name in _SUMMED:
         setattr(total, name, sum(getattr(p, name) for p in parts))
     return total
-

@@ -1,5 +1,5 @@
-"""Asking engines that may be dead or hung: a bounded call, a call whose error is a value, and a call
-whose error does not matter (stopping something already gone)."""
+"""Asking engines that may be dead or hung: a bounded call, a call whose error is a value, and a
+call whose error does not matter (stopping something already gone)."""
 
 from __future__ import annotations
 

@@ -48,15 +48,20 @@ def check_prompt(prompt_ids: object, vocab: int, max_context: int) -> list[int]:
     if not prompt:
         raise EngineError("prompt_ids is empty")
     if len(prompt) >= max_context:
-        raise EngineError(f"prompt has {len(prompt)} tokens; the engine context is {max_context} "
-                          f"(the prompt must leave room for at least one generated token)")
+        raise EngineError(
+            f"prompt has {len(prompt)} tokens; the engine context is {max_context} "
+            f"(the prompt must leave room for at least one generated token)"
+        )
     return prompt
 
 
 def check_request_slot(slot: object, num_slots: int) -> Slot:
     """What `generate` takes as a slot: 'active', None (the base model) or a slot index."""
-    if not (slot == ACTIVE or slot is None or (isinstance(slot, int) and not isinstance(slot, bool)
-                                                and 0 <= slot < num_slots)):
+    if not (
+        slot == ACTIVE
+        or slot is None
+        or (isinstance(slot, int) and not isinstance(slot, bool) and 0 <= slot < num_slots)
+    ):
         raise EngineError(f"slot must be 'active', None or one of 0..{num_slots - 1}, got {slot!r}")
     return slot  # type: ignore[return-value]
 
@@ -72,17 +77,32 @@ _NAME = re.compile(
     r"\.(lora_A|lora_B|oft_R)\.weight$"
 )
 # Config options that change the math; anything but the default is refused, not ignored.
-_LORA_MUST_BE_OFF = ("use_dora", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
-                     "fan_in_fan_out", "layer_replication", "trainable_token_indices", "use_qalora",
-                     "alora_invocation_tokens", "target_parameters", "use_bdlora", "arrow_config",
-                     "kasa_config", "megatron_config")
+_LORA_MUST_BE_OFF = (
+    "use_dora",
+    "lora_bias",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+    "fan_in_fan_out",
+    "layer_replication",
+    "trainable_token_indices",
+    "use_qalora",
+    "alora_invocation_tokens",
+    "target_parameters",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+    "megatron_config",
+)
 _OFT_MUST_BE_OFF = ("modules_to_save", "fan_in_fan_out")
 
 
 def plain_config(config: object) -> dict:
     """An adapter config as plain JSON values: peft's to_dict() holds enums (PeftType) and sets."""
     if not isinstance(config, dict):
-        raise EngineError(f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}")
+        raise EngineError(
+            f"adapter_config must be a dict (peft_config.to_dict()), got {type(config).__name__}"
+        )
     out = {}
     for key, value in config.items():
         value = value.value if isinstance(value, enum.Enum) else value
@@ -115,14 +135,18 @@ def oft_layout(config: dict, in_features: int) -> tuple[int, int]:
         if in_features % r != 0 or r > in_features:
             r = _adjust_oft(in_features, r)
         return r, in_features // r
-    raise EngineError(f"OFT config needs exactly one of r and oft_block_size non-zero, got r={r}, "
-                      f"oft_block_size={bs}")
+    raise EngineError(
+        f"OFT config needs exactly one of r and oft_block_size non-zero, got r={r}, "
+        f"oft_block_size={bs}"
+    )
 
 
 def _check_options(kind: str, config: dict, engine: str = "the embedded engine") -> None:
     for opt in _LORA_MUST_BE_OFF if kind == "lora" else _OFT_MUST_BE_OFF:
         if config.get(opt):
-            raise EngineError(f"adapter config option {opt}={config[opt]!r} is not supported by {engine}")
+            raise EngineError(
+                f"adapter config option {opt}={config[opt]!r} is not supported by {engine}"
+            )
     if config.get("bias", "none") != "none":
         raise EngineError(f"adapter config bias={config['bias']!r} is not supported (only 'none')")
     if kind == "lora" and not int(config.get("r", 0) or 0) > 0:
@@ -141,13 +165,21 @@ def _expected_modules(config: dict, spec: ModelSpec) -> set[tuple[int, str]] | N
     excluded = config.get("exclude_modules") or ()
     if isinstance(excluded, str):
         return None  # a regex: peft's matching decides, the tensors tell us what it chose
-    wanted = [m for m in MODULES if (m.split(".")[-1] in targets or m in targets)
-              and not (m.split(".")[-1] in excluded or m in excluded)]
+    wanted = [
+        m
+        for m in MODULES
+        if (m.split(".")[-1] in targets or m in targets)
+        and not (m.split(".")[-1] in excluded or m in excluded)
+    ]
     return {(i, m) for i in layer_ids for m in wanted}
 
 
-def check_adapter(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpec,
-                  engine: str = "the embedded engine") -> tuple[str, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+def check_adapter(
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    spec: ModelSpec,
+    engine: str = "the embedded engine",
+) -> tuple[str, dict[tuple[int, str], dict[str, torch.Tensor]]]:
     """Validate a peft state dict + config against a model: names, shapes, dtype, NaN/Inf, options.
 
     Returns (kind "lora"/"oft", {(layer, module): {part: tensor}}). Raises EngineError naming the
@@ -167,9 +199,11 @@ def check_adapter(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpe
     for name, t in tensors.items():
         m = _NAME.match(name) if isinstance(name, str) else None
         if m is None or int(m.group(1)) >= spec.num_layers:
-            raise EngineError(f"unknown adapter tensor name {name!r} (expected peft names like "
-                              f"'base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight', "
-                              f"layer < {spec.num_layers})")
+            raise EngineError(
+                f"unknown adapter tensor name {name!r} (expected peft names like "
+                f"'base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight', "
+                f"layer < {spec.num_layers})"
+            )
         part = m.group(3)
         if (part == "oft_R") != (kind == "oft"):
             raise EngineError(f"tensor {name!r} does not belong to a {peft_type} adapter")
@@ -177,7 +211,9 @@ def check_adapter(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpe
     expected = _expected_modules(config, spec)
     if expected is not None and expected - set(found):
         layer, module = sorted(expected - set(found))[0]
-        raise EngineError(f"adapter lacks tensors for layer {layer} {module} named by target_modules")
+        raise EngineError(
+            f"adapter lacks tensors for layer {layer} {module} named by target_modules"
+        )
     prefix = "base_model.model.model.layers"
     for (layer, module), parts in found.items():
         out_f, in_f = spec.module_shape(module)

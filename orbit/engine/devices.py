@@ -1,4 +1,5 @@
-"""Device names as the engines take them (the placement checks and the GPU memory plan are orbit/run/placement.py's)."""
+"""Device names as the engines take them (the placement checks and the GPU memory plan are
+orbit/run/placement.py's)."""
 
 from __future__ import annotations
 

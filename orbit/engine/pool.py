@@ -1,5 +1,5 @@
-"""N engines as one (docs/design.md §8): routing, failover and fan-out. The producer and the loop see
-one pool whether it holds one engine or eight; what each member serves is set by the push
+"""N engines as one (docs/design.md §8): routing, failover and fan-out. The producer and the loop
+see one pool whether it holds one engine or eight; what each member serves is set by the push
 (orbit/push/), which calls `serves`.
 
 - Routing: a request goes to the live member with the least outstanding work (requests in flight
@@ -47,16 +47,29 @@ PING_S = 1.0  # liveness check of every member this often
 class EnginePool:
     """`engines` (one or more, all of one backend) as one."""
 
-    def __init__(self, engines: list[Engine], capacities: list[int], timeline=None, ping_timeout_s: float = 5.0,
-                 monitor: bool = True, on_warning: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        engines: list[Engine],
+        capacities: list[int],
+        timeline=None,
+        ping_timeout_s: float = 5.0,
+        monitor: bool = True,
+        on_warning: Callable[[str], None] | None = None,
+    ) -> None:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         if any(e.capabilities != engines[0].capabilities for e in engines):
-            raise ValueError(f"the engines of a pool must have the same capabilities, got "
-                             f"{[e.capabilities for e in engines]}")
-        self.members = [Member(i, e, max(1, c)) for i, (e, c) in enumerate(zip(engines, capacities, strict=True))]
+            raise ValueError(
+                f"the engines of a pool must have the same capabilities, got "
+                f"{[e.capabilities for e in engines]}"
+            )
+        self.members = [
+            Member(i, e, max(1, c))
+            for i, (e, c) in enumerate(zip(engines, capacities, strict=True))
+        ]
         self.capabilities: Capabilities = engines[0].capabilities
-        self.info: EngineInfo = engines[0].info  # the model's facts: one model, the same on every member
+        # the model's facts: one model, the same on every member
+        self.info: EngineInfo = engines[0].info
         self.timeline = timeline
         self.ping_timeout_s = ping_timeout_s
         self.on_warning = on_warning or (lambda message: None)
@@ -103,7 +116,11 @@ class EnginePool:
     def pick(self, min_version: int | None = None) -> int | None:
         """The live member with the least outstanding work that serves at least `min_version`."""
         with self._lock:
-            fresh = [m for m in self.members if m.alive and (min_version is None or m.version >= min_version)]
+            fresh = [
+                m
+                for m in self.members
+                if m.alive and (min_version is None or m.version >= min_version)
+            ]
             if not fresh:
                 return None
             return min(fresh, key=lambda m: (m.outstanding / m.capacity, m.index)).index
@@ -116,10 +133,17 @@ class EnginePool:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
-                 meta: dict | None = None, engine: int | None = None) -> Future[Completion]:
-        """Submit to member `engine` (if alive) or to the least-loaded one. Bad input raises here, as
-        the member engine would; the future's Completion carries the member's index as `engine`."""
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        slot: Slot = ACTIVE,
+        meta: dict | None = None,
+        engine: int | None = None,
+    ) -> Future[Completion]:
+        """Submit to member `engine` (if alive) or to the least-loaded one. Bad input raises here,
+        as the member engine would; the future's Completion carries the member's index as
+        `engine`."""
         req = Request(list(prompt_ids), sampling, slot, meta, Future(), rid=next(self._ids))
         self._dispatch(req, engine, raise_errors=True)
         return req.future
@@ -156,7 +180,9 @@ class EnginePool:
             return
         inner.add_done_callback(lambda f: self._answered(req, member, engine_now, attempt, f))
 
-    def _answered(self, req: Request, member: Member, engine: Engine, attempt: int, inner: Future) -> None:
+    def _answered(
+        self, req: Request, member: Member, engine: Engine, attempt: int, inner: Future
+    ) -> None:
         if member.engine is engine:  # not an engine that left and has been replaced since
             self._settle(member)
         if req.attempt != attempt or req.future.done():
@@ -164,7 +190,8 @@ class EnginePool:
         err = inner.exception()
         if isinstance(err, EngineDeadError) and not self._closed:
             self.drop(member, str(err), engine)
-            if req.slot == ACTIVE:  # any engine's active slot will do; a named slot is that engine's
+            # any engine's active slot will do; a named slot is that engine's
+            if req.slot == ACTIVE:
                 self._redispatch([req])
                 return
         if err is not None:
@@ -191,25 +218,35 @@ class EnginePool:
     # ---- faults --------------------------------------------------------------------------------
 
     def drop(self, member: Member, reason: str, engine: Engine | None = None) -> None:
-        """`member` died or stopped answering: out of the pool, its engine killed, its requests to the
-        others. A member already gone stays as it was; so does one whose `engine` (the one that
+        """`member` died or stopped answering: out of the pool, its engine killed, its requests to
+        the others. A member already gone stays as it was; so does one whose `engine` (the one that
         failed) has been replaced since by one that came back."""
         with self._lock:
-            if not member.alive or self._closed or (engine is not None and engine is not member.engine):
+            if (
+                not member.alive
+                or self._closed
+                or (engine is not None and engine is not member.engine)
+            ):
                 return
             member.alive, member.reason = False, reason
             member.reviving = self._reviver is not None
             left = sum(m.alive for m in self.members)
             if not left:
                 self.empty_since = time.monotonic()
-            orphans = [r for r in self._requests.values() if r.member == member.index and r.slot == ACTIVE]
+            orphans = [
+                r for r in self._requests.values() if r.member == member.index and r.slot == ACTIVE
+            ]
             self._changed.notify_all()
-        self.on_warning(f"engine {member.index} left the pool: {reason}; {left} engine(s) left"
-                        + (f", its {len(orphans)} request(s) resubmitted to them" if orphans and left else "")
-                        + ("; bringing it back" if member.reviving else ""))
+        self.on_warning(
+            f"engine {member.index} left the pool: {reason}; {left} engine(s) left"
+            + (f", its {len(orphans)} request(s) resubmitted to them" if orphans and left else "")
+            + ("; bringing it back" if member.reviving else "")
+        )
         if self.timeline is not None:
             now = time.time()
-            self.timeline.event("engine", "lost", now, now, member.version, engine=member.index, reason=reason)
+            self.timeline.event(
+                "engine", "lost", now, now, member.version, engine=member.index, reason=reason
+            )
         reaper = threading.Thread(target=quietly, args=(member.engine.kill,), daemon=True)
         reaper.start()
         self._reapers.append(reaper)
@@ -220,8 +257,8 @@ class EnginePool:
 
     def rejoin(self, member: Member, engine: Engine, version: int) -> bool:
         """`engine` (a restarted engine, or the re-checked server) takes `member`'s place, serving
-        `version`; the requests held meanwhile go to the pool again. False once the pool is shut down
-        (the caller stops the engine)."""
+        `version`; the requests held meanwhile go to the pool again. False once the pool is shut
+        down (the caller stops the engine)."""
         with self._lock:
             if self._closed:
                 return False
@@ -231,8 +268,10 @@ class EnginePool:
             self.rejoined += 1
             parked, self._parked = self._parked, []
             self._changed.notify_all()
-        self.on_warning(f"engine {member.index} rejoined the pool at v{version}; "
-                        f"{len(self.alive())} engine(s) serving")
+        self.on_warning(
+            f"engine {member.index} rejoined the pool at v{version}; "
+            f"{len(self.alive())} engine(s) serving"
+        )
         if self.timeline is not None:
             now = time.time()
             self.timeline.event("engine", "rejoined", now, now, version, engine=member.index)
@@ -241,7 +280,8 @@ class EnginePool:
         return True
 
     def gave_up(self, member: Member, why: str) -> None:
-        """`member` will not come back; with no member alive and none coming back, what was held fails."""
+        """`member` will not come back; with no member alive and none coming back, what was held
+        fails."""
         with self._lock:
             member.reviving = False
             member.reason = f"{member.reason}; {why}"
@@ -254,7 +294,8 @@ class EnginePool:
         self._notify()
 
     def require_alive(self) -> None:
-        """EngineDeadError, naming every member's end, when no member is alive and none is coming back."""
+        """EngineDeadError, naming every member's end, when no member is alive and none is coming
+        back."""
         if not self.alive() and not self._hope():
             raise self._all_dead()
 
@@ -271,8 +312,11 @@ class EnginePool:
 
     def _all_dead(self) -> EngineDeadError:
         ends = "; ".join(f"engine {m.index}: {m.reason}" for m in self.members)
-        return EngineDeadError(f"no engine left ({ends})" if len(self.members) > 1 else self.members[0].reason
-                               or "the engine is dead")
+        return EngineDeadError(
+            f"no engine left ({ends})"
+            if len(self.members) > 1
+            else self.members[0].reason or "the engine is dead"
+        )
 
     def _watch(self) -> None:
         """Ping every live member; one that does not answer within ping_timeout_s is hung."""
@@ -283,7 +327,9 @@ class EnginePool:
                 if self._stop.is_set():
                     return
                 if isinstance(answer, TimeoutError):
-                    self.drop(member, f"did not answer for {self.ping_timeout_s:g} s (hung)", engine)
+                    self.drop(
+                        member, f"did not answer for {self.ping_timeout_s:g} s (hung)", engine
+                    )
                 elif isinstance(answer, EngineDeadError):
                     self.drop(member, str(answer), engine)
 
@@ -326,27 +372,34 @@ class EnginePool:
         self.each(lambda m: m.engine.resume_memory())
 
     def stats(self) -> EngineStats:
-        """The members' counters summed (pauses too: engine-seconds paused); slot facts of the first."""
+        """The members' counters summed (pauses too: engine-seconds paused); slot facts of the
+        first."""
         parts = self.each(lambda m: m.engine.stats())
         return summed(parts)
 
     def states(self, seconds: float) -> list[tuple[int, EngineStats | BaseException]]:
-        """(index, its stats or why there are none) for every member, each live one waited for at most
-        `seconds` (for describing a possibly hung pool). One that left, or leaves while asked (the ping
-        killed it), gives the pool's reason: that is the cause, not the kill that followed."""
+        """(index, its stats or why there are none) for every member, each live one waited for at
+        most `seconds` (for describing a possibly hung pool). One that left, or leaves while asked
+        (the ping killed it), gives the pool's reason: that is the cause, not the kill that
+        followed."""
         out = []
         for m in self.members:
             answer = bounded(m.engine.stats, seconds) if m.alive else None
             if not m.alive:
-                answer = EngineDeadError(f"left the pool: {m.reason}" + ("; coming back" if m.reviving else ""))
+                answer = EngineDeadError(
+                    f"left the pool: {m.reason}" + ("; coming back" if m.reviving else "")
+                )
             out.append((m.index, answer))
         return out
 
     def describe(self) -> str:
         with self._lock:
             return "; ".join(
-                f"engine {m.index}: v{m.version}, {m.outstanding} in flight" if m.alive
-                else f"engine {m.index}: {'coming back' if m.reviving else 'gone'} ({m.reason})" for m in self.members)
+                f"engine {m.index}: v{m.version}, {m.outstanding} in flight"
+                if m.alive
+                else f"engine {m.index}: {'coming back' if m.reviving else 'gone'} ({m.reason})"
+                for m in self.members
+            )
 
     def shutdown(self) -> None:
         """Stop every member (each aborts what is in flight); fail what is still outstanding."""

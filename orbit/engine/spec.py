@@ -1,5 +1,5 @@
-"""A checkpoint's shape facts, read once from its config.json: what every engine backend, the recipe's
-checks and the memory plan need to know about a Llama/Qwen-family model.
+"""A checkpoint's shape facts, read once from its config.json: what every engine backend, the
+recipe's checks and the memory plan need to know about a Llama/Qwen-family model.
 
 `read_spec` is the one reader of config.json in Orbit. It follows the model config classes of
 transformers where config.json leaves a field out (head_dim: Qwen3's default is 128, not
@@ -16,8 +16,15 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The projections an adapter may target, by their names inside a decoder layer.
-MODULES: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+MODULES: tuple[str, ...] = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 # head_dim when config.json has none: the config class's default, as transformers builds the model.
 _DEFAULT_HEAD_DIM = {"qwen3": 128}
 
@@ -45,11 +52,20 @@ class ModelSpec:
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(out_features, in_features) of a projection, e.g. 'self_attn.k_proj'."""
-        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, \
-            self.intermediate_size
+        q, kv, h, i = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.hidden_size,
+            self.intermediate_size,
+        )
         return {
-            "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
+            "self_attn.q_proj": (q, h),
+            "self_attn.k_proj": (kv, h),
+            "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
         }[module]
 
     def in_features(self, target: str) -> int:
@@ -84,7 +100,9 @@ def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(raw.get("model_type")) or raw["hidden_size"] // heads,
+            head_dim=raw.get("head_dim")
+            or _DEFAULT_HEAD_DIM.get(raw.get("model_type"))
+            or raw["hidden_size"] // heads,
             rms_eps=raw.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids(path, raw),

@@ -52,7 +52,8 @@ def _remember(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
 
 def catch_ctrl_c() -> None:
     """Ctrl-C raises KeyboardInterrupt (even when started with SIGINT ignored) and is remembered;
-    Python's "Exception ignored" report of a dropped one is left out (it is raised again instead)."""
+    Python's "Exception ignored" report of a dropped one is left out (it is raised again
+    instead)."""
     global _seen
     _seen = False
     signal.signal(signal.SIGINT, _remember)
@@ -62,7 +63,8 @@ def catch_ctrl_c() -> None:
 
 
 def catch_term() -> None:
-    """SIGTERM too (a launcher stopping this rank 0 because another rank failed): the same as Ctrl-C."""
+    """SIGTERM too (a launcher stopping this rank 0 because another rank failed): the same as
+    Ctrl-C."""
     signal.signal(signal.SIGTERM, _remember)
 
 
@@ -77,7 +79,8 @@ def _quiet_about_ctrl_c(unraisable) -> None:
 
 
 def raise_if_dropped() -> None:
-    """Raise the Ctrl-C that Python printed and dropped, if there was one (one not `handled` yet)."""
+    """Raise the Ctrl-C that Python printed and dropped, if there was one (one not `handled`
+    yet)."""
     if _seen:
         raise KeyboardInterrupt
 
@@ -90,8 +93,8 @@ def handled() -> None:
 
 
 def caused_by_ctrl_c(err: BaseException) -> bool:
-    """An error that a Ctrl-C caused: one with KeyboardInterrupt down its chain, or any error after a
-    Ctrl-C was seen (an import cut short can fail later with an unrelated-looking error, e.g. a
+    """An error that a Ctrl-C caused: one with KeyboardInterrupt down its chain, or any error after
+    a Ctrl-C was seen (an import cut short can fail later with an unrelated-looking error, e.g. a
     RecursionError or a partially initialised module)."""
     if _seen:
         return True

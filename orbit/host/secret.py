@@ -1,4 +1,5 @@
-"""Secrets that must not reach a log, an error message or a run directory (an SGLang server's API key)."""
+"""Secrets that must not reach a log, an error message or a run directory (an SGLang server's API
+key)."""
 
 from __future__ import annotations
 

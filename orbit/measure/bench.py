@@ -5,8 +5,8 @@ floor, the fastest it could have been at the speed the run's own engines generat
 Writes DIR/summary.json (`engines.<backend>.modes.<mode>.<metric>`: median and p90 per metric,
 busy shares, ratios between panels, targets met or missed), DIR/<backend>/panels.png (five Gantt
 panels on one time axis, each with its floor) and prints a table per engine in the seed's style.
-The engine pool's flips (barrier against independent, with a straggler) are a bench script of their own:
-bench/pool.py.
+The engine pool's flips (barrier against independent, with a straggler) are a bench script of their
+own: bench/pool.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,17 @@ from orbit.run.trackers import log_images
 if TYPE_CHECKING:
     from orbit.run.lifecycle import EnginesFor
 
-TIMED = ("step_s", "trainer_idle_s", "train_s", "update_weights_s", "train_wait_s",
-         "rollout_tok_per_dev_s", "useful_tok_per_dev_s", "flip_lag_s", "engine_paused_s")
+TIMED = (
+    "step_s",
+    "trainer_idle_s",
+    "train_s",
+    "update_weights_s",
+    "train_wait_s",
+    "rollout_tok_per_dev_s",
+    "useful_tok_per_dev_s",
+    "flip_lag_s",
+    "engine_paused_s",
+)
 # The panel figures of docs/design.md §6: (metric, label, lower is better)
 HEADLINE = (
     ("update_weights_s", "update_weights", True),
@@ -38,23 +47,51 @@ HEADLINE = (
     ("rollout_tok_per_dev_s", "throughput", False),
     ("step_s", "step", True),
 )
-# Targets, per engine: (name, numerator mode, denominator mode or "floor", metric, bound). The seed's
-# figures first (its "train wait" is trainer_idle_s: a blocking push stands in for a wait), then the
-# bench issue's own.
+# Targets, per engine: (name, numerator mode, denominator mode or "floor", metric, bound). The
+# seed's figures first (its "train wait" is trainer_idle_s: a blocking push stands in for a wait),
+# then the bench issue's own.
 TARGETS = (
     ("seed: step db/sync <= 0.29", "double-buffer", "sync", "step_s", ("<=", 0.29)),
-    ("seed: trainer idle db/async-adapter <= 0.19", "double-buffer", "async-adapter", "trainer_idle_s",
-     ("<=", 0.19)),
-    ("seed: tok/s db/async-adapter >= 1.5", "double-buffer", "async-adapter", "rollout_tok_per_dev_s", (">=", 1.5)),
-    ("seed: update_weights db/async-adapter < 1", "double-buffer", "async-adapter", "update_weights_s",
-     ("<", 1.0)),
-    ("blocking push db/async-adapter <= 0.7", "double-buffer", "async-adapter", "update_weights_s", ("<=", 0.7)),
-    ("trainer idle db/async-adapter <= 0.25", "double-buffer", "async-adapter", "trainer_idle_s", ("<=", 0.25)),
+    (
+        "seed: trainer idle db/async-adapter <= 0.19",
+        "double-buffer",
+        "async-adapter",
+        "trainer_idle_s",
+        ("<=", 0.19),
+    ),
+    (
+        "seed: tok/s db/async-adapter >= 1.5",
+        "double-buffer",
+        "async-adapter",
+        "rollout_tok_per_dev_s",
+        (">=", 1.5),
+    ),
+    (
+        "seed: update_weights db/async-adapter < 1",
+        "double-buffer",
+        "async-adapter",
+        "update_weights_s",
+        ("<", 1.0),
+    ),
+    (
+        "blocking push db/async-adapter <= 0.7",
+        "double-buffer",
+        "async-adapter",
+        "update_weights_s",
+        ("<=", 0.7),
+    ),
+    (
+        "trainer idle db/async-adapter <= 0.25",
+        "double-buffer",
+        "async-adapter",
+        "trainer_idle_s",
+        ("<=", 0.25),
+    ),
     ("step db/its floor <= 1.1", "double-buffer", "floor", "step_s", ("<=", 1.1)),
 )
 # Rates: tokens come in bursts (a step's count is what finished in it), so besides the per-step
-# median and p90 their summary has the mean rate, Σ tokens / Σ step time, which the tables, ratios and
-# targets use.
+# median and p90 their summary has the mean rate, Σ tokens / Σ step time, which the tables, ratios
+# and targets use.
 RATES = ("rollout_tok_per_dev_s", "useful_tok_per_dev_s")
 
 
@@ -70,28 +107,30 @@ def p90(values: list[float]) -> float:
 
 
 def engine_rate(rows: list[dict], engines: int) -> float:
-    """Tokens per second of one engine while busy, over a run's steps: what its engines delivered."""
+    """Tokens per second of one engine while busy, over a run's steps: what its engines
+    delivered."""
     busy = sum(r["engine_busy_s"] for r in rows) / engines
     return sum(r["tokens_generated"] for r in rows) / busy / engines if busy else float("inf")
 
 
 def floor_s(rows: list[dict], serial: bool, engines: int) -> float:
-    """The fastest a mode's steps could have been, per step, over its measured window: what its two workers
-    did in the window, at the speeds they did it.
+    """The fastest a mode's steps could have been, per step, over its measured window: what its two
+    workers did in the window, at the speeds they did it.
 
     Serial: the engines' busy time + train + push (nothing overlaps). Overlapped: the slower of the
-    trainer's part (train + the push that holds it) and the engines' busy time (each engine generating
-    what it generated, at its own measured pace). Both are parts of the window's wall time, so no window
-    is faster than its floor: step/floor >= 1 for every mode. (Counting the batches' trained tokens at the
-    engine's rate instead would not be a bound: a pipelined window trains tokens generated before it.)"""
+    trainer's part (train + the push that holds it) and the engines' busy time (each engine
+    generating what it generated, at its own measured pace). Both are parts of the window's wall
+    time, so no window is faster than its floor: step/floor >= 1 for every mode. (Counting the
+    batches' trained tokens at the engine's rate instead would not be a bound: a pipelined window
+    trains tokens generated before it.)"""
     trainer = sum(r["train_s"] + r["update_weights_s"] for r in rows)
     busy = sum(r["engine_busy_s"] for r in rows) / engines
     return ((busy + trainer) if serial else max(trainer, busy)) / len(rows)
 
 
 def summarize(rows: list[dict], engines: int = 1, floor: float | None = None) -> dict:
-    """One mode's measured steps → medians, p90s, busy shares and staleness, reward and waste figures;
-    with its `floor`, the mean step against it (`floor_ratio`)."""
+    """One mode's measured steps → medians, p90s, busy shares and staleness, reward and waste
+    figures; with its `floor`, the mean step against it (`floor_ratio`)."""
     out: dict = {"steps": len(rows)}
     for key in TIMED:
         values = [r[key] for r in rows if r.get(key) is not None]
@@ -108,7 +147,9 @@ def summarize(rows: list[dict], engines: int = 1, floor: float | None = None) ->
     out["staleness_max"] = max(r["staleness_max"] for r in rows)
     out["stale_dropped"] = sum(r["stale_dropped"] for r in rows)
     generated = sum(r["tokens_generated"] for r in rows)
-    out["waste_frac"] = sum(r["waste_frac"] * r["tokens_generated"] for r in rows) / generated if generated else 0.0
+    out["waste_frac"] = (
+        sum(r["waste_frac"] * r["tokens_generated"] for r in rows) / generated if generated else 0.0
+    )
     out["reward_mean"] = fmean(r["reward_mean"] for r in rows)
     diffs = [r["logprob_diff"] for r in rows if r.get("logprob_diff") is not None]
     out["logprob_diff_max"] = max(diffs) if diffs else None
@@ -116,9 +157,14 @@ def summarize(rows: list[dict], engines: int = 1, floor: float | None = None) ->
 
 
 def headline(s: dict) -> str:
-    """A panel's figures in one line: step, tok/s, train wait, push, and the floor where there is one."""
-    parts = [f"step {s['step_s']['median']:.3f} s", f"{s['rollout_tok_per_dev_s']['mean']:,.0f} tok/s",
-             f"train wait {s['train_wait_s']['median']:.3f} s", f"push {s['update_weights_s']['median']:.3f} s"]
+    """A panel's figures in one line: step, tok/s, train wait, push, and the floor where there is
+    one."""
+    parts = [
+        f"step {s['step_s']['median']:.3f} s",
+        f"{s['rollout_tok_per_dev_s']['mean']:,.0f} tok/s",
+        f"train wait {s['train_wait_s']['median']:.3f} s",
+        f"push {s['update_weights_s']['median']:.3f} s",
+    ]
     if s.get("floor_s"):
         parts.append(f"floor {s['floor_s']:.3f} s (mean step/floor {s['floor_ratio']:.2f}×)")
     return " · ".join(parts)
@@ -173,9 +219,14 @@ def secs(cell: dict | None) -> str:
 
 
 def table(section: dict, engine: str) -> Table:
-    """Metrics as rows, modes as columns; each headline cell: median, Δ vs previous panel, Δ vs sync."""
-    t = Table(title=f"orbit bench — {engine} engine — medians over measured steps (rates: Σ tokens / Σ time)\n"
-                    "(Δ prev = vs the panel to the left, Δ sync = vs sync)", header_style="bold cyan")
+    """Metrics as rows, modes as columns; each headline cell: median, Δ vs previous panel, Δ vs
+    sync."""
+    t = Table(
+        title=f"orbit bench — {engine} engine — medians over measured steps (rates: Σ tokens / Σ "
+        "time)\n"
+        "(Δ prev = vs the panel to the left, Δ sync = vs sync)",
+        header_style="bold cyan",
+    )
     t.add_column("metric")
     for mode in MODE_NAMES:
         t.add_column(mode, justify="right")
@@ -191,17 +242,28 @@ def table(section: dict, engine: str) -> Table:
                 r = rat[mode][key]
                 cells.append(f"{shown}\n{_pct(r['vs_prev'])} prev\n{_pct(r['vs_sync'])} sync")
         t.add_row(label, *cells, end_section=True)
-    t.add_row("floor (mean step/floor)", *[f"{modes[m]['floor_s']:.3f} s ({modes[m]['floor_ratio']:.2f}×)"
-                                      for m in MODE_NAMES])
+    t.add_row(
+        "floor (mean step/floor)",
+        *[f"{modes[m]['floor_s']:.3f} s ({modes[m]['floor_ratio']:.2f}×)" for m in MODE_NAMES],
+    )
     t.add_row("train wait", *[secs(modes[m]["train_wait_s"]) for m in MODE_NAMES])
     t.add_row("train", *[secs(modes[m]["train_s"]) for m in MODE_NAMES])
     t.add_row("flip lag", *[secs(modes[m]["flip_lag_s"]) for m in MODE_NAMES])
-    t.add_row("engine / trainer busy", *[f"{modes[m]['engine_busy_frac']:.0%} / {modes[m]['trainer_busy_frac']:.0%}"
-                                         for m in MODE_NAMES])
-    t.add_row("staleness mean/max", *[f"{modes[m]['staleness_mean']:.2f}/{modes[m]['staleness_max']}"
-                                      for m in MODE_NAMES])
+    t.add_row(
+        "engine / trainer busy",
+        *[
+            f"{modes[m]['engine_busy_frac']:.0%} / {modes[m]['trainer_busy_frac']:.0%}"
+            for m in MODE_NAMES
+        ],
+    )
+    t.add_row(
+        "staleness mean/max",
+        *[f"{modes[m]['staleness_mean']:.2f}/{modes[m]['staleness_max']}" for m in MODE_NAMES],
+    )
     t.add_row("stale dropped", *[str(modes[m]["stale_dropped"]) for m in MODE_NAMES])
-    t.add_row("useful tok/s", *[f"{modes[m]['useful_tok_per_dev_s']['mean']:.1f}" for m in MODE_NAMES])
+    t.add_row(
+        "useful tok/s", *[f"{modes[m]['useful_tok_per_dev_s']['mean']:.1f}" for m in MODE_NAMES]
+    )
     t.add_row("waste", *[f"{modes[m]['waste_frac']:.1%}" for m in MODE_NAMES])
     t.add_row("reward mean", *[f"{modes[m]['reward_mean']:.3f}" for m in MODE_NAMES])
     return t
@@ -215,32 +277,51 @@ def check_args(steps: int, warmup: int) -> None:
 
 
 def run_bench(
-    checked: Checked, out: Path, steps: int, warmup: int, console: Console | None = None, live: bool = False,
+    checked: Checked,
+    out: Path,
+    steps: int,
+    warmup: int,
+    console: Console | None = None,
+    live: bool = False,
     engines: list[str] | None = None,
 ) -> BenchResult:
-    """The five modes on each engine backend in `engines` (default: the recipe's), one after the other.
-    Writes OUT/summary.json (a section per engine) and OUT/<engine>/panels.png."""
+    """The five modes on each engine backend in `engines` (default: the recipe's), one after the
+    other. Writes OUT/summary.json (a section per engine) and OUT/<engine>/panels.png."""
     check_args(steps, warmup)
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     recipe = checked.recipe
-    summary: dict = {"recipe": recipe.model_dump(mode="json"), "steps": steps, "warmup": warmup, "engines": {}}
+    summary: dict = {
+        "recipe": recipe.model_dump(mode="json"),
+        "steps": steps,
+        "warmup": warmup,
+        "engines": {},
+    }
     for note in checked.notes if not engines else ():
         console.print(note, highlight=False)
     for backend in engines or [recipe.engine.backend]:
         r = recipe.model_copy(deep=True)
         r.engine.backend = backend
         r = preflight(r).recipe  # this backend's own checks (installed, model it runs)
-        summary["engines"][backend] = section = _bench_engine(r, out / backend, steps, warmup, console, live)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))  # each engine's part as soon as it is in
+        summary["engines"][backend] = section = _bench_engine(
+            r, out / backend, steps, warmup, console, live
+        )
+        # each engine's part as soon as it is in
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
         console.print(table(section, backend))
         _print_targets(console, section["targets"])
-    log_images(recipe, out / "tracking", {f"panels/{b}": Path(s["panels"]) for b, s in summary["engines"].items()},
-               name=out.name)
+    log_images(
+        recipe,
+        out / "tracking",
+        {f"panels/{b}": Path(s["panels"]) for b, s in summary["engines"].items()},
+        name=out.name,
+    )
     return BenchResult(out, summary)
 
 
-def _bench_engine(recipe: Recipe, out: Path, steps: int, warmup: int, console: Console, live: bool) -> dict:
+def _bench_engine(
+    recipe: Recipe, out: Path, steps: int, warmup: int, console: Console, live: bool
+) -> dict:
     """The five modes on one engine backend: its summary section."""
     from orbit.metrics.gantt import draw_panels
     from orbit.pages.panels import write_panels_html
@@ -249,29 +330,54 @@ def _bench_engine(recipe: Recipe, out: Path, steps: int, warmup: int, console: C
     engines = recipe.engine.engines
     for mode in MODE_NAMES:
         rows, windows[mode] = run_mode(recipe, mode, out / mode, steps, warmup, console, live)
-        per_mode[mode] = summarize(rows, engines, floor_s(rows, MODES[mode].loop == "serial", engines))
+        per_mode[mode] = summarize(
+            rows, engines, floor_s(rows, MODES[mode].loop == "serial", engines)
+        )
         per_mode[mode]["engine_tok_per_busy_s"] = engine_rate(rows, engines)
     floors = {m: per_mode[m]["floor_s"] for m in MODE_NAMES}
-    draw_panels(out, windows, out / "panels.png", floors=floors, title=f"{recipe.engine.backend} engine")
-    write_panels_html(out, windows, out / "panels.html", floors=floors,
-                      headlines={m: headline(per_mode[m]) for m in MODE_NAMES},
-                      titles={m: f"{m} ({MODES[m].loop} loop, {MODES[m].push} push)" for m in MODE_NAMES},
-                      title=f"orbit bench: the five modes on the {recipe.engine.backend} engine")
-    return {"modes": per_mode, "ratios": ratios(per_mode), "targets": targets(per_mode),
-            "panels": str(out / "panels.png")}
+    draw_panels(
+        out, windows, out / "panels.png", floors=floors, title=f"{recipe.engine.backend} engine"
+    )
+    write_panels_html(
+        out,
+        windows,
+        out / "panels.html",
+        floors=floors,
+        headlines={m: headline(per_mode[m]) for m in MODE_NAMES},
+        titles={m: f"{m} ({MODES[m].loop} loop, {MODES[m].push} push)" for m in MODE_NAMES},
+        title=f"orbit bench: the five modes on the {recipe.engine.backend} engine",
+    )
+    return {
+        "modes": per_mode,
+        "ratios": ratios(per_mode),
+        "targets": targets(per_mode),
+        "panels": str(out / "panels.png"),
+    }
 
 
-def run_mode(recipe: Recipe, mode: str, run_dir: Path, steps: int, warmup: int, console: Console, live: bool,
-              label: str | None = None, engines: EnginesFor | None = None) -> tuple[list[dict], tuple[float, float]]:
-    """One training run of `warmup + steps` steps: its measured metrics rows and their time window."""
+def run_mode(
+    recipe: Recipe,
+    mode: str,
+    run_dir: Path,
+    steps: int,
+    warmup: int,
+    console: Console,
+    live: bool,
+    label: str | None = None,
+    engines: EnginesFor | None = None,
+) -> tuple[list[dict], tuple[float, float]]:
+    """One training run of `warmup + steps` steps: its measured metrics rows and their time
+    window."""
     from orbit.run.lifecycle import train
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a bench re-run measures afresh
     r = recipe.model_copy(deep=True, update={"mode": mode, "out": run_dir})
     r.trainer.steps = warmup + steps
     r.trainer.save_every = warmup + steps  # one checkpoint at the end, not inside the timed steps
-    console.print(f"[bold]bench[/] {label or recipe.engine.backend + ' ' + mode}: {warmup} warm-up + {steps} "
-                  "measured steps")
+    console.print(
+        f"[bold]bench[/] {label or recipe.engine.backend + ' ' + mode}: {warmup} warm-up + {steps} "
+        "measured steps"
+    )
     train(Checked(r), live=live, console=console, engines=engines)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = rows[warmup:]

@@ -59,11 +59,18 @@ class Target:
     task: TaskConfig
     max_new_tokens: int
     out: Path  # where eval.json goes
-    episode_timeout_s: float = 300.0  # an agent episode's bound: the run's rollout.episode_timeout_s
+    # an agent episode's bound: the run's rollout.episode_timeout_s
+    episode_timeout_s: float = 300.0
 
 
-def run_episodes(engine: Engine, task: Task, prompts: list[Prompt], sampling: SamplingParams, slot,
-                 max_context: int | None = None) -> list[Episode]:
+def run_episodes(
+    engine: Engine,
+    task: Task,
+    prompts: list[Prompt],
+    sampling: SamplingParams,
+    slot,
+    max_context: int | None = None,
+) -> list[Episode]:
     """One episode per prompt, all in flight at once; multi-turn tasks get their tool results."""
     sampling = with_task_stops(sampling, task)
     multi = is_multi_turn(task)
@@ -92,17 +99,28 @@ def summarize(scores: list, episodes: list[Episode], seconds: float = 0.0) -> Ev
         format_rate=sum(bool(s.info.get("format_ok")) for s in scores) / n,
         reward_mean=sum(s.reward for s in scores) / n,
         avg_turns=sum(e.turns for e in episodes) / n,
-        avg_tool_calls=sum(s.info.get("tool_calls", e.tool_results) for s, e in zip(scores, episodes, strict=True))
+        avg_tool_calls=sum(
+            s.info.get("tool_calls", e.tool_results) for s, e in zip(scores, episodes, strict=True)
+        )
         / n,
         failure_modes=modes,
         seconds=round(seconds, 2),
     )
 
 
-def run_agents(engine: Engine, task: Task, prompts: list[Prompt], sampling: SamplingParams, slot,
-               max_context: int | None, timeout_s: float, concurrent: int = 64) -> tuple[list, list]:
-    """An agent task's episodes through an endpoint over `engine`, `concurrent` at a time (an episode's timeout
-    runs from its start, so none waits out its time behind the others); a lost episode scores 0."""
+def run_agents(
+    engine: Engine,
+    task: Task,
+    prompts: list[Prompt],
+    sampling: SamplingParams,
+    slot,
+    max_context: int | None,
+    timeout_s: float,
+    concurrent: int = 64,
+) -> tuple[list, list]:
+    """An agent task's episodes through an endpoint over `engine`, `concurrent` at a time (an
+    episode's timeout runs from its start, so none waits out its time behind the others); a lost
+    episode scores 0."""
     from orbit.agents import AgentRunner, Endpoint, EpisodeFailed
 
     def submit(ids, s, episode_slot, _engine, meta):
@@ -120,32 +138,58 @@ def run_agents(engine: Engine, task: Task, prompts: list[Prompt], sampling: Samp
                 try:
                     results[i] = fut.result()
                 except EpisodeFailed as err:
-                    results[i] = (Episode([]), Score(0.0, {"correct": False, "failure_mode": "lost",
-                                                            "error": str(err)[:2000]}))
+                    results[i] = (
+                        Episode([]),
+                        Score(
+                            0.0,
+                            {"correct": False, "failure_mode": "lost", "error": str(err)[:2000]},
+                        ),
+                    )
                 for j, p in itertools.islice(todo, 1):
                     running[runner.start(p, None, slot)] = j
     episodes = [r[0] if isinstance(r, tuple) else r for r in results]
     return episodes, [r[1] if isinstance(r, tuple) else r.score for r in results]
 
 
-def evaluate(engine: Engine, task: Task, prompts: list[Prompt], slot, max_new_tokens: int,
-             max_context: int | None = None, timeout_s: float = 300.0,
-             concurrent: int = 64) -> tuple[EvalSummary, list[dict]]:
+def evaluate(
+    engine: Engine,
+    task: Task,
+    prompts: list[Prompt],
+    slot,
+    max_new_tokens: int,
+    max_context: int | None = None,
+    timeout_s: float = 300.0,
+    concurrent: int = 64,
+) -> tuple[EvalSummary, list[dict]]:
     """Greedy episodes on one slot (None = base), scored; the summary and one record per prompt."""
     t0 = time.time()
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     if is_agent(task):
-        episodes, scores = run_agents(engine, task, prompts, sampling, slot, max_context, timeout_s, concurrent)
+        episodes, scores = run_agents(
+            engine, task, prompts, sampling, slot, max_context, timeout_s, concurrent
+        )
     else:
         episodes = run_episodes(engine, task, prompts, sampling, slot, max_context)
-        scores = [score_sample(task, p, e.output_ids) for p, e in zip(prompts, episodes, strict=True)]
+        scores = [
+            score_sample(task, p, e.output_ids) for p, e in zip(prompts, episodes, strict=True)
+        ]
     tokenizer = getattr(task, "tokenizer", None)
     records = []
     for p, e, s in zip(prompts, episodes, scores, strict=True):
         text = tokenizer.decode(e.output_ids) if tokenizer is not None else None
-        records.append({"id": p.id, "prompt": p.text, "answer": p.answer, "output": text,
-                        "output_ids": e.output_ids, "loss_mask": e.loss_mask, "turns": e.turns,
-                        "reward": s.reward, **{k: v for k, v in s.info.items() if _jsonable(v)}})
+        records.append(
+            {
+                "id": p.id,
+                "prompt": p.text,
+                "answer": p.answer,
+                "output": text,
+                "output_ids": e.output_ids,
+                "loss_mask": e.loss_mask,
+                "turns": e.turns,
+                "reward": s.reward,
+                **{k: v for k, v in s.info.items() if _jsonable(v)},
+            }
+        )
     return summarize(scores, episodes, time.time() - t0), records
 
 
@@ -162,8 +206,11 @@ def held_out_prompts(task: Task, n: int, seed: int = 0) -> list[Prompt]:
     dataset's stream cycles). RecipeError when the task has no eval split; TaskError when its
     prompts() itself fails."""
     if not has_eval_split(task):
-        raise RecipeError(f"task {getattr(task, 'name', '?')!r} has no held-out split: its prompts(seed, split) must "
-                          "accept split='eval'")
+        raise RecipeError(
+            f"task {getattr(task, 'name', '?')!r} has no held-out split: its prompts(seed, split) "
+            "must "
+            "accept split='eval'"
+        )
     seen: set[tuple[str, str]] = set()
     prompts: list[Prompt] = []
     try:
@@ -178,21 +225,32 @@ def held_out_prompts(task: Task, n: int, seed: int = 0) -> list[Prompt]:
     except StopIteration:
         pass
     except Exception as err:  # noqa: BLE001 - the task's own failure, named as such
-        raise TaskError(f"task {getattr(task, 'name', '?')!r}: prompts(seed, 'eval') failed: "
-                        f"{type(err).__name__}: {err}") from err
+        raise TaskError(
+            f"task {getattr(task, 'name', '?')!r}: prompts(seed, 'eval') failed: "
+            f"{type(err).__name__}: {err}"
+        ) from err
     return prompts
 
 
 def has_eval_split(task: Task) -> bool:
-    """Whether `task.prompts` takes a split (a second positional parameter, `split`, or **kwargs)."""
+    """Whether `task.prompts` takes a split (a second positional parameter, `split`, or
+    **kwargs)."""
     try:
         params = inspect.signature(task.prompts).parameters.values()
     except (TypeError, ValueError):
         return True  # not introspectable (a C callable): try it
     kinds = [p.kind for p in params]
-    positional = [k for k in kinds if k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    return (len(positional) >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds
-            or any(p.name == "split" for p in params) or inspect.Parameter.VAR_KEYWORD in kinds)
+    positional = [
+        k
+        for k in kinds
+        if k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return (
+        len(positional) >= 2
+        or inspect.Parameter.VAR_POSITIONAL in kinds
+        or any(p.name == "split" for p in params)
+        or inspect.Parameter.VAR_KEYWORD in kinds
+    )
 
 
 # ---- resolving what to evaluate -----------------------------------------------------------------
@@ -206,8 +264,12 @@ def _read_recipe(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def resolve_target(path: Path, task: str | None = None, model: Path | None = None,
-                   max_new_tokens: int | None = None) -> Target:
+def resolve_target(
+    path: Path,
+    task: str | None = None,
+    model: Path | None = None,
+    max_new_tokens: int | None = None,
+) -> Target:
     """A run directory (has adapter/), an adapter directory (adapter_config.json), or a model."""
     path = Path(path)
     if (path / "adapter" / "adapter_config.json").is_file():
@@ -217,17 +279,23 @@ def resolve_target(path: Path, task: str | None = None, model: Path | None = Non
     elif (path / "config.json").is_file():
         kind, adapter, out, recipe = "model", None, path, None
     elif path.is_dir() and (path / "recipe.yaml").is_file():
-        raise RecipeError(f"{path}: this run has no adapter yet (no {path / 'adapter'}/adapter_config.json)")
+        raise RecipeError(
+            f"{path}: this run has no adapter yet (no {path / 'adapter'}/adapter_config.json)"
+        )
     else:
-        raise RecipeError(f"{path}: not a run directory (with adapter/), an adapter directory "
-                          "(with adapter_config.json) or a model directory (with config.json)")
+        raise RecipeError(
+            f"{path}: not a run directory (with adapter/), an adapter directory "
+            "(with adapter_config.json) or a model directory (with config.json)"
+        )
     if model is None:
         if kind == "model":
             model = path
         elif recipe and recipe.get("model"):
             model = Path(recipe["model"])
         else:
-            base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            base = json.loads((adapter / "adapter_config.json").read_text()).get(
+                "base_model_name_or_path"
+            )
             if not base:
                 raise RecipeError(f"{adapter}: cannot tell the base model; pass --model")
             model = Path(base)
@@ -238,16 +306,26 @@ def resolve_target(path: Path, task: str | None = None, model: Path | None = Non
     rollout = (recipe or {}).get("rollout") or {}
     if max_new_tokens is None:
         max_new_tokens = rollout.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-    return Target(kind, path, Path(model), adapter, task_cfg, int(max_new_tokens), out,
-                  float(rollout.get("episode_timeout_s") or 300.0))
+    return Target(
+        kind,
+        path,
+        Path(model),
+        adapter,
+        task_cfg,
+        int(max_new_tokens),
+        out,
+        float(rollout.get("episode_timeout_s") or 300.0),
+    )
 
 
 def _task_config(task: str | None, recipe_task: dict | None) -> TaskConfig:
-    """`--task` (a name, `module:factory` or a .jsonl file) or else the run's own task; with the run's
-    options when the names agree."""
+    """`--task` (a name, `module:factory` or a .jsonl file) or else the run's own task; with the
+    run's options when the names agree."""
     if task is None:
         if recipe_task is None:
-            raise RecipeError("--task: required (the target has no recipe.yaml to take the task from)")
+            raise RecipeError(
+                "--task: required (the target has no recipe.yaml to take the task from)"
+            )
         data = recipe_task
     elif task.endswith(".jsonl"):
         data = {"name": "jsonl", "path": task}
@@ -285,29 +363,43 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
 
     prompts = held_out_prompts(task, n, seed)
     if len(prompts) < n:
-        console.print(f"note: the held-out split has only {len(prompts)} distinct prompts; evaluating those")
+        console.print(
+            f"note: the held-out split has only {len(prompts)} distinct prompts; evaluating those"
+        )
         n = len(prompts)
     running = min(n, 64)
     engine = start_embedded_engine(target.model, max_running=running, threads=threads, seed=seed)
     results, samples = {}, {}
     version = None
     try:
-        bounds = {"max_context": engine.info.max_context, "timeout_s": target.episode_timeout_s,
-                  "concurrent": running}
+        bounds = {
+            "max_context": engine.info.max_context,
+            "timeout_s": target.episode_timeout_s,
+            "concurrent": running,
+        }
         if target.kind != "adapter":
-            results["base"], samples["base"] = evaluate(engine, task, prompts, None, target.max_new_tokens, **bounds)
+            results["base"], samples["base"] = evaluate(
+                engine, task, prompts, None, target.max_new_tokens, **bounds
+            )
         if target.adapter is not None:
             version = _load_adapter(engine, target.adapter)
-            results["trained"], samples["trained"] = evaluate(engine, task, prompts, 0, target.max_new_tokens,
-                                                              **bounds)
+            results["trained"], samples["trained"] = evaluate(
+                engine, task, prompts, 0, target.max_new_tokens, **bounds
+            )
     finally:
         engine.shutdown()
     return results, samples, version, n
 
 
-def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1,
-             console: Console | None = None) -> dict:
-    """Evaluate the target, print the table, write eval.json and eval_samples.jsonl; return the report."""
+def run_eval(
+    target: Target,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    threads: int = 1,
+    console: Console | None = None,
+) -> dict:
+    """Evaluate the target, print the table, write eval.json and eval_samples.jsonl; return the
+    report."""
     from transformers import AutoTokenizer
 
     if n < 1:
@@ -320,15 +412,24 @@ def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1
     finally:
         close_task(task)
     report = {
-        "target": str(target.path), "kind": target.kind, "model": str(target.model),
-        "adapter": str(target.adapter) if target.adapter else None, "adapter_version": version,
-        "task": target.task.model_dump(mode="json"), "split": "eval", "n": n, "seed": seed, "decoding": "greedy",
+        "target": str(target.path),
+        "kind": target.kind,
+        "model": str(target.model),
+        "adapter": str(target.adapter) if target.adapter else None,
+        "adapter_version": version,
+        "task": target.task.model_dump(mode="json"),
+        "split": "eval",
+        "n": n,
+        "seed": seed,
+        "decoding": "greedy",
         "max_new_tokens": target.max_new_tokens,
         "results": {k: asdict(v) for k, v in results.items()},
     }
     if "base" in results and "trained" in results:
-        report["delta"] = {k: round(getattr(results["trained"], k) - getattr(results["base"], k), 6)
-                           for k in ("accuracy", "format_rate", "reward_mean", "avg_turns", "avg_tool_calls")}
+        report["delta"] = {
+            k: round(getattr(results["trained"], k) - getattr(results["base"], k), 6)
+            for k in ("accuracy", "format_rate", "reward_mean", "avg_turns", "avg_tool_calls")
+        }
     target.out.mkdir(parents=True, exist_ok=True)
     (target.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     with (target.out / "eval_samples.jsonl").open("w") as f:
@@ -342,8 +443,10 @@ def run_eval(target: Target, n: int = DEFAULT_N, seed: int = 0, threads: int = 1
 def report_table(report: dict) -> Table:
     results = report["results"]
     cols = list(results)
-    table = Table(title=f"{report['task']['name']}: {report['n']} held-out prompts, greedy",
-                  caption=report["target"])
+    table = Table(
+        title=f"{report['task']['name']}: {report['n']} held-out prompts, greedy",
+        caption=report["target"],
+    )
     table.add_column("metric")
     for c in cols:
         table.add_column(c, justify="right")

@@ -4,7 +4,8 @@ Engine lanes: one bar per request, colored by the policy version it started with
 lanes as an interval schedule. Trainer lane: wait / train / push, with the engine's pause on
 top. At serial barriers the idle tail of each lane (waiting for the slowest sample) is hatched.
 Flips and weight updates are marked with vertical lines; a mode's floor (the fastest its steps could
-be on this machine, orbit/measure/bench.py) as dotted green lines where its steps would end at that pace.
+be on this machine, orbit/measure/bench.py) as dotted green lines where its steps would end at that
+pace.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def pack_lanes(requests: list[dict]) -> list[int]:
     return lanes
 
 
-def engine_bands(requests: list[dict],
-                 engines: set[int] | None = None) -> tuple[list[int], list[tuple[int, float, float]]]:
+def engine_bands(
+    requests: list[dict], engines: set[int] | None = None
+) -> tuple[list[int], list[tuple[int, float, float]]]:
     """Lanes for requests with each engine in a band of its own: (lane per request, and per engine
     (index, first lane, last lane + 1)). `engines`: every engine to show, idle ones included."""
     engines = sorted({r.get("engine", 0) for r in requests} | (engines or set()))
@@ -64,40 +66,61 @@ def engine_bands(requests: list[dict],
     return lanes, bands
 
 
-def _draw_mode(ax, mode: str, events: list[dict], t0: float, t1: float, title: str | None = None) -> None:
+def _draw_mode(
+    ax, mode: str, events: list[dict], t0: float, t1: float, title: str | None = None
+) -> None:
     requests = sorted(
-        (e for e in events if e["kind"] == "request" and e["t1"] > t0 and e["t0"] < t1), key=lambda e: e["t0"]
+        (e for e in events if e["kind"] == "request" and e["t1"] > t0 and e["t0"] < t1),
+        key=lambda e: e["t0"],
     )
-    updated = {e.get("engine", 0) for e in events if e["actor"] == "engine" and e["kind"] == "update"}
+    updated = {
+        e.get("engine", 0) for e in events if e["actor"] == "engine" and e["kind"] == "update"
+    }
     lanes, bands = engine_bands(requests, updated)
-    n_lanes = max((hi for _, _, hi in bands), default=max(lanes, default=-1) + 1)  # idle engines too
+    # idle engines too
+    n_lanes = max((hi for _, _, hi in bands), default=max(lanes, default=-1) + 1)
     trainer_y = n_lanes + 1
     for r, lane in zip(requests, lanes, strict=True):
         aborted = r.get("finish") == "abort"
         ax.broken_barh(
-            [(r["t0"] - t0, r["t1"] - r["t0"])], (lane + 0.1, 0.8),
+            [(r["t0"] - t0, r["t1"] - r["t0"])],
+            (lane + 0.1, 0.8),
             facecolors="white" if aborted else VERSION_CMAP(r["version"] % 10),
-            edgecolors="black" if aborted else "none", linewidth=0.3,
+            edgecolors="black" if aborted else "none",
+            linewidth=0.3,
         )
     if MODES[mode].loop == "serial":
         _hatch_stragglers(ax, requests, lanes, events, t0)
     for e in events:
         if e["actor"] == "trainer" and e["kind"] in TRAINER_COLORS and e["t1"] > t0:
-            ax.broken_barh([(e["t0"] - t0, e["t1"] - e["t0"])], (trainer_y, 1.2),
-                           facecolors=TRAINER_COLORS[e["kind"]])
+            ax.broken_barh(
+                [(e["t0"] - t0, e["t1"] - e["t0"])],
+                (trainer_y, 1.2),
+                facecolors=TRAINER_COLORS[e["kind"]],
+            )
         if e["actor"] == "engine" and e["kind"] == "paused" and e["t1"] > t0:
-            ax.broken_barh([(e["t0"] - t0, max(e["t1"] - e["t0"], 1e-3))], (trainer_y + 0.3, 0.6),
-                           facecolors=PAUSE_COLOR)
+            ax.broken_barh(
+                [(e["t0"] - t0, max(e["t1"] - e["t0"], 1e-3))],
+                (trainer_y + 0.3, 0.6),
+                facecolors=PAUSE_COLOR,
+            )
             ax.axvline(e["t1"] - t0, color=PAUSE_COLOR, linestyle="--", linewidth=0.7, alpha=0.7)
     for e in events:  # an engine's own flips (or loads) on its band
-        if e["actor"] == "engine" and e["kind"] in ("load_adapter", "lost") and t0 < e["t1"] < t1 and len(bands) > 1:
+        if (
+            e["actor"] == "engine"
+            and e["kind"] in ("load_adapter", "lost")
+            and t0 < e["t1"] < t1
+            and len(bands) > 1
+        ):
             band = next((b for b in bands if b[0] == e.get("engine", 0)), None)
             if band is not None:
                 color = "black" if e["kind"] == "lost" else PAUSE_COLOR
                 ax.plot([e["t1"] - t0] * 2, [band[1], band[2]], color=color, linewidth=1.2)
     if len(bands) > 1:
         ticks = [((lo + hi) / 2, f"engine {i}") for i, lo, hi in bands]
-        ax.set_yticks([y for y, _ in ticks] + [trainer_y + 0.6], [t for _, t in ticks] + ["trainer"])
+        ax.set_yticks(
+            [y for y, _ in ticks] + [trainer_y + 0.6], [t for _, t in ticks] + ["trainer"]
+        )
     else:
         ax.set_yticks([n_lanes / 2, trainer_y + 0.6], ["engine", "trainer"])
     ax.set_ylim(-0.5, trainer_y + 1.7)
@@ -109,8 +132,16 @@ def _draw_floor(ax, floor_s: float, span: float, steps: float) -> None:
     """Where each step would end if every step ran at the floor; the label compares the paces."""
     for k in range(1, int(span / floor_s) + 1):
         ax.axvline(k * floor_s, color=FLOOR_COLOR, linestyle=":", linewidth=1.0)
-    ax.text(0.995, 0.02, f"floor {floor_s:.2f} s/step: {span / floor_s:.1f} steps in this time, {steps:.0f} run",
-            transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color=FLOOR_COLOR)
+    ax.text(
+        0.995,
+        0.02,
+        f"floor {floor_s:.2f} s/step: {span / floor_s:.1f} steps in this time, {steps:.0f} run",
+        transform=ax.transAxes,
+        ha="right",
+        va="bottom",
+        fontsize=8,
+        color=FLOOR_COLOR,
+    )
 
 
 def _hatch_stragglers(ax, requests, lanes, events, t0) -> None:
@@ -122,38 +153,67 @@ def _hatch_stragglers(ax, requests, lanes, events, t0) -> None:
                 last_end[lane] = max(last_end.get(lane, 0.0), r["t1"])
         for lane, end in last_end.items():
             if w["t1"] - end > 0:
-                ax.broken_barh([(end - t0, w["t1"] - end)], (lane + 0.1, 0.8), facecolors="none",
-                               edgecolors="#999999", hatch="////", linewidth=0)
+                ax.broken_barh(
+                    [(end - t0, w["t1"] - end)],
+                    (lane + 0.1, 0.8),
+                    facecolors="none",
+                    edgecolors="#999999",
+                    hatch="////",
+                    linewidth=0,
+                )
 
 
-def draw_panels(bench_dir: Path, windows: dict[str, tuple[float, float]], path: Path,
-                floors: dict[str, float] | None = None, title: str | None = None, titles: dict[str, str] | None = None,
-                modes: dict[str, str] | None = None) -> Path:
+def draw_panels(
+    bench_dir: Path,
+    windows: dict[str, tuple[float, float]],
+    path: Path,
+    floors: dict[str, float] | None = None,
+    title: str | None = None,
+    titles: dict[str, str] | None = None,
+    modes: dict[str, str] | None = None,
+) -> Path:
     """One panel per run (bench_dir/<key>), all on the same time axis (seconds from each run's first
-    measured step). `floors`: per key, a floor to draw; `modes`: per key, its mode (default the key)."""
+    measured step). `floors`: per key, a floor to draw; `modes`: per key, its mode (default the
+    key)."""
     keys = list(windows)
     span = max(t1 - t0 for t0, t1 in windows.values())
-    fig, axes = plt.subplots(len(keys), 1, figsize=(14, 2.6 * len(keys)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(keys), 1, figsize=(14, 2.6 * len(keys)), sharex=True, squeeze=False
+    )
     for ax, key in zip(axes[:, 0], keys, strict=True):
         t0, t1 = windows[key]
         events = _events(bench_dir / key)
         _draw_mode(ax, (modes or {}).get(key, key), events, t0, t1, (titles or {}).get(key))
         if floors and floors.get(key):
-            steps = sum(1 for e in events if e["actor"] == "trainer" and e["kind"] == "train" and t0 <= e["t0"] < t1)
+            steps = sum(
+                1
+                for e in events
+                if e["actor"] == "trainer" and e["kind"] == "train" and t0 <= e["t0"] < t1
+            )
             _draw_floor(ax, floors[key], t1 - t0, steps)
         ax.set_xlim(0, span)
     axes[-1, 0].set_xlabel("seconds since the first measured step (one shared axis)")
     legend = [Patch(facecolor=c, label=k) for k, c in TRAINER_COLORS.items()]
-    legend += [Patch(facecolor=PAUSE_COLOR, label="engine paused / flip"),
-               Patch(facecolor="none", edgecolor="#999999", hatch="////", label="straggler wait at barrier"),
-               Patch(facecolor="white", edgecolor="black", label="aborted request")]
+    legend += [
+        Patch(facecolor=PAUSE_COLOR, label="engine paused / flip"),
+        Patch(
+            facecolor="none", edgecolor="#999999", hatch="////", label="straggler wait at barrier"
+        ),
+        Patch(facecolor="white", edgecolor="black", label="aborted request"),
+    ]
     if floors:
         legend.append(Patch(facecolor=FLOOR_COLOR, label="step ends at the floor's pace"))
     legend += [Patch(facecolor=VERSION_CMAP(v), label=f"version {v} (mod 10)") for v in range(3)]
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=12, fontweight="bold")
-    fig.legend(handles=legend, loc="upper center", ncol=6, fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 0.975 if title else 1.0))
+    fig.legend(
+        handles=legend,
+        loc="upper center",
+        ncol=6,
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.975 if title else 1.0),
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.93 if title else 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,5 @@
-"""Step metrics (docs/design.md §6), timeline events on one clock, JSON-lines writers and the live view."""
+"""Step metrics (docs/design.md §6), timeline events on one clock, JSON-lines writers and the live
+view."""
 
 from __future__ import annotations
 
@@ -16,11 +17,36 @@ from rich.table import Table
 
 # The fields every metrics.jsonl line carries (the five-panel comparison reads these).
 METRIC_FIELDS = (
-    "mode", "step", "version", "update_weights_s", "train_wait_s", "rollout_tok_per_dev_s", "step_s",
-    "staleness_mean", "staleness_max", "engine_paused_s", "logprob_diff", "reward_mean", "loss",
-    "stale_dropped", "ratio_mean", "ratio_max", "clip_frac", "waste_frac", "useful_tok_per_dev_s",
-    "flip_lag_s", "engines_alive", "rejoined", "pushes_refused", "train_s", "trainer_idle_s", "engine_busy_s",
-    "entropy", "zero_variance_frac", "groups_filtered", "lr",
+    "mode",
+    "step",
+    "version",
+    "update_weights_s",
+    "train_wait_s",
+    "rollout_tok_per_dev_s",
+    "step_s",
+    "staleness_mean",
+    "staleness_max",
+    "engine_paused_s",
+    "logprob_diff",
+    "reward_mean",
+    "loss",
+    "stale_dropped",
+    "ratio_mean",
+    "ratio_max",
+    "clip_frac",
+    "waste_frac",
+    "useful_tok_per_dev_s",
+    "flip_lag_s",
+    "engines_alive",
+    "rejoined",
+    "pushes_refused",
+    "train_s",
+    "trainer_idle_s",
+    "engine_busy_s",
+    "entropy",
+    "zero_variance_frac",
+    "groups_filtered",
+    "lr",
 )
 
 
@@ -41,15 +67,18 @@ class StepMetrics:
     loss: float
     stale_dropped: int
     train_s: float = 0.0
-    trainer_queue_s: float = 0.0  # a sweep's run waiting for the shared trainer while other runs trained
+    # a sweep's run waiting for the shared trainer while other runs trained
+    trainer_queue_s: float = 0.0
     trainer_idle_s: float = 0.0  # train_wait_s + the part of the push that held the trainer
-    engine_busy_s: float = 0.0  # the engines' own busy time in the step (generating), summed over engines
+    # the engines' own busy time in the step (generating), summed over engines
+    engine_busy_s: float = 0.0
     tokens_generated: int = 0
     logprob_diff_tokens: int = 0
     policy_drift: float | None = None  # same mean abs diff, over samples of older weights
     grad_norm: float = 0.0
     full_push: bool = False
-    merged_push: bool = False  # OFT pushed as merged weights of the adapted modules (engine has no OFT slots)
+    # OFT pushed as merged weights of the adapted modules (engine has no OFT slots)
+    merged_push: bool = False
     resubmitted: int = 0
     ratio_mean: float | None = None  # p_trainer / p_engine over the trained tokens
     ratio_max: float | None = None
@@ -57,22 +86,32 @@ class StepMetrics:
     trained_tokens: int = 0  # model tokens of the samples trained on
     waste_frac: float = 0.0  # tokens of dropped or aborted samples / tokens generated in the step
     useful_tok_per_dev_s: float = 0.0  # trained tokens / step_s / engines
-    flip_lag_s: float | None = None  # from the push of the newest version every engine serves to its last flip
+    # from the push of the newest version every engine serves to its last flip
+    flip_lag_s: float | None = None
     engines_alive: int = 1
-    rejoined: int = 0  # engines that came back into the pool so far (restarted, or a server answering again)
+    # engines that came back into the pool so far (restarted, or a server answering again)
+    rejoined: int = 0
     pushes_refused: int = 0  # pushes an engine refused so far (it kept serving what it had)
-    adapter_transport: list[str | None] = field(default_factory=list)  # per engine: how adapters reach it
-    entropy: float | None = None  # mean entropy of the sampling distribution over the trained tokens
-    zero_variance_frac: float = 0.0  # share of the step's groups (trained and filtered) whose rewards were all equal
-    groups_filtered: int = 0  # groups dynamic sampling dropped in the step (not waste: they carried no signal)
-    episodes_lost: int = 0  # agent episodes lost in the step (the agent raised, hung, or gave no number)
+    # per engine: how adapters reach it
+    adapter_transport: list[str | None] = field(default_factory=list)
+    # mean entropy of the sampling distribution over the trained tokens
+    entropy: float | None = None
+    # share of the step's groups (trained and filtered) whose rewards were all equal
+    zero_variance_frac: float = 0.0
+    # groups dynamic sampling dropped in the step (not waste: they carried no signal)
+    groups_filtered: int = 0
+    # agent episodes lost in the step (the agent raised, hung, or gave no number)
+    episodes_lost: int = 0
     truncated_frac: float = 0.0  # share of the batch's samples cut by max_new_tokens
     masked_frac: float = 0.0  # share of trained tokens the algorithm's mask band dropped
     lr: float = 0.0  # the learning rate of the step's last optimizer step
     optimizer_steps: int = 1  # optimizer steps taken on the batch (algorithm.minibatches × epochs)
-    trainer_tflops: float = 0.0  # the trainer's achieved rate: its matmul FLOPs / train_s (bench/cores.py: the peak)
-    borrowed_frac: float = 0.0  # share of the trainer's thread checks that borrowed the idle engines' cores
-    extra: dict = field(default_factory=dict)  # task figures: correct_rate, format_rate, failure_modes
+    # the trainer's achieved rate: its matmul FLOPs / train_s (bench/cores.py: the peak)
+    trainer_tflops: float = 0.0
+    # share of the trainer's thread checks that borrowed the idle engines' cores
+    borrowed_frac: float = 0.0
+    # task figures: correct_rate, format_rate, failure_modes
+    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -114,7 +153,9 @@ class Timeline:
     def __init__(self, path: Path) -> None:
         self._out = JsonlWriter(path)
 
-    def event(self, actor: str, kind: str, t0: float, t1: float, version: int | None, **extra) -> None:
+    def event(
+        self, actor: str, kind: str, t0: float, t1: float, version: int | None, **extra
+    ) -> None:
         row = {"actor": actor, "kind": kind, "t0": t0, "t1": t1, "version": version, **extra}
         self._out.write(json.dumps(row))
 
@@ -129,7 +170,13 @@ class _Span:
     """`with timeline.span(...)`: records the event when the block ends; `.seconds` after."""
 
     def __init__(self, timeline: Timeline, actor: str, kind: str, version, extra) -> None:
-        self.timeline, self.actor, self.kind, self.version, self.extra = timeline, actor, kind, version, extra
+        self.timeline, self.actor, self.kind, self.version, self.extra = (
+            timeline,
+            actor,
+            kind,
+            version,
+            extra,
+        )
         self.seconds = 0.0
 
     def __enter__(self) -> _Span:
@@ -165,7 +212,9 @@ class LiveView:
         if self._live:
             self._live.__exit__(*exc)
 
-    def update(self, m: StepMetrics, flipped: bool, versions: list[int | None] | None = None) -> None:
+    def update(
+        self, m: StepMetrics, flipped: bool, versions: list[int | None] | None = None
+    ) -> None:
         self.flips += int(flipped)
         self.last = m
         self.versions = versions or []
@@ -175,16 +224,36 @@ class LiveView:
 
     def _render(self):
         table = Table(box=None, show_header=True, header_style="bold cyan")
-        for col in ("step", "reward", "step s", "train wait s", "push s", "staleness", "dropped",
-                    "logprob diff", "flips", "engine versions"):
+        for col in (
+            "step",
+            "reward",
+            "step s",
+            "train wait s",
+            "push s",
+            "staleness",
+            "dropped",
+            "logprob diff",
+            "flips",
+            "engine versions",
+        ):
             table.add_column(col, justify="right")
         m = self.last
         if m is not None:
-            diff = "-" if m.logprob_diff is None or not math.isfinite(m.logprob_diff) else f"{m.logprob_diff:.2e}"
+            diff = (
+                "-"
+                if m.logprob_diff is None or not math.isfinite(m.logprob_diff)
+                else f"{m.logprob_diff:.2e}"
+            )
             table.add_row(
-                str(m.step), f"{m.reward_mean:.3f}", f"{m.step_s:.2f}", f"{m.train_wait_s:.2f}",
-                f"{m.update_weights_s:.3f}", f"{m.staleness_mean:.2f}/{m.staleness_max}",
-                str(m.stale_dropped), diff, str(self.flips),
+                str(m.step),
+                f"{m.reward_mean:.3f}",
+                f"{m.step_s:.2f}",
+                f"{m.train_wait_s:.2f}",
+                f"{m.update_weights_s:.3f}",
+                f"{m.staleness_mean:.2f}/{m.staleness_max}",
+                str(m.stale_dropped),
+                diff,
+                str(self.flips),
                 " ".join("gone" if v is None else f"v{v}" for v in self.versions),
             )
         return RichGroup(self.progress, table)

@@ -1,12 +1,12 @@
-"""`orbit model import SRC OUT`: a GGUF file or a Hugging Face checkpoint directory, written as a plain
-checkpoint directory that Orbit, peft, transformers and SGLang all load.
+"""`orbit model import SRC OUT`: a GGUF file or a Hugging Face checkpoint directory, written as a
+plain checkpoint directory that Orbit, peft, transformers and SGLang all load.
 
-transformers (with the `gguf` package) reads and dequantizes a GGUF file; Orbit writes no dequantizer
-of its own. What is written: `model.safetensors` in the chosen dtype, a `config.json` with no
-quantization entry (transformers' `save_pretrained` refuses a model that still says it is quantized,
-and every loader would try to quantize again), the tokenizer with its chat template, and the
-generation config (its eos is the model's end-of-turn token). It goes to a temporary directory next to
-OUT first and is renamed into place, so OUT is never half written.
+transformers (with the `gguf` package) reads and dequantizes a GGUF file; Orbit writes no
+dequantizer of its own. What is written: `model.safetensors` in the chosen dtype, a `config.json`
+with no quantization entry (transformers' `save_pretrained` refuses a model that still says it is
+quantized, and every loader would try to quantize again), the tokenizer with its chat template, and
+the generation config (its eos is the model's end-of-turn token). It goes to a temporary directory
+next to OUT first and is renamed into place, so OUT is never half written.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ class Imported:
     model_type: str
 
     def line(self) -> str:
-        return (f"wrote {self.out}: {self.model_type}, {self.params / 1e6:.1f} M parameters, {self.dtype}, "
-                f"from {self.source}")
+        return (
+            f"wrote {self.out}: {self.model_type}, {self.params / 1e6:.1f} M parameters, "
+            f"{self.dtype}, "
+            f"from {self.source}"
+        )
 
 
 def gguf_quantization(path: Path) -> str:
-    """The GGUF file's quantization (its `general.file_type`, e.g. MOSTLY_Q4_1). ImportError_ when the
-    file is not a GGUF file `gguf` can read."""
+    """The GGUF file's quantization (its `general.file_type`, e.g. MOSTLY_Q4_1). ImportError_ when
+    the file is not a GGUF file `gguf` can read."""
     import gguf
 
     try:
@@ -47,12 +50,16 @@ def gguf_quantization(path: Path) -> str:
         return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
     except KeyError:
         return "unknown quantization"
-    except Exception as err:  # noqa: BLE001 - gguf says why in its own words; the user needs one line
-        raise ImportError_(f"{path}: not a GGUF file gguf can read ({type(err).__name__}: {err})") from None
+    # gguf says why in its own words; the user needs one line
+    except Exception as err:  # noqa: BLE001
+        raise ImportError_(
+            f"{path}: not a GGUF file gguf can read ({type(err).__name__}: {err})"
+        ) from None
 
 
 def import_model(src: Path, out: Path, dtype: str = "float32") -> Imported:
-    """Read `src` (a .gguf file or a checkpoint directory) and write it to `out` as a plain checkpoint."""
+    """Read `src` (a .gguf file or a checkpoint directory) and write it to `out` as a plain
+    checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -65,24 +72,32 @@ def import_model(src: Path, out: Path, dtype: str = "float32") -> Imported:
     if dtype not in DTYPES:
         raise ImportError_(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if out.exists() and any(out.iterdir()):
-        raise ImportError_(f"{out}: already exists and is not empty; choose another OUT or remove it")
+        raise ImportError_(
+            f"{out}: already exists and is not empty; choose another OUT or remove it"
+        )
     if src.is_file():
         source = f"GGUF {gguf_quantization(src)}"
         where, extra = src.parent, {"gguf_file": src.name}
     elif (src / "config.json").is_file():
         where, extra, source = src, {}, "a checkpoint directory"
     else:
-        raise ImportError_(f"{src}: neither a GGUF file nor a checkpoint directory (with config.json)")
+        raise ImportError_(
+            f"{src}: neither a GGUF file nor a checkpoint directory (with config.json)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **extra)
         tokenizer = AutoTokenizer.from_pretrained(where, **extra)
     except Exception as err:  # noqa: BLE001 - transformers' reason, in one line
-        raise ImportError_(f"{src}: transformers cannot read it ({type(err).__name__}: {err})".split("\n")[0]) \
-            from None
+        raise ImportError_(
+            f"{src}: transformers cannot read it ({type(err).__name__}: {err})".split("\n")[0]
+        ) from None
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ImportError_(f"{src}: a {model_type!r} model; Orbit's engine runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ImportError_(
+            f"{src}: a {model_type!r} model; Orbit's engine runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     _forget_quantization(model)
+
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -12,16 +12,32 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3")
 # Shapes: "tiny" for tests and the demo; "small" (~3M parameters) for the bench, where a step must
 # cost enough that generation and training, not Python overhead, dominate.
 SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 }
 # Qwen3's head_dim is explicit (Qwen3-0.6B: 128 with hidden 1024 / 16 heads) and Qwen3Config's
 # default is 128 whatever the size. The tiny one differs from hidden / heads (64 / 4 = 16), as in
@@ -53,8 +69,12 @@ def _corpus(seed: int) -> list[str]:
             op = rng.choice("+-*")
             lines.append(f"{a} {op} {b} = {eval(f'{a}{op}{b}')}")
         else:
-            lines.append(" ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") * rng.randint(1, 4)
-                                  for _ in range(rng.randint(2, 8))))
+            lines.append(
+                " ".join(
+                    rng.choice("abcdefghijklmnopqrstuvwxyz") * rng.randint(1, 4)
+                    for _ in range(rng.randint(2, 8))
+                )
+            )
     return lines
 
 
@@ -83,7 +103,9 @@ def build_tokenizer(seed: int = 0, task_tokens: bool = False) -> PreTrainedToken
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     corpus = _corpus(seed)
     if task_tokens:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
         corpus += _task_corpus(seed)
     else:
         tok.pre_tokenizer = byte_level
@@ -114,20 +136,33 @@ def tiny_config(arch: str, vocab_size: int, tok: PreTrainedTokenizerFast, size: 
         dtype="float32",
     )
     if arch == "llama":
-        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False)
+        return LlamaConfig(
+            **common, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False
+        )
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
     if arch == "qwen3":  # tied, as Qwen3-0.6B; no q/k/v bias (attention_bias=False), q/k norms
-        return Qwen3Config(**common, head_dim=QWEN3_HEAD_DIM[size], rope_theta=1000000.0,
-                           tie_word_embeddings=True, attention_bias=False)
+        return Qwen3Config(
+            **common,
+            head_dim=QWEN3_HEAD_DIM[size],
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            attention_bias=False,
+        )
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 
-def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
-                     task_tokens: bool = False) -> Path:
+def build_tiny_model(
+    out: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    size: str = "tiny",
+    task_tokens: bool = False,
+) -> Path:
     """Write a tiny random-init checkpoint with its tokenizer to `out` and return the path.
 
-    `task_tokens`: use the task tokenizer (see `build_tokenizer`); `orbit.models.warmstart` builds on it.
+    `task_tokens`: use the task tokenizer (see `build_tokenizer`); `orbit.models.warmstart` builds
+    on it.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -146,8 +181,9 @@ def build_tiny_model(out: str | Path, arch: str = "llama", seed: int = 0, size: 
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3
-                # not all ones: uniform weights commute with rope (a rotation keeps the RMS) and make
-                # q's and k's norms interchangeable, so tests could not see their order or names
+                # not all ones: uniform weights commute with rope (a rotation keeps the RMS) and
+                # make q's and k's norms interchangeable, so tests could not see their order or
+                # names
                 p.normal_(1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -58,7 +58,13 @@ WARM_CONFIGS = {
 
 def _code_version() -> str:
     h = hashlib.sha256()
-    for module in (orbit.models.tiny, orbit.tasks.base, orbit.tasks.common, orbit.tasks.arith, orbit.tasks.zorplex):
+    for module in (
+        orbit.models.tiny,
+        orbit.tasks.base,
+        orbit.tasks.common,
+        orbit.tasks.arith,
+        orbit.tasks.zorplex,
+    ):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     h.update(torch.__version__.encode())
@@ -69,13 +75,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("ORBIT_CACHE", ".cache"))
 
 
-def cache_dir(task: str, arch: str = "llama", seed: int = 0, size: str = "tiny", root: Path | None = None) -> Path:
+def cache_dir(
+    task: str, arch: str = "llama", seed: int = 0, size: str = "tiny", root: Path | None = None
+) -> Path:
     return (root or cache_root()) / "warm" / f"{task}-{arch}-{size}-s{seed}-{_code_version()}"
 
 
-def warm_model(task: str, arch: str = "llama", seed: int = 0, size: str = "tiny", root: Path | None = None,
-               log=None) -> Path:
-    """The cached warm-started checkpoint for (task, arch, size, seed, code version); built if missing."""
+def warm_model(
+    task: str,
+    arch: str = "llama",
+    seed: int = 0,
+    size: str = "tiny",
+    root: Path | None = None,
+    log=None,
+) -> Path:
+    """The cached warm-started checkpoint for (task, arch, size, seed, code version); built if
+    missing."""
     if task not in WARM_TASKS:
         raise ValueError(f"--task must be one of {WARM_TASKS}, got {task!r}")
     path = cache_dir(task, arch, seed, size, root)
@@ -89,8 +104,15 @@ def warm_model(task: str, arch: str = "llama", seed: int = 0, size: str = "tiny"
     return path
 
 
-def warm_start(out: str | Path, task: str, arch: str = "llama", seed: int = 0, size: str = "tiny",
-               root: Path | None = None, log=None) -> Path:
+def warm_start(
+    out: str | Path,
+    task: str,
+    arch: str = "llama",
+    seed: int = 0,
+    size: str = "tiny",
+    root: Path | None = None,
+    log=None,
+) -> Path:
     """Write the warm-started checkpoint to `out` (from the cache when it is there)."""
     src = warm_model(task, arch, seed, size, root, log=log)
     out = Path(out)
@@ -135,9 +157,17 @@ def _collate(rows: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, labels, attn
 
 
-def build_warm_model(out: str | Path, task: str, arch: str = "llama", seed: int = 0, size: str = "tiny",
-                     config: WarmConfig | None = None, log=None) -> Path:
-    """Build the tiny model with the task tokenizer, fine-tune it on demonstrations, save to `out`."""
+def build_warm_model(
+    out: str | Path,
+    task: str,
+    arch: str = "llama",
+    seed: int = 0,
+    size: str = "tiny",
+    config: WarmConfig | None = None,
+    log=None,
+) -> Path:
+    """Build the tiny model with the task tokenizer, fine-tune it on demonstrations, save to
+    `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from orbit.config import TaskConfig
@@ -186,9 +216,19 @@ def build_warm_model(out: str | Path, task: str, arch: str = "llama", seed: int 
         model.save_pretrained(out, safe_serialization=True)
     finally:
         torch.set_num_threads(threads)
-    info = {"task": task, "arch": arch, "size": size, "seed": seed, "code_version": _code_version(),
-            "config": asdict(cfg), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4)}
+    info = {
+        "task": task,
+        "arch": arch,
+        "size": size,
+        "seed": seed,
+        "code_version": _code_version(),
+        "config": asdict(cfg),
+        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+    }
     (out / "warmstart.json").write_text(json.dumps(info, indent=2) + "\n")
     if log is not None:
-        log(f"warm start {task}: {cfg.steps} steps in {time.time() - t0:.1f}s, final loss {info['final_loss']}")
+        log(
+            f"warm start {task}: {cfg.steps} steps in {time.time() - t0:.1f}s, final loss "
+            f"{info['final_loss']}"
+        )
     return out

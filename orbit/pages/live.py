@@ -1,18 +1,23 @@
-"""The live page of a run or a sweep: `orbit train ... --watch`, `orbit sweep ... --watch`, `orbit watch DIR`.
+"""The live page of a run or a sweep: `orbit train ... --watch`, `orbit sweep ... --watch`, `orbit
+watch DIR`.
 
-A small web server (FastAPI on uvicorn, 127.0.0.1 and a free port unless told otherwise) that reads what a run
-already writes and hands it to the page, which draws it with Plotly (the `plotly` package's own script, served
-from here: nothing is fetched from the web). Nothing is computed twice: the page's figures are the files'.
+A small web server (FastAPI on uvicorn, 127.0.0.1 and a free port unless told otherwise) that reads
+what a run already writes and hands it to the page, which draws it with Plotly (the `plotly`
+package's own script, served from here: nothing is fetched from the web). Nothing is computed twice:
+the page's figures are the files'.
 
-- `/`: the run's page, or a sweep's (every run: the live table, the reward curves of all runs in one chart, each
+- `/`: the run's page, or a sweep's (every run: the live table, the reward curves of all runs in one
+  chart, each
   run's page one click away at `/run/NAME`);
 - `/api/runs`: the runs this server shows (their names);
-- `/api/run/NAME?metrics=B&timeline=B&samples=B`: what each file gained past byte offset B (whole lines only),
+- `/api/run/NAME?metrics=B&timeline=B&samples=B`: what each file gained past byte offset B (whole
+  lines only),
   the new offsets, eval.json and the warnings of run.log;
 - `/plotly.min.js`.
 
-Only those files of the run directories it was given are ever read (a run is named, never a path: `../` and
-absolute paths are not names), and the recipe is not served (a key's environment variable name is in it).
+Only those files of the run directories it was given are ever read (a run is named, never a path:
+`../` and absolute paths are not names), and the recipe is not served (a key's environment variable
+name is in it).
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ def runs_in(directory: Path) -> dict[str, Path]:
     directory = Path(directory)
     if (directory / "metrics.jsonl").exists() or (directory / "recipe.yaml").exists():
         return {directory.name or "run": directory}
-    return {d.name: d for d in sorted(directory.iterdir()) if d.is_dir() and (d / "recipe.yaml").exists()}
+    return {
+        d.name: d
+        for d in sorted(directory.iterdir())
+        if d.is_dir() and (d / "recipe.yaml").exists()
+    }
 
 
 def read_from(path: Path, offset: int) -> tuple[list[dict], int]:
-    """The whole JSON lines of `path` past byte `offset` (a line being written waits for the next poll), and the
-    offset after them."""
+    """The whole JSON lines of `path` past byte `offset` (a line being written waits for the next
+    poll), and the offset after them."""
     if not path.is_file():
         return [], 0
     with path.open("rb") as f:
@@ -63,16 +72,21 @@ def read_from(path: Path, offset: int) -> tuple[list[dict], int]:
 
 
 def _about(run_dir: Path) -> dict:
-    """What the page says of the run besides its files: mode, steps, model, task (not the whole recipe)."""
+    """What the page says of the run besides its files: mode, steps, model, task (not the whole
+    recipe)."""
     import yaml
 
     path = run_dir / "recipe.yaml"
     if not path.is_file():
         return {}
     r = yaml.safe_load(path.read_text()) or {}
-    return {"mode": r.get("mode"), "steps": (r.get("trainer") or {}).get("steps"),
-            "model": Path(str(r.get("model", ""))).name, "task": (r.get("task") or {}).get("name"),
-            "algorithm": (r.get("algorithm") or {}).get("preset") or "default"}
+    return {
+        "mode": r.get("mode"),
+        "steps": (r.get("trainer") or {}).get("steps"),
+        "model": Path(str(r.get("model", ""))).name,
+        "task": (r.get("task") or {}).get("name"),
+        "algorithm": (r.get("algorithm") or {}).get("preset") or "default",
+    }
 
 
 def _state(run_dir: Path, offsets: dict[str, int | None]) -> dict:
@@ -107,20 +121,30 @@ def app_for(runs: dict[str, Path], sweep: bool) -> FastAPI:
     def plotly_js() -> Response:
         from plotly.offline import get_plotlyjs
 
-        return Response(get_plotlyjs(), media_type="application/javascript",
-                        headers={"Cache-Control": "max-age=3600"})
+        return Response(
+            get_plotlyjs(),
+            media_type="application/javascript",
+            headers={"Cache-Control": "max-age=3600"},
+        )
 
     @app.get("/api/runs")
     def names() -> dict:
         return {"sweep": sweep, "runs": list(runs)}
 
     @app.get("/api/run/{name}")
-    def state(name: str, metrics: int = Query(0, ge=0), timeline: int | None = Query(None, ge=0),
-              samples: int | None = Query(None, ge=0)) -> dict:
+    def state(
+        name: str,
+        metrics: int = Query(0, ge=0),
+        timeline: int | None = Query(None, ge=0),
+        samples: int | None = Query(None, ge=0),
+    ) -> dict:
         """A file left out of the query is not read (a sweep's table needs only the metrics)."""
         if name not in runs:
             raise HTTPException(404, f"no run {name!r} here")
-        return _state(runs[name], {"metrics.jsonl": metrics, "timeline.jsonl": timeline, "samples.jsonl": samples})
+        return _state(
+            runs[name],
+            {"metrics.jsonl": metrics, "timeline.jsonl": timeline, "samples.jsonl": samples},
+        )
 
     return app
 
@@ -128,10 +152,15 @@ def app_for(runs: dict[str, Path], sweep: bool) -> FastAPI:
 class LivePage:
     """The page's server for a run or sweep directory, on a thread of this process."""
 
-    def __init__(self, directory: Path, host: str = "127.0.0.1", port: int | None = None,
-                 runs: dict[str, Path] | None = None) -> None:
-        """`runs`: a sweep's runs by name (before their directories exist); default: what `directory` holds, or
-        a run about to start in it."""
+    def __init__(
+        self,
+        directory: Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        runs: dict[str, Path] | None = None,
+    ) -> None:
+        """`runs`: a sweep's runs by name (before their directories exist); default: what
+        `directory` holds, or a run about to start in it."""
         self.directory = Path(directory)
         sweep = runs is not None
         if runs is None:
@@ -160,16 +189,20 @@ class LivePage:
 
 
 @contextmanager
-def watching(directory: Path, watch: bool, port: int | None, console, runs: dict[str, Path] | None = None):
-    """`orbit train --watch`: the live page while the block runs. One that cannot start (its port taken) says so
-    in one line, and the run goes on without it."""
+def watching(
+    directory: Path, watch: bool, port: int | None, console, runs: dict[str, Path] | None = None
+):
+    """`orbit train --watch`: the live page while the block runs. One that cannot start (its port
+    taken) says so in one line, and the run goes on without it."""
     if not watch:
         yield
         return
     try:
         page = LivePage(directory, port=port, runs=runs).start()
     except OSError as err:
-        console.print(f"the live page did not start ({err}); training goes on without it", highlight=False)
+        console.print(
+            f"the live page did not start ({err}); training goes on without it", highlight=False
+        )
         yield
         return
     console.print(f"live page: {page.url}", highlight=False)

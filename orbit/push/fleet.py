@@ -69,7 +69,8 @@ class FlipClock:
         self._lock = threading.Lock()
         self._pushed: dict[int, float] = {}
         self._reached: dict[int, dict[int, float]] = {}
-        self._last: tuple[int, float] | None = None  # (version, lag) of the newest version all live engines serve
+        # (version, lag) of the newest version all live engines serve
+        self._last: tuple[int, float] | None = None
 
     def pushed(self, version: int, at: float) -> None:
         with self._lock:
@@ -95,7 +96,9 @@ class FlipClock:
 class Updater:
     """One engine's update thread: applies the newest snapshot with that engine's push."""
 
-    def __init__(self, fleet: FleetPush, member: Member, push: Push, timeline: Timeline | None) -> None:
+    def __init__(
+        self, fleet: FleetPush, member: Member, push: Push, timeline: Timeline | None
+    ) -> None:
         self.fleet, self.member, self.push, self.timeline = fleet, member, push, timeline
         self.error: Exception | None = None  # the last push the engine refused
         self.refused_in_a_row = 0
@@ -103,7 +106,9 @@ class Updater:
         self._busy = False
         self._stop = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"orbit-updater-{member.index}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"orbit-updater-{member.index}", daemon=True
+        )
         self._thread.start()
 
     def offer(self, snapshot: Snapshot) -> None:
@@ -141,8 +146,14 @@ class Updater:
                     self.fleet.served(self.member, snapshot.version)
                     self.refused_in_a_row = 0
                     if self.timeline is not None:  # this engine's own update, load to flip
-                        self.timeline.event("engine", "update", t0, time.time(), snapshot.version,
-                                            engine=self.member.index)
+                        self.timeline.event(
+                            "engine",
+                            "update",
+                            t0,
+                            time.time(),
+                            snapshot.version,
+                            engine=self.member.index,
+                        )
             except EngineDeadError as err:
                 if engine is self.member.engine:  # not the one that has taken its place since
                     self.fleet.pool.drop(self.member, str(err))
@@ -158,27 +169,51 @@ class Updater:
 class FleetPush:
     """The trainer's push over a pool: snapshot, then independent updaters or a barrier."""
 
-    def __init__(self, mode_push: str, adapter_type: str, pool: EnginePool, flip: str = "independent",
-                 wait_all: bool = False, timeline: Timeline | None = None, wait_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        mode_push: str,
+        adapter_type: str,
+        pool: EnginePool,
+        flip: str = "independent",
+        wait_all: bool = False,
+        timeline: Timeline | None = None,
+        wait_s: float = 600.0,
+    ) -> None:
         if flip not in FLIPS:
             raise ValueError(f"flip must be one of {FLIPS}, got {flip!r}")
-        self.pool, self.flip, self.wait_all, self.wait_s, self.timeline = pool, flip, wait_all, wait_s, timeline
-        self.pushes = [make_push(mode_push, adapter_type, pool.capabilities, m.index) for m in pool.members]
+        self.pool, self.flip, self.wait_all, self.wait_s, self.timeline = (
+            pool,
+            flip,
+            wait_all,
+            wait_s,
+            timeline,
+        )
+        self.pushes = [
+            make_push(mode_push, adapter_type, pool.capabilities, m.index) for m in pool.members
+        ]
         self.name = self.pushes[0].name
         self.clock = FlipClock()
-        self.updaters = [Updater(self, m, p, timeline) for m, p in zip(pool.members, self.pushes, strict=True)] \
-            if flip == "independent" else []
-        self.latest: Snapshot | None = None  # the newest version pushed: what an engine that comes back gets
+        self.updaters = (
+            [Updater(self, m, p, timeline) for m, p in zip(pool.members, self.pushes, strict=True)]
+            if flip == "independent"
+            else []
+        )
+        # the newest version pushed: what an engine that comes back gets
+        self.latest: Snapshot | None = None
         self.refusals = 0  # pushes an engine refused (a metric)
 
     def refused(self, member: Member, version: int, err: Exception) -> None:
         """An engine refused `version` (its updater's report): warned, counted, on the timeline."""
         self.refusals += 1
-        self.pool.on_warning(f"engine {member.index} refused the push of v{version} and serves v{member.version}: "
-                             f"{err}")
+        self.pool.on_warning(
+            f"engine {member.index} refused the push of v{version} and serves v{member.version}: "
+            f"{err}"
+        )
         if self.timeline is not None:
             now = time.time()
-            self.timeline.event("engine", "refused", now, now, version, engine=member.index, reason=str(err))
+            self.timeline.event(
+                "engine", "refused", now, now, version, engine=member.index, reason=str(err)
+            )
 
     def served(self, member: Member, version: int, at: float | None = None) -> None:
         """`member` finished its push of `version`: routing and the flip clock hear of it."""
@@ -193,7 +228,8 @@ class FleetPush:
             self.served(m, policy.version)
 
     def bring_up(self, member: Member, engine: Engine) -> int:
-        """The newest snapshot onto `engine`, which is to take `member`'s place; returns its version."""
+        """The newest snapshot onto `engine`, which is to take `member`'s place; returns its
+        version."""
         if self.updaters:
             self.updaters[member.index].wait_idle(self.wait_s)  # done with the engine that left
         snapshot = self.latest
@@ -225,13 +261,20 @@ class FleetPush:
         """Block until every live engine serves `version` (serial modes stay on-policy)."""
         deadline = time.monotonic() + self.wait_s
         while late := [m for m in self.pool.alive() if m.version < version]:
-            for m in late:  # on-policy needs every engine on the new version: a refusal stops the run
-                if self.updaters and self.updaters[m.index].idle() and self.updaters[m.index].error is not None:
+            # on-policy needs every engine on the new version: a refusal stops the run
+            for m in late:
+                if (
+                    self.updaters
+                    and self.updaters[m.index].idle()
+                    and self.updaters[m.index].error is not None
+                ):
                     err, self.updaters[m.index].error = self.updaters[m.index].error, None
                     raise err
             if time.monotonic() > deadline:
                 names = ", ".join(f"engine {m.index} at v{m.version}" for m in late)
-                raise EngineDeadError(f"engines did not take version {version} within {self.wait_s:g} s: {names}")
+                raise EngineDeadError(
+                    f"engines did not take version {version} within {self.wait_s:g} s: {names}"
+                )
             time.sleep(0.005)
         self.pool.require_alive()
 
@@ -241,7 +284,10 @@ class FleetPush:
     def finish(self, timeout: float = 60.0) -> None:
         """Let the updaters apply what they hold (the run is ending), then stop them."""
         deadline = time.monotonic() + timeout
-        while not all(u.idle() or not u.member.alive for u in self.updaters) and time.monotonic() < deadline:
+        while (
+            not all(u.idle() or not u.member.alive for u in self.updaters)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         self.stop()
 
@@ -250,21 +296,30 @@ class FleetPush:
             updater.stop()
 
     def _raise_refusal(self) -> None:
-        """An engine that refused REFUSALS_IN_A_ROW pushes running stops the run, with the last refusal."""
+        """An engine that refused REFUSALS_IN_A_ROW pushes running stops the run, with the last
+        refusal."""
         for updater in self.updaters:
             if updater.refused_in_a_row >= REFUSALS_IN_A_ROW and updater.member.alive:
-                raise EngineError(f"engine {updater.member.index} refused {updater.refused_in_a_row} pushes in a "
-                                  f"row; the last: {updater.error}")
+                raise EngineError(
+                    f"engine {updater.member.index} refused {updater.refused_in_a_row} pushes in a "
+                    f"row; the last: {updater.error}"
+                )
 
     def _barrier(self, snapshot: Snapshot) -> float:
         """The phases on every engine at once. Returns the paused seconds."""
         t_start = time.time()
         targets = {m.index: Target(self.pushes[m.index], m.engine) for m in self.pool.alive()}
-        paused = run_phases(list(targets.values()), snapshot, self.timeline,
-                            each=lambda call: self.pool.each(lambda m: call(targets[m.index])))
+        paused = run_phases(
+            list(targets.values()),
+            snapshot,
+            self.timeline,
+            each=lambda call: self.pool.each(lambda m: call(targets[m.index])),
+        )
         now = time.time()
         for m in self.pool.alive():
             self.served(m, snapshot.version, now)
             if self.timeline is not None:
-                self.timeline.event("engine", "update", t_start, now, snapshot.version, engine=m.index)
+                self.timeline.event(
+                    "engine", "update", t_start, now, snapshot.version, engine=m.index
+                )
         return paused

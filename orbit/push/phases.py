@@ -47,7 +47,8 @@ class PushResult:
     paused_s: float  # time between pause_generation and continue_generation
     flipped: bool = False
     full: bool = False
-    merged: bool = False  # merged weights of the adapted modules only (OFT on an engine without OFT slots)
+    # merged weights of the adapted modules only (OFT on an engine without OFT slots)
+    merged: bool = False
 
 
 class PolicySource(Protocol):
@@ -62,7 +63,9 @@ class PolicySource(Protocol):
     def merged_weights(self, only_adapted: bool = False) -> dict: ...
 
 
-def _event(timeline: Timeline | None, kind: str, t0: float, version: int, engine: int, **extra) -> None:
+def _event(
+    timeline: Timeline | None, kind: str, t0: float, version: int, engine: int, **extra
+) -> None:
     if timeline is not None:
         timeline.event("engine", kind, t0, time.time(), version, engine=engine, **extra)
 
@@ -80,9 +83,11 @@ class Push:
     def __init__(self, engine_index: int = 0) -> None:
         self.engine_index = engine_index  # tags this engine's timeline events
 
-    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
-        """Put the policy into an engine before it generates anything (at the start, or an engine that
-        came back: its load is then on the timeline)."""
+    def initial(
+        self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None
+    ) -> None:
+        """Put the policy into an engine before it generates anything (at the start, or an engine
+        that came back: its load is then on the timeline)."""
         raise NotImplementedError
 
     def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
@@ -94,13 +99,25 @@ class Push:
     def result(self, seconds: float, paused_s: float) -> PushResult:
         return PushResult(seconds, paused_s, flipped=self.flips, full=self.full, merged=self.merged)
 
-    def _load(self, engine: Engine, slot: int, policy: PolicySource, timeline: Timeline | None) -> None:
-        """Write the policy's adapter into `slot`, recorded as a `load_adapter` span: the span is the
-        trainer side's view (transfer included); `written` is the engine's own time of the write, the
-        moment no request on that slot may be running."""
+    def _load(
+        self, engine: Engine, slot: int, policy: PolicySource, timeline: Timeline | None
+    ) -> None:
+        """Write the policy's adapter into `slot`, recorded as a `load_adapter` span: the span is
+        the trainer side's view (transfer included); `written` is the engine's own time of the
+        write, the moment no request on that slot may be running."""
         t0 = time.time()
-        written = engine.load_adapter(slot, policy.adapter_tensors(), policy.adapter_config(), policy.version)
-        _event(timeline, "load_adapter", t0, policy.version, self.engine_index, slot=slot, written=written)
+        written = engine.load_adapter(
+            slot, policy.adapter_tensors(), policy.adapter_config(), policy.version
+        )
+        _event(
+            timeline,
+            "load_adapter",
+            t0,
+            policy.version,
+            self.engine_index,
+            slot=slot,
+            written=written,
+        )
 
 
 @dataclass
@@ -111,8 +128,12 @@ class Target:
     engine: Engine
 
 
-def run_phases(targets: list[Target], policy: PolicySource, timeline: Timeline | None,
-               each: Callable[[Callable[[Target], object]], object] | None = None) -> float:
+def run_phases(
+    targets: list[Target],
+    policy: PolicySource,
+    timeline: Timeline | None,
+    each: Callable[[Callable[[Target], object]], object] | None = None,
+) -> float:
     """prepare on every target; pause all; apply all; continue all. `each(call)` runs a phase over
     the targets (default: one after the other; the barrier runs it on every engine at once).
     Returns the seconds generation was paused."""
@@ -138,7 +159,9 @@ class FullPush(Push):
     full = True
     only_adapted = False  # all of the model's weights
 
-    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
+    def initial(
+        self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None
+    ) -> None:
         engine.update_weights(policy.merged_weights(only_adapted=self.only_adapted), policy.version)
         engine.activate(None)
 
@@ -168,11 +191,14 @@ class AdapterPush(Push):
     def __init__(self, engine_index: int = 0, load_while_paused: bool = True) -> None:
         super().__init__(engine_index)
         self.load_while_paused = load_while_paused
-        # Where the engine cannot load under paused requests, it swaps the slot while generation runs:
-        # requests on it finish on the old adapter, new ones wait for the new one (no pause, no recompute).
+        # Where the engine cannot load under paused requests, it swaps the slot while generation
+        # runs: requests on it finish on the old adapter, new ones wait for the new one (no pause,
+        # no recompute).
         self.pause_mode = "retract" if load_while_paused else None
 
-    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
+    def initial(
+        self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None
+    ) -> None:
         self._load(engine, self.slot, policy, timeline)
         engine.activate(self.slot)
 
@@ -190,25 +216,35 @@ class DoubleBufferPush(Push):
     def __init__(self, engine_index: int = 0, slots: int = 2, flush: bool = True) -> None:
         super().__init__(engine_index)
         self.slots = slots
-        self.flush = flush  # False where flush_cache refuses running requests (its cache is per adapter load)
+        # False where flush_cache refuses running requests (its cache is per adapter load)
+        self.flush = flush
         self.target = 1
-        # The ring's own memory: the flip at which each slot was last activated (-1: never). Which slot is
-        # active now is the engine's to say (`stats().active_slot`); the push keeps no copy of it.
+        # The ring's own memory: the flip at which each slot was last activated (-1: never). Which
+        # slot is active now is the engine's to say (`stats().active_slot`); the push keeps no copy
+        # of it.
         self._activated = [-1] * slots
         self._flips = 0
 
-    def initial(self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None) -> None:
+    def initial(
+        self, engine: Engine, policy: PolicySource, timeline: Timeline | None = None
+    ) -> None:
         self._load(engine, 0, policy, timeline)
         engine.activate(0)
         self._activated[0] = self._flips
 
     def choose_slot(self, active: int | None, slot_requests: tuple[int, ...]) -> int:
         """The ring: the slot inactive longest among those with no request of their own left, else
-        the one inactive longest (its requests are then aborted, or waited for, by the engine). A slot
-        stops being active when the next one is activated, so the earliest activated is inactive longest."""
+        the one inactive longest (its requests are then aborted, or waited for, by the engine). A
+        slot stops being active when the next one is activated, so the earliest activated is
+        inactive longest."""
         others = [s for s in range(self.slots) if s != active]
-        return min(others, key=lambda s: (slot_requests[s] > 0 if s < len(slot_requests) else False,
-                                          self._activated[s]))
+        return min(
+            others,
+            key=lambda s: (
+                slot_requests[s] > 0 if s < len(slot_requests) else False,
+                self._activated[s],
+            ),
+        )
 
     def prepare(self, engine: Engine, policy: PolicySource, timeline: Timeline | None) -> None:
         # The active slot keeps serving while another one is written.
@@ -224,7 +260,9 @@ class DoubleBufferPush(Push):
         self._activated[self.target] = self._flips
 
 
-def make_push(name: str, adapter_type: str, capabilities: Capabilities, engine_index: int = 0) -> Push:
+def make_push(
+    name: str, adapter_type: str, capabilities: Capabilities, engine_index: int = 0
+) -> Push:
     """One engine's push for a mode's `push` on this adapter type and engine (module docstring)."""
     if name == "full":
         return FullPush(engine_index)
@@ -233,5 +271,7 @@ def make_push(name: str, adapter_type: str, capabilities: Capabilities, engine_i
     if name == "adapter":
         return AdapterPush(engine_index, load_while_paused=capabilities.loads_while_paused)
     if name == "double-buffer":
-        return DoubleBufferPush(engine_index, slots=capabilities.slots, flush=capabilities.flush_while_running)
+        return DoubleBufferPush(
+            engine_index, slots=capabilities.slots, flush=capabilities.flush_while_running
+        )
     raise ValueError(f"unknown push {name!r} (allowed: {', '.join(PUSHES)})")

@@ -1,6 +1,6 @@
-"""The RL math, and nothing else: advantage estimators, reward shaping and filters, the policy loss and
-its aggregation, and the named presets. Plain numbers and tensors in and out; the rollout pipeline and
-the trainer call it (docs/algorithms.md)."""
+"""The RL math, and nothing else: advantage estimators, reward shaping and filters, the policy loss
+and its aggregation, and the named presets. Plain numbers and tensors in and out; the rollout
+pipeline and the trainer call it (docs/algorithms.md)."""
 
 from orbit.rl.advantages import advantages
 from orbit.rl.config import AlgorithmConfig, MaskBand
@@ -8,5 +8,18 @@ from orbit.rl.filters import carries_signal, left_out, overlong_penalty, shaped_
 from orbit.rl.loss import LossStats, Norm, own_norm, policy_loss
 from orbit.rl.presets import PRESET_NAMES, PRESETS
 
-__all__ = ["AlgorithmConfig", "LossStats", "MaskBand", "Norm", "PRESETS", "PRESET_NAMES", "advantages",
-           "carries_signal", "left_out", "overlong_penalty", "own_norm", "policy_loss", "shaped_rewards"]
+__all__ = [
+    "AlgorithmConfig",
+    "LossStats",
+    "MaskBand",
+    "Norm",
+    "PRESETS",
+    "PRESET_NAMES",
+    "advantages",
+    "carries_signal",
+    "left_out",
+    "overlong_penalty",
+    "own_norm",
+    "policy_loss",
+    "shaped_rewards",
+]

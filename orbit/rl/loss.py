@@ -1,9 +1,10 @@
 """The policy loss: an importance ratio, how it is used, which tokens count, and how they add up.
 
-The engine samples with slightly stale weights (overlapped modes) and its own numerics, so every token
-carries the engine's behaviour logprob, and the ratio is r = p_trainer / p_engine. `ratio` says how
-it enters the loss:
-- truncate: policy gradient times the weight min(r, truncate_max), its gradient stopped (truncated IS);
+The engine samples with slightly stale weights (overlapped modes) and its own numerics, so every
+token carries the engine's behaviour logprob, and the ratio is r = p_trainer / p_engine. `ratio`
+says how it enters the loss:
+- truncate: policy gradient times the weight min(r, truncate_max), its gradient stopped (truncated
+  IS);
 - clip: PPO's -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); a clipped token has no gradient;
 - decoupled (AReaL): the clip against the proximal policy p_prox (the trainer's before this batch's
   first optimizer step), times the weight min(p_prox / p_engine, truncate_max);
@@ -11,9 +12,10 @@ it enters the loss:
 `ratio_level: sequence` (GSPO) replaces every token's r by its sequence's geometric mean
 exp(mean_t log r_t), the gradient flowing through every token of the sequence.
 
-A `mask` band drops tokens (or sequences) whose behaviour ratio, p_prox / p_engine, leaves it: such a token
-adds nothing to any term (policy, KL, entropy). A dropped or clipped token still counts in the normaliser: the normaliser is fixed before the
-forward (`Norm`), so that micro-batches and ranks add up to exactly what the whole batch gives.
+A `mask` band drops tokens (or sequences) whose behaviour ratio, p_prox / p_engine, leaves it: such
+a token adds nothing to any term (policy, KL, entropy). A dropped or clipped token still counts in
+the normaliser: the normaliser is fixed before the forward (`Norm`), so that micro-batches and ranks
+add up to exactly what the whole batch gives.
 
 Aggregation, over the trained tokens l_it of the N sequences of one optimizer step:
 - token-mean: sum_it l_it / sum_i |o_i|;
@@ -68,10 +70,11 @@ def policy_loss(
     prox_logp: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
-    """The loss of one micro-batch. logp, behaviour_logp, mask (and ref_logp, prox_logp, entropy): [B, T];
-    advantages: [B] (one per sample) or [B, T]. `norm`: the whole step's counts (default: this call's).
-    `prox_logp`: the proximal policy (default: logp detached, the policy before a single optimizer step).
-    Masked-out tokens (mask 0: padding, tool tokens, left-out samples) contribute nothing, not even NaN."""
+    """The loss of one micro-batch. logp, behaviour_logp, mask (and ref_logp, prox_logp, entropy):
+    [B, T]; advantages: [B] (one per sample) or [B, T]. `norm`: the whole step's counts (default:
+    this call's). `prox_logp`: the proximal policy (default: logp detached, the policy before a
+    single optimizer step). Masked-out tokens (mask 0: padding, tool tokens, left-out samples)
+    contribute nothing, not even NaN."""
     mask = mask.bool()
     zero = torch.zeros_like(logp)
     # Sanitise masked slots first: where() alone still back-propagates NaN from the unused branch.
@@ -82,7 +85,9 @@ def policy_loss(
     adv = torch.where(mask, adv.unsqueeze(-1) if adv.dim() < logp.dim() else adv, zero)
 
     token_log_ratio = (logp - behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    log_ratio = _per_sequence(token_log_ratio, mask) if cfg.ratio_level == "sequence" else token_log_ratio
+    log_ratio = (
+        _per_sequence(token_log_ratio, mask) if cfg.ratio_level == "sequence" else token_log_ratio
+    )
     per_token, clipped = _surrogate(cfg, logp, log_ratio, prox, behaviour, adv)
 
     kl = None
@@ -93,9 +98,9 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * torch.where(mask, entropy, zero)
-    # A token the band drops leaves every term, its KL and entropy ones too: the engine sampled it from a
-    # policy too far from the trainer's to learn from (verl's rejection sampling and slime's reducers drop it
-    # the same way).
+    # A token the band drops leaves every term, its KL and entropy ones too: the engine sampled it
+    # from a policy too far from the trainer's to learn from (verl's rejection sampling and slime's
+    # reducers drop it the same way).
     kept = _in_band(cfg, prox - behaviour, mask)
     if kept is not None:
         per_token = torch.where(kept, per_token, zero)
@@ -104,7 +109,9 @@ def policy_loss(
     norm = norm or own_norm(mask, cfg.norm_length or 1)
     loss = _aggregate(torch.where(mask, per_token, zero), mask, cfg, norm)
     masked = int((mask & ~kept).sum()) if kept is not None else 0
-    return loss, _stats(torch.exp(token_log_ratio.detach()), clipped, kl, mask, count, masked, entropy)
+    return loss, _stats(
+        torch.exp(token_log_ratio.detach()), clipped, kl, mask, count, masked, entropy
+    )
 
 
 def own_norm(mask: Tensor, length: int = 1) -> Norm:
@@ -114,15 +121,23 @@ def own_norm(mask: Tensor, length: int = 1) -> Norm:
 
 
 def _per_sequence(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    """Each token's log-ratio replaced by its sequence's mean (GSPO: the geometric mean of the ratios)."""
+    """Each token's log-ratio replaced by its sequence's mean (GSPO: the geometric mean of the
+    ratios)."""
     lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
     seq = (log_ratio * mask).sum(dim=-1, keepdim=True) / lengths
     return seq.expand_as(log_ratio)
 
 
-def _surrogate(cfg: AlgorithmConfig, logp: Tensor, log_ratio: Tensor, prox: Tensor, behaviour: Tensor,
-               adv: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token loss before masking and aggregation, and where the ratio was truncated or clipped."""
+def _surrogate(
+    cfg: AlgorithmConfig,
+    logp: Tensor,
+    log_ratio: Tensor,
+    prox: Tensor,
+    behaviour: Tensor,
+    adv: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Per-token loss before masking and aggregation, and where the ratio was truncated or
+    clipped."""
     ratio = torch.exp(log_ratio)
     low, high = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
     if cfg.ratio == "truncate":
@@ -137,11 +152,16 @@ def _surrogate(cfg: AlgorithmConfig, logp: Tensor, log_ratio: Tensor, prox: Tens
     prox_ratio = torch.exp((logp - prox).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     behaviour_weight = torch.exp((prox - behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     surrogate, clip_bound = _clipped_surrogate(prox_ratio, adv, low, high)
-    return behaviour_weight.clamp(max=cfg.truncate_max) * surrogate, clip_bound | (behaviour_weight > cfg.truncate_max)
+    return behaviour_weight.clamp(max=cfg.truncate_max) * surrogate, clip_bound | (
+        behaviour_weight > cfg.truncate_max
+    )
 
 
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
-    """PPO's -min(r A, clip(r, low, high) A) per token, and where the clip binds (no gradient there)."""
+def _clipped_surrogate(
+    ratio: Tensor, adv: Tensor, low: float, high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's -min(r A, clip(r, low, high) A) per token, and where the clip binds (no gradient
+    there)."""
     surrogate = ratio * adv
     clipped_surrogate = ratio.clamp(low, high) * adv
     return -torch.minimum(surrogate, clipped_surrogate), (clipped_surrogate < surrogate).detach()
@@ -169,10 +189,19 @@ def _aggregate(per_token: Tensor, mask: Tensor, cfg: AlgorithmConfig, norm: Norm
     return per_token.sum() / (norm.length * sequences)  # seq-mean-token-sum-norm
 
 
-def _stats(ratio: Tensor, clipped: Tensor, kl: Tensor | None, mask: Tensor, count: int, masked: int,
-           entropy: Tensor | None) -> LossStats:
+def _stats(
+    ratio: Tensor,
+    clipped: Tensor,
+    kl: Tensor | None,
+    mask: Tensor,
+    count: int,
+    masked: int,
+    entropy: Tensor | None,
+) -> LossStats:
     if count == 0:
-        return LossStats(ratio_mean=math.nan, ratio_max=math.nan, clip_frac=0.0, kl=math.nan, tokens=0)
+        return LossStats(
+            ratio_mean=math.nan, ratio_max=math.nan, clip_frac=0.0, kl=math.nan, tokens=0
+        )
     return LossStats(
         ratio_mean=float(ratio[mask].mean()),
         ratio_max=float(ratio[mask].max()),

@@ -37,15 +37,19 @@ def kept_sorted(sorted_probs: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
 
 @torch.no_grad()
 def kept_threshold(logp: Tensor, top_p: float, top_k: int) -> Tensor:
-    """The smallest kept logprob of each row of `logp` [..., V]: the kept set is logp >= threshold."""
+    """The smallest kept logprob of each row of `logp` [..., V]: the kept set is logp >=
+    threshold."""
     rows = logp.reshape(-1, logp.shape[-1])
     out = torch.empty(rows.shape[0], dtype=logp.dtype, device=logp.device)
     for start in range(0, rows.shape[0], _ROWS_PER_CHUNK):
         chunk = rows[start : start + _ROWS_PER_CHUNK]
         sorted_logp = chunk.sort(dim=-1, descending=True).values
         n = chunk.shape[0]
-        keep = kept_sorted(sorted_logp.exp(), torch.full((n,), top_p, device=chunk.device),
-                           torch.full((n,), top_k, device=chunk.device))
+        keep = kept_sorted(
+            sorted_logp.exp(),
+            torch.full((n,), top_p, device=chunk.device),
+            torch.full((n,), top_k, device=chunk.device),
+        )
         last = keep.sum(dim=-1) - 1  # kept positions are a prefix of the sorted row
         out[start : start + n] = sorted_logp.gather(1, last[:, None]).squeeze(1)
     return out.view(logp.shape[:-1])
@@ -67,8 +71,8 @@ def truncated_logprobs(logp: Tensor, targets: Tensor, top_p: float, top_k: int) 
 
 
 def truncated_entropy(logp: Tensor, top_p: float, top_k: int) -> Tensor:
-    """Entropy of each row of `logp` [..., V] (log_softmax(logits / T)) truncated to the kept set and
-    renormalised: the entropy of the distribution the engine samples from."""
+    """Entropy of each row of `logp` [..., V] (log_softmax(logits / T)) truncated to the kept set
+    and renormalised: the entropy of the distribution the engine samples from."""
     if truncates(top_p, top_k):
         threshold = kept_threshold(logp.detach(), top_p, top_k)
         kept = torch.where(logp >= threshold.unsqueeze(-1), logp, torch.full_like(logp, -torch.inf))

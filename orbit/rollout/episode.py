@@ -73,7 +73,8 @@ def continue_episode(task: Task, prompt: Prompt, episode: Episode, max_context: 
         injected = task.next_turn(prompt, list(episode.output_ids))  # type: ignore[attr-defined]
     except Exception as err:  # noqa: BLE001 - a failing tool stops the run, named
         raise TaskError(
-            f"task {getattr(task, 'name', '?')!r}: next_turn (the tool) failed on prompt {prompt.id!r} "
+            f"task {getattr(task, 'name', '?')!r}: next_turn (the tool) failed on prompt "
+            f"{prompt.id!r} "
             f"after turn {episode.turns}: {type(err).__name__}: {err}"
         ) from err
     if injected is None:
@@ -81,8 +82,10 @@ def continue_episode(task: Task, prompt: Prompt, episode: Episode, max_context: 
     if not isinstance(injected, list | tuple) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in injected
     ):
-        raise TaskError(f"task {getattr(task, 'name', '?')!r}: next_turn must return a list of token ids or "
-                        f"None, got {type(injected).__name__} on prompt {prompt.id!r}")
+        raise TaskError(
+            f"task {getattr(task, 'name', '?')!r}: next_turn must return a list of token ids or "
+            f"None, got {type(injected).__name__} on prompt {prompt.id!r}"
+        )
     episode.inject(list(injected))
     if max_context is not None and len(episode.context()) + 1 >= max_context:
         return False  # no room left for the model to write anything

@@ -1,9 +1,9 @@
 """Groups: the `group_size` scored samples of one prompt, and the algorithm applied to them.
 
 The producer scores a group when its last sample is done (`build_group`). Whether the group carries
-any signal (`Signal`, for dynamic sampling) is known then; its advantages are set when the trainer takes
-its batch (`set_advantages`), since one estimator (`batch`) looks at the whole batch. The math itself is
-orbit/rl's.
+any signal (`Signal`, for dynamic sampling) is known then; its advantages are set when the trainer
+takes its batch (`set_advantages`), since one estimator (`batch`) looks at the whole batch. The math
+itself is orbit/rl's.
 """
 
 from __future__ import annotations
@@ -43,19 +43,26 @@ def score(task: Task, prompt: Prompt, output_ids: list[int]):
     try:
         result = task.score(prompt, list(output_ids))
     except Exception as err:  # noqa: BLE001 - a failing verifier stops the run, named
-        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score failed on prompt {prompt.id!r}: "
-                        f"{type(err).__name__}: {err}") from err
+        raise TaskError(
+            f"task {getattr(task, 'name', '?')!r}: score failed on prompt {prompt.id!r}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
     if not hasattr(result, "reward") or not isinstance(result.reward, int | float):
-        raise TaskError(f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), "
-                        f"got {type(result).__name__}")
+        raise TaskError(
+            f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), "
+            f"got {type(result).__name__}"
+        )
     return result
 
 
 def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) -> Group:
-    """Score each completion. A completion is an engine `Completion` (single turn), a multi-turn `Episode`,
-    or an agent's episode (orbit/agents), which carries its agent's score; the last two have a `loss_mask`
-    marking the tokens the loss must skip (tool results, user turns)."""
-    scores = [c.score if isinstance(c, AgentEpisode) else score(task, prompt, c.output_ids) for c in completions]
+    """Score each completion. A completion is an engine `Completion` (single turn), a multi-turn
+    `Episode`, or an agent's episode (orbit/agents), which carries its agent's score; the last two
+    have a `loss_mask` marking the tokens the loss must skip (tool results, user turns)."""
+    scores = [
+        c.score if isinstance(c, AgentEpisode) else score(task, prompt, c.output_ids)
+        for c in completions
+    ]
     samples = [
         Sample(
             prompt_ids=list(c.prompt_ids),
@@ -68,7 +75,11 @@ def build_group(task: Task, prompt: Prompt, completions: list, group_id: int) ->
             finish_reason=c.finish_reason,
             loss_mask=list(getattr(c, "loss_mask", None) or []),
             token_versions=list(getattr(c, "versions", None) or []),
-            info={**s.info, "turns": getattr(c, "turns", 1), "tool_results": getattr(c, "tool_results", 0)},
+            info={
+                **s.info,
+                "turns": getattr(c, "turns", 1),
+                "tool_results": getattr(c, "tool_results", 0),
+            },
         )
         for c, s in zip(completions, scores, strict=True)
     ]
@@ -83,15 +94,20 @@ class Signal:
     max_new_tokens: int
 
     def rewards(self, group: Group) -> list[float]:
-        return rl.shaped_rewards([s.reward for s in group.samples], [sum(s.loss_mask) for s in group.samples],
-                                 self.algorithm, self.max_new_tokens)
+        return rl.shaped_rewards(
+            [s.reward for s in group.samples],
+            [sum(s.loss_mask) for s in group.samples],
+            self.algorithm,
+            self.max_new_tokens,
+        )
 
     def carries(self, group: Group) -> bool:
         """False for a group whose shaped rewards are all equal (advantages all zero)."""
         return rl.carries_signal(self.rewards(group))
 
     def set_advantages(self, groups: list[Group]) -> None:
-        """Every sample's advantage, and whether the loss leaves it out (a cut completion, overlong: mask)."""
+        """Every sample's advantage, and whether the loss leaves it out (a cut completion, overlong:
+        mask)."""
         advantages = rl.advantages([self.rewards(g) for g in groups], self.algorithm.advantage)
         for group, values in zip(groups, advantages, strict=True):
             left_out = rl.left_out([s.finish_reason for s in group.samples], self.algorithm)

@@ -57,13 +57,13 @@ def sampling_params(rollout, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     )
 
 
-# ---- the pipeline ----------------------------------------------------------------------------------
+# ---- the pipeline --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Which groups may start: `batch` groups per train step, none trained more than `max_staleness` versions
-    after the one its engine served when it started (None: unbounded, admitted as 1)."""
+    """Which groups may start: `batch` groups per train step, none trained more than `max_staleness`
+    versions after the one its engine served when it started (None: unbounded, admitted as 1)."""
 
     batch: int
     max_staleness: int | None
@@ -73,10 +73,10 @@ class Admission:
         return 1 if self.max_staleness is None else self.max_staleness
 
     def pick(self, pool: EnginePool, started: int, in_pipeline: int) -> int | None:  # noqa: ARG002
-        """The engine the next group starts on, or None when none may start now. `started`: groups started so
-        far (dropped ones not counted); `in_pipeline`: groups in flight or buffered (this rule does not need
-        it). The g-th group is trained at step g // batch, so it starts on an engine serving at least
-        g // batch - k."""
+        """The engine the next group starts on, or None when none may start now. `started`: groups
+        started so far (dropped ones not counted); `in_pipeline`: groups in flight or buffered (this
+        rule does not need it). The g-th group is trained at step g // batch, so it starts on an
+        engine serving at least g // batch - k."""
         return pool.pick(started // self.batch - self.k)
 
 
@@ -87,7 +87,8 @@ class InFlight:
     prompt: Prompt
     engine: int  # the engine it runs on
     version: int  # the version its engine served when it started
-    completions: list = field(default_factory=list)  # per sample: a Completion or Episode, None until done
+    # per sample: a Completion or Episode, None until done
+    completions: list = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
     episodes: list[Episode] | None = None  # multi-turn tasks: each sample's episode in progress
 
@@ -113,21 +114,33 @@ class Counts:
     filtered: int = 0  # groups dropped for carrying no signal (dynamic sampling)
     filtered_tokens: int = 0  # their tokens (not waste: they were looked at, and said nothing)
     episodes_ended: int = 0  # agent episodes that ended, lost or not
-    episodes_lost: int = 0  # agent episodes that failed (the agent raised, hung, or gave a bad reward)
+    # agent episodes that failed (the agent raised, hung, or gave a bad reward)
+    episodes_lost: int = 0
 
 
 class Pipeline:
-    def __init__(self, pool: EnginePool, batch: int, max_staleness: int | None, group_size: int,
-                 max_inflight: int, replenish: bool = True, start_group: int = 0,
-                 start_version: int = 0, keep: Callable[[Group], bool] | None = None,
-                 filter_limit: int = 10, max_lost_frac: float = 0.5) -> None:
-        """`batch`: groups per train step. `max_staleness`: how many versions a group may be trained after the
-        one it started on (the mode's: `Mode.max_staleness`); admission keeps groups within it, and a complete
-        group past it is dropped (None: unbounded, never dropped). `max_inflight`: requests in flight at most,
-        over all engines. `start_group` / `start_version`:
-        where a resumed run's prompt stream and versions stand. `keep`: dynamic sampling's test of a complete
-        group; `filter_limit` batches' worth of groups failing it while the trainer waits for one batch stop
-        the run; so does losing more than `max_lost_frac` of the agent episodes since the last batch."""
+    def __init__(
+        self,
+        pool: EnginePool,
+        batch: int,
+        max_staleness: int | None,
+        group_size: int,
+        max_inflight: int,
+        replenish: bool = True,
+        start_group: int = 0,
+        start_version: int = 0,
+        keep: Callable[[Group], bool] | None = None,
+        filter_limit: int = 10,
+        max_lost_frac: float = 0.5,
+    ) -> None:
+        """`batch`: groups per train step. `max_staleness`: how many versions a group may be trained
+        after the one it started on (the mode's: `Mode.max_staleness`); admission keeps groups
+        within it, and a complete group past it is dropped (None: unbounded, never dropped).
+        `max_inflight`: requests in flight at most, over all engines. `start_group` /
+        `start_version`: where a resumed run's prompt stream and versions stand. `keep`: dynamic
+        sampling's test of a complete group; `filter_limit` batches' worth of groups failing it
+        while the trainer waits for one batch stop the run; so does losing more than `max_lost_frac`
+        of the agent episodes since the last batch."""
         self.pool, self.group_size, self.max_inflight = pool, group_size, max_inflight
         self.admission = Admission(batch, max_staleness)
         self.replenish = replenish
@@ -137,13 +150,15 @@ class Pipeline:
         self._since_take = (0, 0)  # agent episodes ended and lost when the last batch was taken
         self._last_loss = ""
         self.counts = Counts()
-        self.next_group = start_group  # the group number (and prompt index) of the next group started
+        # the group number (and prompt index) of the next group started
+        self.next_group = start_group
         self.in_flight: dict[int, InFlight] = {}
         self._cond = threading.Condition()
         self._granted = 0
         self._started = start_version * batch  # every group trained before this run counts
         self._requests = 0  # requests in flight
-        self.on_idle: Callable[[bool], None] | None = None  # told when the engines have nothing in flight, or again do
+        # told when the engines have nothing in flight, or again do
+        self.on_idle: Callable[[bool], None] | None = None
         self._complete: list[Group] = []
         self._error: BaseException | None = None  # the producer's
         self._verdict: RolloutError | None = None
@@ -155,9 +170,9 @@ class Pipeline:
     # ---- the producer's side -------------------------------------------------------------------
 
     def start(self, prompt: Prompt, multi_turn: bool) -> tuple[int, InFlight] | None:
-        """Start a group of `prompt` if one may start now: (its number, the group in flight, on the engine
-        the pool picked); None when no group may start (no grant, no room in flight, no engine fresh
-        enough)."""
+        """Start a group of `prompt` if one may start now: (its number, the group in flight, on the
+        engine the pool picked); None when no group may start (no grant, no room in flight, no
+        engine fresh enough)."""
         with self._cond:
             if self._granted <= 0 or self._requests + self.group_size > self.max_inflight:
                 return None
@@ -170,8 +185,9 @@ class Pipeline:
             gid, self.next_group = self.next_group, self.next_group + 1
             n = self.group_size
             episodes = [Episode(list(prompt.prompt_ids)) for _ in range(n)] if multi_turn else None
-            group = self.in_flight[gid] = InFlight(prompt, engine, self.pool.versions()[engine] or 0, [None] * n,
-                                                   [0] * n, episodes)
+            group = self.in_flight[gid] = InFlight(
+                prompt, engine, self.pool.versions()[engine] or 0, [None] * n, [0] * n, episodes
+            )
             return gid, group
 
     def submitted(self) -> None:
@@ -189,7 +205,8 @@ class Pipeline:
                 self.on_idle(True)  # nothing to generate: the trainer may borrow the engines' cores
 
     def complete(self, gid: int, group: Group) -> None:
-        kept = self.keep is None or self.keep(group)  # outside the lock: the rewards are the group's own
+        # outside the lock: the rewards are the group's own
+        kept = self.keep is None or self.keep(group)
         with self._cond:
             del self.in_flight[gid]
             self._last_progress = time.monotonic()
@@ -208,15 +225,28 @@ class Pipeline:
         self._started -= 1  # its replacement counts as started instead, as a dropped group's does
         self._granted += 1
         self._filtered_since_take += 1
-        if self._filtered_since_take > self.filter_limit * self.admission.batch and self._verdict is None:
+        if (
+            self._filtered_since_take > self.filter_limit * self.admission.batch
+            and self._verdict is None
+        ):
             self._verdict = RolloutError(
-                f"dynamic sampling dropped {self._filtered_since_take} groups in a row whose rewards were all equal "
-                f"(algorithm.filter_limit: {self.filter_limit} batches of {self.admission.batch}); the task gives "
-                "this model no signal: every answer right or every answer wrong")
+                f"dynamic sampling dropped {self._filtered_since_take} groups in a row whose "
+                "rewards were all equal "
+                f"(algorithm.filter_limit: {self.filter_limit} batches of {self.admission.batch}); "
+                "the task gives "
+                "this model no signal: every answer right or every answer wrong"
+            )
 
-    def count(self, resubmitted: int = 0, aborted_tokens: int = 0, episodes_ended: int = 0,
-              episodes_lost: int = 0, why: str = "") -> None:
-        """Add to the running totals; `why`: a lost episode's reason (the run's stop names the last one)."""
+    def count(
+        self,
+        resubmitted: int = 0,
+        aborted_tokens: int = 0,
+        episodes_ended: int = 0,
+        episodes_lost: int = 0,
+        why: str = "",
+    ) -> None:
+        """Add to the running totals; `why`: a lost episode's reason (the run's stop names the last
+        one)."""
         with self._cond:
             self._last_loss = why.partition("\n")[0] or self._last_loss
             self.counts.resubmitted += resubmitted
@@ -226,20 +256,24 @@ class Pipeline:
             self._check_losses()
 
     def _check_losses(self) -> None:
-        """Stop when more than `max_lost_frac` of the episodes that ended since the last batch were lost, once
-        a batch's worth ended: the agent fails, not an episode now and then. (A smaller window trips on a few
-        losses that end together, such as a timed-out episode finishing beside this batch's.)"""
+        """Stop when more than `max_lost_frac` of the episodes that ended since the last batch were
+        lost, once a batch's worth ended: the agent fails, not an episode now and then. (A smaller
+        window trips on a few losses that end together, such as a timed-out episode finishing beside
+        this batch's.)"""
         ended = self.counts.episodes_ended - self._since_take[0]
         lost = self.counts.episodes_lost - self._since_take[1]
         enough = ended >= self.group_size * self.admission.batch
         if enough and lost / ended > self.max_lost_frac and self._verdict is None:
             self._verdict = RolloutError(
-                f"{lost} of the last {ended} agent episodes were lost (more than rollout.max_lost_frac "
-                f"{self.max_lost_frac:g}); the last: {self._last_loss}")
+                f"{lost} of the last {ended} agent episodes were lost (more than "
+                "rollout.max_lost_frac "
+                f"{self.max_lost_frac:g}); the last: {self._last_loss}"
+            )
             self._cond.notify_all()
 
     def drop(self, gid: int) -> None:
-        """A group with nothing to train on (every episode lost): another prompt's group takes its place."""
+        """A group with nothing to train on (every episode lost): another prompt's group takes its
+        place."""
         with self._cond:
             del self.in_flight[gid]
             self._started -= 1
@@ -254,8 +288,8 @@ class Pipeline:
             self._cond.notify_all()
 
     def interrupt(self) -> None:
-        """Ctrl-C for a loop that is not on the main thread (a sweep's run): its next `take`, or the one it
-        waits in, raises KeyboardInterrupt."""
+        """Ctrl-C for a loop that is not on the main thread (a sweep's run): its next `take`, or the
+        one it waits in, raises KeyboardInterrupt."""
         with self._cond:
             self._interrupted = True
             self._cond.notify_all()
@@ -264,7 +298,8 @@ class Pipeline:
         self._events.put(event)
 
     def next_event(self) -> tuple | None:
-        """The producer's next event: an answered request (group, sample, future), or None (re-check)."""
+        """The producer's next event: an answered request (group, sample, future), or None
+        (re-check)."""
         return self._events.get()
 
     def wake(self) -> None:
@@ -281,8 +316,8 @@ class Pipeline:
 
     def take(self, n: int, version: int, stall_s: float | None = None) -> Batch:
         """Block until `n` fresh-enough groups are complete for training at `version`; take the ones
-        that started earliest. RolloutError when the producer failed, or when nothing at all happened
-        on the rollout side for `stall_s` seconds (the message says what was in flight)."""
+        that started earliest. RolloutError when the producer failed, or when nothing at all
+        happened on the rollout side for `stall_s` seconds (the message says what was in flight)."""
         t0 = time.time()
         dropped: list[Group] = []
         taken: list[Group] = []
@@ -301,17 +336,25 @@ class Pipeline:
                     self._complete.sort(key=lambda g: (g.oldest_version, g.id))
                     taken, self._complete = self._complete[:n], self._complete[n:]
                 elif stall_s is not None and quiet > stall_s:
-                    stalled = (f"no rollout arrived for {quiet:.0f} s (rollout.stall_timeout_s: {stall_s:g}) while "
-                               f"the trainer waited for {n} groups at version {version}; {self._seen()}")
+                    stalled = (
+                        f"no rollout arrived for {quiet:.0f} s (rollout.stall_timeout_s: "
+                        f"{stall_s:g}) while "
+                        f"the trainer waited for {n} groups at version {version}; {self._seen()}"
+                    )
                 else:
                     self._cond.wait(timeout=_POLL_S)
             self._filtered_since_take = 0
             self._since_take = (self.counts.episodes_ended, self.counts.episodes_lost)
-        if stalled:  # the engines are asked outside the lock: the producer must not wait on a hung engine
+        # the engines are asked outside the lock: the producer must not wait on a hung engine
+        if stalled:
             raise RolloutError(f"{stalled}; {self._engines()}")
         self.wake()  # room in the pipeline (an admission may count what is buffered)
-        return Batch(groups=taken, wait_s=time.time() - t0, stale_dropped=len(dropped),
-                     dropped_tokens=sum(g.tokens for g in dropped))
+        return Batch(
+            groups=taken,
+            wait_s=time.time() - t0,
+            stale_dropped=len(dropped),
+            dropped_tokens=sum(g.tokens for g in dropped),
+        )
 
     def _due(self, version: int) -> bool:
         """Is a group still in flight that must be trained at this step (started at version - K)?"""
@@ -332,10 +375,14 @@ class Pipeline:
         return stale
 
     def _seen(self) -> str:
-        return (f"{len(self._complete)} complete group(s) buffered; {len(self.in_flight)} group(s) in flight "
-                f"({self._requests} request(s)); {self._granted} grant(s) left; {self._started} group(s) started "
-                f"(max_staleness {self.admission.max_staleness}, engine "
-                f"versions {self.pool.versions()})")
+        return (
+            f"{len(self._complete)} complete group(s) buffered; {len(self.in_flight)} group(s) in "
+            "flight "
+            f"({self._requests} request(s)); {self._granted} grant(s) left; {self._started} "
+            "group(s) started "
+            f"(max_staleness {self.admission.max_staleness}, engine "
+            f"versions {self.pool.versions()})"
+        )
 
     def _engines(self) -> str:
         """What each engine is doing, each asked for at most a few seconds (one may be hung)."""
@@ -347,5 +394,8 @@ def _describe_member(i: int, s: EngineStats | BaseException) -> str:
         return f"engine {i}: {s}"
     if isinstance(s, BaseException):
         return f"engine {i}: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
-    return (f"engine {i}: {s.running} running, {s.waiting} waiting, {'paused' if s.paused else 'not paused'}, "
-            f"active slot {s.active_slot}")
+    return (
+        f"engine {i}: {s.running} running, {s.waiting} waiting, "
+        f"{'paused' if s.paused else 'not paused'}, "
+        f"active slot {s.active_slot}"
+    )

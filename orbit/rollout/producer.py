@@ -4,9 +4,9 @@ It starts every group the pipeline admits (pipeline.py), on the engine the pool 
 `group_size` requests on that engine's active slot (the samples share the prompt's prefix cache), so
 up to `max_inflight` requests stay in flight. When one is answered it resubmits a sample the engine
 aborted (at most `rollout.max_attempts` times), runs the next turn of a multi-turn episode
-(episode.py), and once every sample of a group is done scores the group (pipeline.py) and hands it to
-the pipeline. The two loop kinds differ only in grants: serial grants one batch per step, overlapped
-grants the whole run at start (and each dropped group is granted again).
+(episode.py), and once every sample of a group is done scores the group (pipeline.py) and hands it
+to the pipeline. The two loop kinds differ only in grants: serial grants one batch per step,
+overlapped grants the whole run at start (and each dropped group is granted again).
 """
 
 from __future__ import annotations
@@ -29,18 +29,36 @@ LOST = object()  # an agent episode that failed: left out of its group
 
 
 class Producer:
-    def __init__(self, pipeline: Pipeline, pool: EnginePool, task: Task, sampling: SamplingParams, seed: int,
-                 timeline: Timeline | None = None, max_attempts: int = 8, adapter: str | None = None,
-                 agents: AgentRunner | None = None, on_lost: Callable[[str], None] | None = None) -> None:
-        """`agents`: an agent task's episodes run there (orbit/agents); `on_lost`: told of each lost episode."""
-        self.pipeline, self.pool, self.task, self.seed, self.timeline = pipeline, pool, task, seed, timeline
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        pool: EnginePool,
+        task: Task,
+        sampling: SamplingParams,
+        seed: int,
+        timeline: Timeline | None = None,
+        max_attempts: int = 8,
+        adapter: str | None = None,
+        agents: AgentRunner | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        """`agents`: an agent task's episodes run there (orbit/agents); `on_lost`: told of each lost
+        episode."""
+        self.pipeline, self.pool, self.task, self.seed, self.timeline = (
+            pipeline,
+            pool,
+            task,
+            seed,
+            timeline,
+        )
         self.agents, self.on_lost = agents, on_lost
         self.sampling = with_task_stops(sampling, task)  # + the task's own (a tool call's end)
         self.multi_turn = is_multi_turn(task)
         self.max_attempts = max_attempts
         self.adapter = adapter  # a sweep's run: its requests' timeline events name it
         self._prompts = task.prompts(seed)
-        for _ in range(pipeline.next_group):  # a resumed run continues the prompt stream where it stopped
+        # a resumed run continues the prompt stream where it stopped
+        for _ in range(pipeline.next_group):
             self._next_prompt()
         self._ready: Prompt | None = None
         self._stop = threading.Event()
@@ -68,8 +86,9 @@ class Producer:
 
     def _fill(self) -> None:
         while not self._stop.is_set():
-            # the next prompt is read ahead: the task runs outside the pipeline's lock, and prompts are
-            # still taken strictly in group order (a resumed run skips exactly the groups it started)
+            # the next prompt is read ahead: the task runs outside the pipeline's lock, and prompts
+            # are still taken strictly in group order (a resumed run skips exactly the groups it
+            # started)
             self._ready = self._ready or self._next_prompt()
             started = self.pipeline.start(self._ready, self.multi_turn)
             if started is None:
@@ -83,14 +102,19 @@ class Producer:
         try:
             return next(self._prompts)
         except StopIteration:
-            raise TaskError(f"task {self.task.name!r}: prompts() ran out; a task's prompt stream must be "
-                            "endless (cycle through a dataset)") from None
+            raise TaskError(
+                f"task {self.task.name!r}: prompts() ran out; a task's prompt stream must be "
+                "endless (cycle through a dataset)"
+            ) from None
         except Exception as err:  # noqa: BLE001 - a failing task stops the run, named
-            raise TaskError(f"task {self.task.name!r}: prompts() failed: {type(err).__name__}: {err}") from err
+            raise TaskError(
+                f"task {self.task.name!r}: prompts() failed: {type(err).__name__}: {err}"
+            ) from err
 
     def _submit(self, gid: int, idx: int, group: InFlight) -> None:
-        """Sample `idx` of a group (its next turn, multi-turn; an agent's whole episode) on the group's engine:
-        the prompt's prefix cache (an episode's context) is there. The pool reroutes if that engine is gone."""
+        """Sample `idx` of a group (its next turn, multi-turn; an agent's whole episode) on the
+        group's engine: the prompt's prefix cache (an episode's context) is there. The pool reroutes
+        if that engine is gone."""
         if self.agents is not None:
             name = f"s{self.seed}-g{gid}-{idx}-{group.attempts[idx]}"
             fut = self.agents.start(group.prompt, group.engine, ACTIVE, name, meta={"group": gid})
@@ -101,10 +125,16 @@ class Producer:
             context, key = list(group.prompt.prompt_ids), (self.seed, gid, idx, group.attempts[idx])
         else:  # the next turn of a multi-turn episode: prompt + everything so far
             episode = group.episodes[idx]
-            context, key = episode.context(), (self.seed, gid, idx, group.attempts[idx], episode.turns)
-        # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every run.
+            context, key = (
+                episode.context(),
+                (self.seed, gid, idx, group.attempts[idx], episode.turns),
+            )
+        # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every
+        # run.
         sampling = dataclasses.replace(self.sampling, seed=hash(key) & 0x7FFFFFFF)
-        fut: Future = self.pool.generate(context, sampling, slot=ACTIVE, engine=group.engine, meta={"group": gid})
+        fut: Future = self.pool.generate(
+            context, sampling, slot=ACTIVE, engine=group.engine, meta={"group": gid}
+        )
         self.pipeline.submitted()
         fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
 
@@ -120,7 +150,8 @@ class Producer:
             self._done(gid, idx, group, completion)
             return
         self.record(completion)
-        group.engine = completion.engine  # where it ran (the pool may have moved it off a dead engine)
+        # where it ran (the pool may have moved it off a dead engine)
+        group.engine = completion.engine
         if completion.finish_reason == "abort":
             self.pipeline.count(aborted_tokens=len(completion.output_ids))
             self._retry(gid, idx, group, completion)
@@ -128,15 +159,18 @@ class Producer:
         if group.episodes is not None:
             episode = group.episodes[idx]
             episode.add_turn(completion)
-            if continue_episode(self.task, group.prompt, episode, self.pool.info.max_context) \
-                    and not self._stop.is_set():
+            if (
+                continue_episode(self.task, group.prompt, episode, self.pool.info.max_context)
+                and not self._stop.is_set()
+            ):
                 self._submit(gid, idx, group)
                 return
             completion = episode
         self._done(gid, idx, group, completion)
 
     def _done(self, gid: int, idx: int, group: InFlight, completion, why: str = "") -> None:
-        if self.agents is not None:  # an episode's end and its loss in one count: the check sees both at once
+        # an episode's end and its loss in one count: the check sees both at once
+        if self.agents is not None:
             self.pipeline.count(episodes_ended=1, episodes_lost=int(completion is LOST), why=why)
         group.completions[idx] = completion
         if any(c is None for c in group.completions):
@@ -148,24 +182,30 @@ class Producer:
             self.pipeline.drop(gid)
 
     def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
-        """An agent episode that failed: counted, told, and left out of its group; the run goes on."""
+        """An agent episode that failed: counted, told, and left out of its group; the run goes
+        on."""
         group = self.pipeline.in_flight[gid]
         if self.on_lost is not None:
-            self.on_lost(f"episode {idx} of group {gid} (prompt {group.prompt.id!r}) was lost: {err}")
+            self.on_lost(
+                f"episode {idx} of group {gid} (prompt {group.prompt.id!r}) was lost: {err}"
+            )
         self._done(gid, idx, group, LOST, why=str(err))
 
     def _retry(self, gid: int, idx: int, group: InFlight, completion: Completion) -> None:
-        """The engine aborted the sample (a pause in abort mode, its slot overwritten): regenerate it
-        (a multi-turn episode: its current turn) on the active slot, at most `max_attempts` times."""
+        """The engine aborted the sample (a pause in abort mode, its slot overwritten): regenerate
+        it (a multi-turn episode: its current turn) on the active slot, at most `max_attempts`
+        times."""
         if self._stop.is_set():
             return
         group.attempts[idx] += 1
         if group.attempts[idx] >= self.max_attempts:
             detail = f" ({completion.detail})" if completion.detail else ""
             raise RolloutError(
-                f"prompt {group.prompt.id!r}: sample {idx} of group {gid} was aborted {group.attempts[idx]} "
+                f"prompt {group.prompt.id!r}: sample {idx} of group {gid} was aborted "
+                f"{group.attempts[idx]} "
                 f"times (rollout.max_attempts: {self.max_attempts}); last finish reason "
-                f"{completion.finish_reason!r}{detail}")
+                f"{completion.finish_reason!r}{detail}"
+            )
         self.pipeline.count(resubmitted=1)
         self._submit(gid, idx, group)
 
@@ -173,7 +213,16 @@ class Producer:
         """A finished request as a timeline event (an agent's calls come here from the endpoint)."""
         if self.timeline is not None:
             self.timeline.event(
-                "engine", "request", c.t_start, c.t_end, c.version_start, engine=c.engine,
-                slot=c.slot, version_end=c.version_end, tokens=len(c.output_ids), finish=c.finish_reason,
-                group=(c.meta or {}).get("group"), **({"adapter": self.adapter} if self.adapter else {}),
+                "engine",
+                "request",
+                c.t_start,
+                c.t_end,
+                c.version_start,
+                engine=c.engine,
+                slot=c.slot,
+                version_end=c.version_end,
+                tokens=len(c.output_ids),
+                finish=c.finish_reason,
+                group=(c.meta or {}).get("group"),
+                **({"adapter": self.adapter} if self.adapter else {}),
             )

@@ -26,17 +26,22 @@ class Sample:
     group_id: int = 0
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
-    left_out: bool = False  # generated but not trained on (algorithm.overlong: mask of a cut completion)
-    trainer_logprobs: list[float] | None = None  # the trainer's, where it measured them (the live page's diffs)
-    # Per output token, the adapter version that generated it (-1: not generated, or in a turn that spanned a
-    # flip); empty for one turn, whose tokens are all of version_start when it spanned no flip.
+    # generated but not trained on (algorithm.overlong: mask of a cut completion)
+    left_out: bool = False
+    # the trainer's, where it measured them (the live page's diffs)
+    trainer_logprobs: list[float] | None = None
+    # Per output token, the adapter version that generated it (-1: not generated, or in a turn that
+    # spanned a flip); empty for one turn, whose tokens are all of version_start when it spanned no
+    # flip.
     token_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [1] * len(self.output_ids)
         if not (len(self.output_ids) == len(self.behaviour_logprobs) == len(self.loss_mask)):
-            raise ValueError("output_ids, behaviour_logprobs and loss_mask must have one entry per token")
+            raise ValueError(
+                "output_ids, behaviour_logprobs and loss_mask must have one entry per token"
+            )
 
     def versions(self) -> list[int]:
         """The version of each output token, -1 where it is not known to be one version's."""
@@ -46,5 +51,6 @@ class Sample:
         return [one if m else -1 for m in self.loss_mask]
 
     def staleness(self, step_version: int) -> int:
-        """How many optimizer steps behind the trainer this sample's policy is (docs/design.md §5)."""
+        """How many optimizer steps behind the trainer this sample's policy is (docs/design.md
+        §5)."""
         return step_version - self.version_start

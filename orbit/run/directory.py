@@ -1,5 +1,6 @@
-"""A run's directory: refusing to mix two runs in one, leaving nothing behind a run that never stepped,
-setting aside what a resumed run's checkpoint does not hold, and its run.log of warnings."""
+"""A run's directory: refusing to mix two runs in one, leaving nothing behind a run that never
+stepped, setting aside what a resumed run's checkpoint does not hold, and its run.log of
+warnings."""
 
 from __future__ import annotations
 
@@ -35,12 +36,21 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
         checkpoint.clean_partial(run_dir)  # what a save killed part-way left
         if not resumable(run_dir):
             if run_dir.is_dir():
-                raise RecipeError(f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
-                                  f"start it again without --resume")
-            raise RecipeError(f"--resume: {run_dir} has no checkpoint (expected {run_dir}/checkpoints/step-N/)")
-    elif _has_lines(run_dir) or (run_dir / checkpoint.LATEST).exists() or (run_dir / checkpoint.CHECKPOINTS).exists():
+                raise RecipeError(
+                    f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
+                    f"start it again without --resume"
+                )
+            raise RecipeError(
+                f"--resume: {run_dir} has no checkpoint (expected {run_dir}/checkpoints/step-N/)"
+            )
+    elif (
+        _has_lines(run_dir)
+        or (run_dir / checkpoint.LATEST).exists()
+        or (run_dir / checkpoint.CHECKPOINTS).exists()
+    ):
         raise RecipeError(
-            f"out: {run_dir} already holds a run; pass --resume {run_dir} to continue it or choose another --out"
+            f"out: {run_dir} already holds a run; pass --resume {run_dir} to continue it or choose "
+            "another --out"
         )
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -48,21 +58,26 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
 
 
 def warner(console: Console, run_dir: Path, prefix: str = "") -> Callable[[str], None]:
-    """Warnings (an engine leaving the pool, an agent episode lost): on the console (after `prefix`: a sweep's
-    run) its first line, and in RUN_DIR/run.log the whole of it (a traceback)."""
+    """Warnings (an engine leaving the pool, an agent episode lost): on the console (after `prefix`:
+    a sweep's run) its first line, and in RUN_DIR/run.log the whole of it (a traceback)."""
+
     def warn(message: str) -> None:
         first, _, rest = message.partition("\n")
         more = " (the traceback is in run.log)" if rest else ""
         console.print(f"[bold yellow]WARNING[/] {prefix}{first}{more}", highlight=False)
         with (run_dir / "run.log").open("a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING {message}\n")
+
     return warn
 
 
 def saved_line(run_dir: Path, version: int) -> str:
-    return (f"the adapter of step {version} is saved in {run_dir / checkpoint.LATEST}, metrics.jsonl ends at that "
-            f"step; "
-            f"continue with `orbit train RECIPE --resume {run_dir}`")
+    return (
+        f"the adapter of step {version} is saved in {run_dir / checkpoint.LATEST}, metrics.jsonl "
+        "ends at that "
+        f"step; "
+        f"continue with `orbit train RECIPE --resume {run_dir}`"
+    )
 
 
 def left(run_dir: Path, resume: bool) -> str:
@@ -75,7 +90,8 @@ def undo_start(run_dir: Path, created: bool, resume: bool) -> None:
         return
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
-    for name in RUN_DIRS:  # a fresh run's directory held no run (prepare_run_dir), so these are its own
+    # a fresh run's directory held no run (prepare_run_dir), so these are its own
+    for name in RUN_DIRS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     if created:
         try:
@@ -86,9 +102,10 @@ def undo_start(run_dir: Path, created: bool, resume: bool) -> None:
 
 def drop_lines_after(path: Path, version: int, by_step: bool = False) -> None:
     """Resuming from the checkpoint of `version`: metrics lines of later steps describe updates the
-    checkpoint does not hold (the run died between checkpoints). They move to metrics.discarded.jsonl.
-    `by_step`: lines that say their step, not the version it made (samples.jsonl, whose `version` is
-    the sample's own): step s made version s + 1. They move to samples.discarded.jsonl."""
+    checkpoint does not hold (the run died between checkpoints). They move to
+    metrics.discarded.jsonl. `by_step`: lines that say their step, not the version it made
+    (samples.jsonl, whose `version` is the sample's own): step s made version s + 1. They move to
+    samples.discarded.jsonl."""
     if not path.exists():
         return
     keep, drop = [], []

@@ -1,10 +1,12 @@
-"""How a run ends: every way, its exit code, and what is on disk afterwards. One table, and one judge
-(`judge`) that says which row an error or a stop falls in and how to say it: `orbit train`, `orbit sweep`
-(each run of a sweep ends in one of these ways; the sweep exits 0, 1 or 130) and the run itself ask it.
-The table is shown as it is in docs/operations.md (tests/test_docs.py keeps the two the same).
+"""How a run ends: every way, its exit code, and what is on disk afterwards. One table, and one
+judge (`judge`) that says which row an error or a stop falls in and how to say it: `orbit train`,
+`orbit sweep` (each run of a sweep ends in one of these ways; the sweep exits 0, 1 or 130) and the
+run itself ask it. The table is shown as it is in docs/operations.md (tests/test_docs.py keeps the
+two the same).
 
-Whatever the way, a run's directory agrees with itself: every optimizer step that reached the adapter has
-its metrics.jsonl line, and the newest checkpoint is the last line's step (docs/design.md §7).
+Whatever the way, a run's directory agrees with itself: every optimizer step that reached the
+adapter has its metrics.jsonl line, and the newest checkpoint is the last line's step
+(docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ BY_NAME = {e.name: e for e in ENDS}
 
 
 class RunStopped(RuntimeError):
-    """The run could not go on (an engine died, rollouts stalled or kept failing, the task raised). The
-    message says what happened and what was saved; `end` names the way it ended (an `ENDS` row)."""
+    """The run could not go on (an engine died, rollouts stalled or kept failing, the task raised).
+    The message says what happened and what was saved; `end` names the way it ended (an `ENDS`
+    row)."""
 
     def __init__(self, message: str, end: str = "stall") -> None:
         super().__init__(message)
@@ -123,7 +126,8 @@ class Verdict:
     reason: str
 
     def line(self, what: str) -> str:
-        """The command line's one message: `what` is the thing that ended ("the run", "the sweep")."""
+        """The command line's one message: `what` is the thing that ended ("the run", "the
+        sweep")."""
         if self.end.name in ("bad-recipe", "task-failed", "ctrl-c", "sigterm"):
             return self.reason
         if self.end.name == "engine-start":
@@ -131,7 +135,8 @@ class Verdict:
         return f"{what} stopped: {self.reason}"
 
 
-# What each kind of error says happened, before its own message. Looked up in order: the first match wins.
+# What each kind of error says happened, before its own message. Looked up in order: the first match
+# wins.
 _CAUSES: tuple[tuple[type[BaseException], str, str], ...] = (
     (RecipeError, "bad-recipe", ""),
     (EngineStartError, "engine-start", ""),
@@ -146,8 +151,8 @@ _CAUSES: tuple[tuple[type[BaseException], str, str], ...] = (
 
 
 def judge(err: BaseException) -> Verdict | None:
-    """The `ENDS` row an error that ended a run falls in, and what to say. None: no way a run ends (a bug,
-    whose traceback is the report). A producer's failure is judged by its cause."""
+    """The `ENDS` row an error that ended a run falls in, and what to say. None: no way a run ends
+    (a bug, whose traceback is the report). A producer's failure is judged by its cause."""
     if isinstance(err, Interrupted | KeyboardInterrupt):
         return Verdict(BY_NAME["ctrl-c"], str(err))
     if isinstance(err, RunStopped):

@@ -1,7 +1,8 @@
 """`orbit train`: build the pieces a recipe names, run the loop, and always leave a usable run.
 
-A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl`, `samples.jsonl` and `adapter/`
-(peft's format plus optimizer state). However a run ends, what it leaves agrees with itself:
+A run directory holds `recipe.yaml`, `metrics.jsonl`, `timeline.jsonl`, `samples.jsonl` and
+`adapter/` (peft's format plus optimizer state). However a run ends, what it leaves agrees with
+itself:
 - a run that fails (or is interrupted) before its first step leaves nothing in the way: the
   files it created are removed, so the same command can simply run again;
 - once it has stepped, Ctrl-C, an engine's death or a rollout failure stops the engine, saves the
@@ -35,7 +36,14 @@ from orbit.rl.truncation import truncates
 from orbit.rollout.groups import Signal
 from orbit.rollout.pipeline import Pipeline, sampling_params
 from orbit.rollout.producer import Producer
-from orbit.run.directory import drop_lines_after, left, prepare_run_dir, saved_line, undo_start, warner
+from orbit.run.directory import (
+    drop_lines_after,
+    left,
+    prepare_run_dir,
+    saved_line,
+    undo_start,
+    warner,
+)
 from orbit.run.ends import RunStopped, judge, sentence
 from orbit.run.loop import LoopParts, run_steps, save_checkpoint
 from orbit.run.placement import colocate
@@ -75,17 +83,24 @@ class StartedRun:
     trackers: Trackers | None = None
 
     def close_files(self) -> None:
-        """metrics.jsonl, timeline.jsonl and the trackers, flushed and closed (each is idempotent)."""
+        """metrics.jsonl, timeline.jsonl and the trackers, flushed and closed (each is
+        idempotent)."""
         self.metrics.close()
         self.timeline.close()
         if self.trackers is not None:
             self.trackers.close()
 
 
-def train(checked: Checked, resume: bool = False, live: bool = True, console: Console | None = None,
-          engines: EnginesFor | None = None) -> RunResult:
-    """Run a recipe (that passed `orbit.run.preflight`) to its last step. `engines`: where the run's engines
-    come from, given the recipe and its engine section as placed (default: `StartedEngines`, started for it)."""
+def train(
+    checked: Checked,
+    resume: bool = False,
+    live: bool = True,
+    console: Console | None = None,
+    engines: EnginesFor | None = None,
+) -> RunResult:
+    """Run a recipe (that passed `orbit.run.preflight`) to its last step. `engines`: where the run's
+    engines come from, given the recipe and its engine section as placed (default: `StartedEngines`,
+    started for it)."""
     console = console or Console()
     recipe = checked.recipe
     t0 = time.time()
@@ -108,8 +123,8 @@ def _join_ranks(recipe: Recipe) -> Ranks | None:
 
 
 def _follow(recipe: Recipe, ranks: Ranks, t0: float) -> RunResult:
-    """A trainer rank other than 0: train each step's share until rank 0 says stop. Ctrl-C is rank 0's
-    to handle (it needs this rank to finish the step it saves)."""
+    """A trainer rank other than 0: train each step's share until rank 0 says stop. Ctrl-C is rank
+    0's to handle (it needs this rank to finish the step it saves)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         trainer = recipe_trainer(recipe, ranks=ranks)
@@ -119,16 +134,23 @@ def _follow(recipe: Recipe, ranks: Ranks, t0: float) -> RunResult:
     return RunResult(Path(recipe.out), trainer.version, time.time() - t0, leader=False)
 
 
-def _lead(checked: Checked, resume: bool, live: bool, console: Console, engines: EnginesFor,
-          ranks: Ranks | None, t0: float) -> RunResult:
+def _lead(
+    checked: Checked,
+    resume: bool,
+    live: bool,
+    console: Console,
+    engines: EnginesFor,
+    ranks: Ranks | None,
+    t0: float,
+) -> RunResult:
     """The run itself (rank 0 of several, or the one process)."""
     recipe = checked.recipe
     for note in checked.notes:
         console.print(note, highlight=False)
     run_dir = Path(recipe.out)
     if ranks is not None:
-        # The launcher stops rank 0 with SIGTERM when another rank fails: save, as for Ctrl-C. So does a
-        # rank lost to the heartbeat (ranks.py), which says which one.
+        # The launcher stops rank 0 with SIGTERM when another rank fails: save, as for Ctrl-C. So
+        # does a rank lost to the heartbeat (ranks.py), which says which one.
         interrupts.catch_term()
         ranks.on_lost = lambda: _thread.interrupt_main(signal.SIGTERM)
     # The task first: a bad task (import path, dataset row, option) fails before any compute.
@@ -142,18 +164,30 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console, engines:
         created = prepare_run_dir(run_dir, resume)
         try:
             shards = ranks.world if ranks is not None and recipe.trainer.shard == "fsdp" else 1
-            engine_cfg, shared = colocate(recipe, shards)  # before the trainer takes its part of a shared GPU
+            # before the trainer takes its part of a shared GPU
+            engine_cfg, shared = colocate(recipe, shards)
             if shared:
                 console.print(shared, highlight=False)
             trainer = recipe_trainer(recipe, ranks=ranks)
-            run = start(recipe, run_dir, resume, task, stop_ids, console, live, trainer,
-                        engines(recipe, engine_cfg), tokenizer)
+            run = start(
+                recipe,
+                run_dir,
+                resume,
+                task,
+                stop_ids,
+                console,
+                live,
+                trainer,
+                engines(recipe, engine_cfg),
+                tokenizer,
+            )
         except BaseException as err:
             undo_start(run_dir, created, resume)
             if isinstance(err, KeyboardInterrupt):
                 interrupts.handled()
-                raise Interrupted(f"interrupted during start-up: nothing was trained{left(run_dir, resume)}") \
-                    from None
+                raise Interrupted(
+                    f"interrupted during start-up: nothing was trained{left(run_dir, resume)}"
+                ) from None
             raise
         try:
             finish(run, recipe, run_dir, created, resume)
@@ -166,26 +200,33 @@ def _lead(checked: Checked, resume: bool, live: bool, console: Console, engines:
 
 
 class Engines(Protocol):
-    """Where a run's engines come from: started for it (`StartedEngines`), or shared with the other runs of a
-    sweep (orbit/sweep/lanes.py)."""
+    """Where a run's engines come from: started for it (`StartedEngines`), or shared with the other
+    runs of a sweep (orbit/sweep/lanes.py)."""
 
     def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool: ...
 
     def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None: ...
 
 
-EnginesFor = Callable[[Recipe, EngineConfig], Engines]  # a run's engines, from its recipe and placed engine section
+# a run's engines, from its recipe and placed engine section
+EnginesFor = Callable[[Recipe, EngineConfig], Engines]
 
 
 class StartedEngines:
-    """A run's own engines: `engine.replicas` of them, started now, brought back when they die (revive.py)."""
+    """A run's own engines: `engine.replicas` of them, started now, brought back when they die
+    (revive.py)."""
 
     def __init__(self, recipe: Recipe, engine_cfg: EngineConfig) -> None:
         self.recipe = recipe
-        self.starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, recipe.adapter,
-                                     call_timeout_s=recipe.rollout.stall_timeout_s,
-                                     truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-                                     and recipe.rollout.temperature > 0)
+        self.starter = EngineStarter(
+            engine_cfg,
+            recipe.model,
+            recipe.seed,
+            recipe.adapter,
+            call_timeout_s=recipe.rollout.stall_timeout_s,
+            truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
+            and recipe.rollout.temperature > 0,
+        )
 
     def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool:
         return start_pool(self.starter, timeline=timeline, on_warning=warn)
@@ -193,15 +234,32 @@ class StartedEngines:
     def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None:
         if not self.recipe.engine.restarts:
             return None
-        return Revival(pool, push, self.starter.start, attached=self.starter.attached,
-                       tries=self.recipe.engine.restarts, wait_s=self.recipe.rollout.stall_timeout_s)
+        return Revival(
+            pool,
+            push,
+            self.starter.start,
+            attached=self.starter.attached,
+            tries=self.recipe.engine.restarts,
+            wait_s=self.recipe.rollout.stall_timeout_s,
+        )
 
 
-def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int, ...], console: Console,
-          live: bool, trainer: Trainer, engines: Engines, tokenizer, name: str | None = None,
-          group: str | None = None) -> StartedRun:
-    """The starting adapter on the engines, the producer: everything but the loop. `name`: a sweep's run, which
-    its console lines and timeline say; `group`: the sweep (its trackers' group)."""
+def start(
+    recipe: Recipe,
+    run_dir: Path,
+    resume: bool,
+    task,
+    stop_ids: tuple[int, ...],
+    console: Console,
+    live: bool,
+    trainer: Trainer,
+    engines: Engines,
+    tokenizer,
+    name: str | None = None,
+    group: str | None = None,
+) -> StartedRun:
+    """The starting adapter on the engines, the producer: everything but the loop. `name`: a sweep's
+    run, which its console lines and timeline say; `group`: the sweep (its trackers' group)."""
     mode = MODES[recipe.mode]
     prefix = f"{name}: " if name else ""
     run_state = {}
@@ -212,30 +270,56 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
     except BaseException:
         trainer.close()
         raise
-    run = StartedRun(trainer, JsonlWriter(run_dir / "metrics.jsonl"), Timeline(run_dir / "timeline.jsonl"),
-               start_version=trainer.version)
+    run = StartedRun(
+        trainer,
+        JsonlWriter(run_dir / "metrics.jsonl"),
+        Timeline(run_dir / "timeline.jsonl"),
+        start_version=trainer.version,
+    )
     try:
         # Trackers before the engine: one that cannot start fails the run before any generation.
-        run.trackers = open_trackers(recipe, run_dir, tokenizer, warner(console, run_dir, prefix),
-                                     resume_step=trainer.version if resume else None, group=group)
+        run.trackers = open_trackers(
+            recipe,
+            run_dir,
+            tokenizer,
+            warner(console, run_dir, prefix),
+            resume_step=trainer.version if resume else None,
+            group=group,
+        )
         run.pool = pool = engines.pool(run.timeline, warner(console, run_dir, prefix))
         # Serial modes stay on-policy: all engines hold the new version before the next batch.
-        run.push = push = FleetPush(mode.push, recipe.adapter.type, pool, recipe.engine.flip, wait_all=mode.serial,
-                                    timeline=run.timeline, wait_s=recipe.rollout.stall_timeout_s)
+        run.push = push = FleetPush(
+            mode.push,
+            recipe.adapter.type,
+            pool,
+            recipe.engine.flip,
+            wait_all=mode.serial,
+            timeline=run.timeline,
+            wait_s=recipe.rollout.stall_timeout_s,
+        )
         push.initial(trainer)
         run.revival = engines.revival(pool, push)
         batch_groups = recipe.rollout.prompts_per_step
         signal = Signal(recipe.algorithm, recipe.rollout.max_new_tokens)
         per_engine = recipe.engine.max_inflight * recipe.engine.engines
         pipeline = Pipeline(
-            pool, batch_groups, mode.max_staleness(recipe.max_staleness), recipe.rollout.group_size,
+            pool,
+            batch_groups,
+            mode.max_staleness(recipe.max_staleness),
+            recipe.rollout.group_size,
             # A serial batch is one barrier: submit all of it at once.
-            max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size) if mode.serial else per_engine,
+            max_inflight=max(per_engine, batch_groups * recipe.rollout.group_size)
+            if mode.serial
+            else per_engine,
             replenish=recipe.rollout.replenish,
             start_group=int(run_state.get("next_group", trainer.version * batch_groups)),
-            start_version=trainer.version, keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
-            filter_limit=recipe.algorithm.filter_limit, max_lost_frac=recipe.rollout.max_lost_frac)
-        cores = lendable_cores(recipe) if name is None else None  # a sweep's runs share their engines
+            start_version=trainer.version,
+            keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
+            filter_limit=recipe.algorithm.filter_limit,
+            max_lost_frac=recipe.rollout.max_lost_frac,
+        )
+        # a sweep's runs share their engines
+        cores = lendable_cores(recipe) if name is None else None
         if cores is not None:
             trainer.share_cores(cores)
             pipeline.on_idle = cores.engines_idle
@@ -244,9 +328,18 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         if is_agent(task):  # its episodes call the endpoint, which generates through the pool
             run.endpoint = agent_endpoint(recipe, tokenizer, pool, pipeline)
             agents = AgentRunner(run.endpoint, task, sampling, recipe.rollout.episode_timeout_s)
-        run.producer = producer = Producer(pipeline, pool, task, sampling, recipe.seed, timeline=run.timeline,
-                                           max_attempts=recipe.rollout.max_attempts, adapter=name, agents=agents,
-                                           on_lost=warner(console, run_dir, prefix))
+        run.producer = producer = Producer(
+            pipeline,
+            pool,
+            task,
+            sampling,
+            recipe.seed,
+            timeline=run.timeline,
+            max_attempts=recipe.rollout.max_attempts,
+            adapter=name,
+            agents=agents,
+            on_lost=warner(console, run_dir, prefix),
+        )
         if run.endpoint is not None:
             run.endpoint.on_completion = producer.record
         if not mode.serial:
@@ -259,19 +352,33 @@ def start(recipe: Recipe, run_dir: Path, resume: bool, task, stop_ids: tuple[int
         run.close_files()
         raise
     run.parts = LoopParts(
-        mode=mode, pool=pool, trainer=trainer, pipeline=pipeline, push=push,
-        metrics=run.metrics, timeline=run.timeline, run_dir=run_dir, steps=recipe.trainer.steps,
-        prompts_per_step=batch_groups, save_every=recipe.trainer.save_every, keep_last=recipe.trainer.keep_last,
-        console=console, live=live,
-        stall_s=recipe.rollout.stall_timeout_s, run_state=lambda: {"next_group": pipeline.next_group},
-        trackers=run.trackers, label=prefix, signal=signal,
+        mode=mode,
+        pool=pool,
+        trainer=trainer,
+        pipeline=pipeline,
+        push=push,
+        metrics=run.metrics,
+        timeline=run.timeline,
+        run_dir=run_dir,
+        steps=recipe.trainer.steps,
+        prompts_per_step=batch_groups,
+        save_every=recipe.trainer.save_every,
+        keep_last=recipe.trainer.keep_last,
+        console=console,
+        live=live,
+        stall_s=recipe.rollout.stall_timeout_s,
+        run_state=lambda: {"next_group": pipeline.next_group},
+        trackers=run.trackers,
+        label=prefix,
+        signal=signal,
     )
     return run
 
 
 def lendable_cores(recipe: Recipe) -> Cores | None:
-    """The engines' threads the trainer may borrow while they are idle: with the trainer and every engine on this
-    machine's CPU (one trainer rank; servers Orbit started, not attached ones), `trainer.borrow_cores` on."""
+    """The engines' threads the trainer may borrow while they are idle: with the trainer and every
+    engine on this machine's CPU (one trainer rank; servers Orbit started, not attached ones),
+    `trainer.borrow_cores` on."""
     t, e = recipe.trainer, recipe.engine
     local = e.servers is None and all(d == "cpu" for d in e.engine_devices())
     if not t.borrow_cores or not local or t.rank_devices() != ["cpu"]:
@@ -281,25 +388,37 @@ def lendable_cores(recipe: Recipe) -> Cores | None:
 
 def agent_endpoint(recipe: Recipe, tokenizer, pool: EnginePool, pipeline: Pipeline) -> Endpoint:
     """The OpenAI-compatible endpoint an agent task's episodes call, in front of the run's pool."""
+
     def submit(ids, sampling, slot, engine, meta):
         return pool.generate(ids, sampling, slot=slot, engine=engine, meta=meta)
 
-    return Endpoint(tokenizer, submit, model=Path(recipe.model).name, max_context=pool.info.max_context,
-                    max_attempts=recipe.rollout.max_attempts,
-                    on_aborted=lambda tokens: pipeline.count(aborted_tokens=tokens)).start()
+    return Endpoint(
+        tokenizer,
+        submit,
+        model=Path(recipe.model).name,
+        max_context=pool.info.max_context,
+        max_attempts=recipe.rollout.max_attempts,
+        on_aborted=lambda tokens: pipeline.count(aborted_tokens=tokens),
+    ).start()
 
 
 def _resume(trainer: Trainer, run_dir: Path, console: Console) -> dict:
-    """The trainer as its newest complete checkpoint left it; metrics and samples of later steps set aside.
-    Returns the run's saved state (where the prompt stream stands)."""
+    """The trainer as its newest complete checkpoint left it; metrics and samples of later steps set
+    aside. Returns the run's saved state (where the prompt stream stands)."""
     run_state = {}
     source = checkpoint.latest(run_dir)
     if source is None:  # it stepped, but was stopped before its first checkpoint was complete
-        console.print(f"resuming {run_dir} from the start: no checkpoint of it was complete", highlight=False)
+        console.print(
+            f"resuming {run_dir} from the start: no checkpoint of it was complete", highlight=False
+        )
     else:
         run_state = trainer.load(source)
-        console.print(f"resuming {run_dir} from its newest complete checkpoint, {source.relative_to(run_dir)} "
-                      f"(step {trainer.version})", highlight=False)
+        console.print(
+            f"resuming {run_dir} from its newest complete checkpoint, "
+            f"{source.relative_to(run_dir)} "
+            f"(step {trainer.version})",
+            highlight=False,
+        )
     drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
     # samples.jsonl likewise, so that no step's samples appear twice after the resumed run's own.
     drop_lines_after(run_dir / "samples.jsonl", trainer.version, by_step=True)
@@ -307,32 +426,45 @@ def _resume(trainer: Trainer, run_dir: Path, console: Console) -> dict:
 
 
 def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume: bool) -> None:
-    """Run the steps; however they end, stop the engine and leave a run that agrees with itself. A run that
-    cannot go on raises RunStopped, its way of ending judged by orbit/run/ends.py; Ctrl-C, Interrupted."""
+    """Run the steps; however they end, stop the engine and leave a run that agrees with itself. A
+    run that cannot go on raises RunStopped, its way of ending judged by orbit/run/ends.py; Ctrl-C,
+    Interrupted."""
     trainer = run.trainer
     try:
         run_steps(run.parts)
-        run.push.finish(recipe.rollout.stall_timeout_s)  # the last version reaches the engines; refusals surface
+        # the last version reaches the engines; refusals surface
+        run.push.finish(recipe.rollout.stall_timeout_s)
     except KeyboardInterrupt:
         interrupts.handled()
         lost = trainer.ranks.lost
         if lost is not None:  # the heartbeat interrupted the run: a rank is gone
             saved = _stop_and_save(run, run_dir, created, resume)
-            raise RunStopped(f"{sentence(f'a trainer rank was lost: {lost}')}\n{saved}", "rank-lost") from None
+            raise RunStopped(
+                f"{sentence(f'a trainer rank was lost: {lost}')}\n{saved}", "rank-lost"
+            ) from None
         if not _stop(run, run_dir, created, resume):
-            raise Interrupted(f"interrupted before the first step: nothing was trained{left(run_dir, resume)}") \
-                from None
-        raise Interrupted(f"interrupted at step {trainer.version}: {saved_line(run_dir, trainer.version)}",
-                          trainer.version) from None
+            raise Interrupted(
+                f"interrupted before the first step: nothing was trained{left(run_dir, resume)}"
+            ) from None
+        raise Interrupted(
+            f"interrupted at step {trainer.version}: {saved_line(run_dir, trainer.version)}",
+            trainer.version,
+        ) from None
     except Exception as err:
         verdict = judge(err)
-        if verdict is not None and verdict.end.name == "save-failed":  # saving again would fail again
+        # saving again would fail again
+        if verdict is not None and verdict.end.name == "save-failed":
             shut_down(run)
-            raise RunStopped(f"{sentence(verdict.reason)}\ncontinue with `orbit train RECIPE --resume {run_dir}` "
-                             "once the directory can be written", "save-failed") from err
+            raise RunStopped(
+                f"{sentence(verdict.reason)}\ncontinue with `orbit train RECIPE --resume "
+                f"{run_dir}` "
+                "once the directory can be written",
+                "save-failed",
+            ) from err
         saved = _stop_and_save(run, run_dir, created, resume)
         if verdict is None:
-            raise  # no way a run ends, a bug: its traceback is the report (what was trained is saved)
+            # no way a run ends, a bug: its traceback is the report (what was trained is saved)
+            raise
         raise RunStopped(f"{sentence(verdict.reason)}\n{saved}", verdict.end.name) from err
     shut_down(run)
 
@@ -374,7 +506,6 @@ def shut_down(run: StartedRun) -> None:
             pool.shutdown()
         except Exception:  # noqa: BLE001 - see above
             pass
-    if run.revival is not None:  # after the pool: an engine that comes back now is stopped, not taken in
+    # after the pool: an engine that comes back now is stopped, not taken in
+    if run.revival is not None:
         run.revival.stop()
-
-

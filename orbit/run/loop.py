@@ -60,9 +60,12 @@ class LoopParts:
     signal: Signal  # the algorithm's rewards, filters and advantages
     live: bool = True
     stall_s: float | None = None  # rollout.stall_timeout_s
-    run_state: Callable[[], dict] = dict  # what a checkpoint keeps besides the trainer (the prompt stream's place)
-    trackers: Trackers | None = None  # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
-    on_step: Callable[[StepMetrics], None] | None = None  # a sweep's live table (orbit/sweep/watch.py)
+    # what a checkpoint keeps besides the trainer (the prompt stream's place)
+    run_state: Callable[[], dict] = dict
+    # samples.jsonl, TensorBoard, W&B: each step's line and a few samples
+    trackers: Trackers | None = None
+    # a sweep's live table (orbit/sweep/watch.py)
+    on_step: Callable[[StepMetrics], None] | None = None
     label: str = ""  # a sweep's run, "NAME: ", before its console lines
 
 
@@ -77,7 +80,8 @@ def run_steps(p: LoopParts) -> None:
                 p.on_step(m)
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
-                    f"[bold red]WARNING[/] {p.label}step {m.step}: engine and trainer logprobs differ by "
+                    f"[bold red]WARNING[/] {p.label}step {m.step}: engine and trainer logprobs "
+                    "differ by "
                     f"{m.logprob_diff:.3g} (> {LOGPROB_WARN}) on the same tokens"
                 )
 
@@ -117,13 +121,30 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
         except Exception as err:  # noqa: BLE001 - re-raised below, after the line
             failure, pushed = err, PushResult(time.time() - t_push, 0.0)
 
-        m = _metrics(p, version, t_step, wait.seconds, train.seconds, batch, samples, result, pushed,
-                     before, _stats_or(p.pool, before), counts, signal)
+        m = _metrics(
+            p,
+            version,
+            t_step,
+            wait.seconds,
+            train.seconds,
+            batch,
+            samples,
+            result,
+            pushed,
+            before,
+            _stats_or(p.pool, before),
+            counts,
+            signal,
+        )
         line = m.to_json()
         p.metrics.write(line)
-        # 4. The checkpoint, after the line: a kill between the two leaves a line newer than the newest
-        #    checkpoint, which --resume sets aside; the other order would lose the line of a saved step.
-        if failure is None and (p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps):
+        # 4. The checkpoint, after the line: a kill between the two leaves a line newer than the
+        #    newest
+        #    checkpoint, which --resume sets aside; the other order would lose the line of a saved
+        # step.
+        if failure is None and (
+            p.trainer.version % p.save_every == 0 or p.trainer.version >= p.steps
+        ):
             with p.timeline.span("trainer", "save", p.trainer.version):
                 save_checkpoint(p)
     # Outside the held block: Ctrl-C need not wait for a tracker. The line is written either way,
@@ -138,13 +159,29 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
 def save_checkpoint(p: LoopParts) -> None:
     """The trainer's state and the run's (the prompt stream's place) as the newest checkpoint."""
     state = p.run_state()
-    checkpoint.save(p.run_dir, p.trainer.version, lambda directory: p.trainer.save(directory, state), p.keep_last)
+    checkpoint.save(
+        p.run_dir,
+        p.trainer.version,
+        lambda directory: p.trainer.save(directory, state),
+        p.keep_last,
+    )
 
 
-def _metrics(p: LoopParts, version: int, t_step: float, wait_s: float, train_s: float, batch: Batch,
-             samples: list[Sample],
-             result: StepResult, pushed: PushResult, before: EngineStats, after: EngineStats,
-             counts: tuple[int, int, int, int], signal: Signal) -> StepMetrics:
+def _metrics(
+    p: LoopParts,
+    version: int,
+    t_step: float,
+    wait_s: float,
+    train_s: float,
+    batch: Batch,
+    samples: list[Sample],
+    result: StepResult,
+    pushed: PushResult,
+    before: EngineStats,
+    after: EngineStats,
+    counts: tuple[int, int, int, int],
+    signal: Signal,
+) -> StepMetrics:
     step_s = time.time() - t_step
     tokens = after.tokens_generated - before.tokens_generated
     engines = len(p.pool.members)  # the per-engine figures divide by all of them
@@ -232,8 +269,8 @@ def _finite(x: float | None) -> float | None:
 
 
 class HeldInterrupt:
-    """Hold Ctrl-C (SIGINT, and SIGTERM where it stops a run the same way) for the duration of the block,
-    then raise it.
+    """Hold Ctrl-C (SIGINT, and SIGTERM where it stops a run the same way) for the duration of the
+    block, then raise it.
 
     An optimizer step must not be cut between the update and its metrics line. Only the main
     thread can hold signals; elsewhere this does nothing. A second one is held too.
@@ -251,7 +288,9 @@ class HeldInterrupt:
     def _hold(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if not self.pending:
             what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            sys.stderr.write(f"\n{what}: finishing this step first (its adapter and metrics line must agree)\n")
+            sys.stderr.write(
+                f"\n{what}: finishing this step first (its adapter and metrics line must agree)\n"
+            )
         self.pending = True
 
     def __exit__(self, exc_type, exc, tb) -> None:

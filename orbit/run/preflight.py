@@ -1,5 +1,5 @@
-"""Before any compute: everything a recipe names outside itself is checked here, and `engine.backend:
-auto` becomes a concrete backend.
+"""Before any compute: everything a recipe names outside itself is checked here, and
+`engine.backend: auto` becomes a concrete backend.
 
 `preflight(recipe)` returns a `Checked` recipe, the value a run reads: the recipe with its backend
 resolved (what the run directory's recipe.yaml records) and the lines to tell the user about it.
@@ -29,11 +29,13 @@ class Checked:
     """A recipe that passed the preflight: its backend is concrete."""
 
     recipe: Recipe
-    notes: tuple[str, ...] = ()  # what the user is told before the run (the backend auto chose, and why)
+    # what the user is told before the run (the backend auto chose, and why)
+    notes: tuple[str, ...] = ()
 
 
 def preflight(recipe: Recipe) -> Checked:
-    """Every check of this module, in the order a user would fix them; the recipe with its backend resolved."""
+    """Every check of this module, in the order a user would fix them; the recipe with its backend
+    resolved."""
     recipe = recipe.model_copy(deep=True)
     note = resolve_backend(recipe.engine)
     check_installed(recipe)
@@ -46,15 +48,17 @@ def preflight(recipe: Recipe) -> Checked:
 
 
 def check_sglang_args(recipe: Recipe) -> None:
-    """`engine.sglang_args` against SGLang's own parser (orbit/engine/sglang/args.py); set for an engine that is
-    not SGLang, they are refused."""
+    """`engine.sglang_args` against SGLang's own parser (orbit/engine/sglang/args.py); set for an
+    engine that is not SGLang, they are refused."""
     args = recipe.engine.sglang_args
     if not args:
         return
     if recipe.engine.backend not in ("sglang", "sglang-server") or recipe.engine.servers:
-        raise RecipeError(f"engine.sglang_args: for the SGLang engines Orbit starts (engine.backend sglang or "
-                          f"sglang-server without engine.servers), not {recipe.engine.backend!r}"
-                          f"{' with attached servers' if recipe.engine.servers else ''}")
+        raise RecipeError(
+            f"engine.sglang_args: for the SGLang engines Orbit starts (engine.backend sglang or "
+            f"sglang-server without engine.servers), not {recipe.engine.backend!r}"
+            f"{' with attached servers' if recipe.engine.servers else ''}"
+        )
     from orbit.engine.sglang.args import check
 
     problems = check(args)
@@ -63,29 +67,36 @@ def check_sglang_args(recipe: Recipe) -> None:
 
 
 def resolve_backend(cfg: EngineConfig) -> str | None:
-    """`engine.backend: auto` becomes a concrete backend here; returns the one line `orbit train` and
-    `orbit bench` print about it (None when the recipe named one)."""
+    """`engine.backend: auto` becomes a concrete backend here; returns the one line `orbit train`
+    and `orbit bench` print about it (None when the recipe named one)."""
     if cfg.backend != "auto":
         return None
     if cfg.servers:
         cfg.backend, why = "sglang-server", "engine.servers are given"
     else:
-        cfg.backend, why = choose_backend(cfg.engine_devices(), sglang_installed=sglang_problem() is None)
+        cfg.backend, why = choose_backend(
+            cfg.engine_devices(), sglang_installed=sglang_problem() is None
+        )
     return f"engine: {cfg.backend} (engine.backend auto: {why})"
 
 
 def check_installed(recipe: Recipe) -> None:
-    """SGLang must be installed here to run in-process or to start servers (attaching needs only HTTP);
-    an API key's variable must be set; the trackers must be installed."""
+    """SGLang must be installed here to run in-process or to start servers (attaching needs only
+    HTTP); an API key's variable must be set; the trackers must be installed."""
     backend = recipe.engine.backend
     if backend == "sglang" or (backend == "sglang-server" and recipe.engine.servers is None):
         problem = sglang_problem()
         if problem is not None:
-            raise RecipeError(f"engine.backend: {backend!r} cannot run: {problem}. Install it with: {INSTALL_HINT}")
+            raise RecipeError(
+                f"engine.backend: {backend!r} cannot run: {problem}. Install it with: "
+                f"{INSTALL_HINT}"
+            )
     key = recipe.engine.api_key_env
     if key is not None and not os.environ.get(key):
-        raise RecipeError(f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
-                          "servers' --api-key)")
+        raise RecipeError(
+            f"engine.api_key_env: the environment variable {key} is not set (it must hold the "
+            "servers' --api-key)"
+        )
     from orbit.run.trackers import tracker_problem
 
     for tracker in recipe.logging:
@@ -95,33 +106,46 @@ def check_installed(recipe: Recipe) -> None:
 
 
 def check_model(recipe: Recipe) -> None:
-    """The model directory: a Hugging Face checkpoint with weights, a tokenizer and an architecture the
-    engine and the trainer can run. Each problem is one line naming the path."""
+    """The model directory: a Hugging Face checkpoint with weights, a tokenizer and an architecture
+    the engine and the trainer can run. Each problem is one line naming the path."""
     model = recipe.model
     if not model.is_dir():
-        raise RecipeError(f"model: no such directory {str(model)!r} (build one with `orbit model tiny DIR`, or "
-                          "import one with `orbit model import SRC DIR`)")
+        raise RecipeError(
+            f"model: no such directory {str(model)!r} (build one with `orbit model tiny DIR`, or "
+            "import one with `orbit model import SRC DIR`)"
+        )
     if not (model / "config.json").exists():
-        raise RecipeError(f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)")
+        raise RecipeError(
+            f"model: {str(model)!r} has no config.json (expected a Hugging Face checkpoint)"
+        )
     try:
         spec, raw = read_spec(model)
     except SpecError as err:
         raise RecipeError(f"model: {err}") from None
     if not any((model / name).exists() for name in WEIGHT_FILES):
-        raise RecipeError(f"model: {str(model)!r} has no weights (expected {' or '.join(WEIGHT_FILES)})")
+        raise RecipeError(
+            f"model: {str(model)!r} has no weights (expected {' or '.join(WEIGHT_FILES)})"
+        )
     if not any((model / name).exists() for name in TOKENIZER_FILES):
-        raise RecipeError(f"model: {str(model)!r} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
+        raise RecipeError(
+            f"model: {str(model)!r} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})"
+        )
     if recipe.engine.backend == "embedded":
         from orbit.engine.embedded.model import unsupported
 
         problem = unsupported(spec, raw)
         if problem is not None:
-            raise RecipeError(f"model: {str(model)!r}: {problem} (SGLang runs more: engine.backend: sglang)")
+            raise RecipeError(
+                f"model: {str(model)!r}: {problem} (SGLang runs more: engine.backend: sglang)"
+            )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if spec.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise RecipeError(f"model: {str(model)!r} is a {spec.model_type!r} model, which the trainer (transformers' "
-                          f"AutoModelForCausalLM) cannot load")
+        raise RecipeError(
+            f"model: {str(model)!r} is a {spec.model_type!r} model, which the trainer "
+            "(transformers' "
+            f"AutoModelForCausalLM) cannot load"
+        )
 
 
 def check_oft_block_size(recipe: Recipe) -> None:
@@ -135,17 +159,21 @@ def check_oft_block_size(recipe: Recipe) -> None:
         return
     allowed = [b for b in range(2, min(sizes) + 1) if all(n % b == 0 for n in sizes)]
     raise RecipeError(
-        f"adapter.oft_block_size: {adapter.oft_block_size} does not divide the input width of every "
+        f"adapter.oft_block_size: {adapter.oft_block_size} does not divide the input width of "
+        "every "
         f"target ({dict(zip(adapter.target_modules, sizes, strict=True))}); allowed: {allowed}"
     )
 
 
 def check_verifiers(python: str, taskset: str) -> None:
-    """The environment's interpreter can run and a taskset file exists (loading it is the bridge's, at start)."""
+    """The environment's interpreter can run and a taskset file exists (loading it is the bridge's,
+    at start)."""
     exe = Path(python)
     if not (exe.is_file() and os.access(exe, os.X_OK)):
-        raise RecipeError(f"task.python: {python!r} is not a Python to run (make verifiers sets up "
-                          ".venv-verifiers/bin/python)")
+        raise RecipeError(
+            f"task.python: {python!r} is not a Python to run (make verifiers sets up "
+            ".venv-verifiers/bin/python)"
+        )
     if taskset.endswith(".py") and not Path(taskset).is_file():
         raise RecipeError(f"task.taskset: no file {taskset!r}")
 
@@ -187,7 +215,12 @@ def check_task(task: TaskConfig) -> None:
                     continue
                 checker = MathChecker()
                 try:
-                    load_problems(path, task.question_field or "question", task.answer_field or "answer", checker)
+                    load_problems(
+                        path,
+                        task.question_field or "question",
+                        task.answer_field or "answer",
+                        checker,
+                    )
                 finally:
                     checker.close()
     except TaskLoadError as err:
@@ -202,7 +235,9 @@ def stop_token_ids(tokenizer, stop: list[str]) -> tuple[int, ...]:
     for text in stop:
         encoded = tokenizer.encode(text, add_special_tokens=False)
         if len(encoded) != 1:
-            raise RecipeError(f"rollout.stop: {text!r} is {len(encoded)} tokens {encoded} for this tokenizer; "
-                              "each stop string must be exactly one token")
+            raise RecipeError(
+                f"rollout.stop: {text!r} is {len(encoded)} tokens {encoded} for this tokenizer; "
+                "each stop string must be exactly one token"
+            )
         ids.append(encoded[0])
     return tuple(ids)

@@ -30,10 +30,20 @@ STEADY_S = 60.0  # an engine that dies sooner after coming back goes on using th
 
 
 class Revival:
-    """Brings lost members of `pool` back: `restart(index)` starts (or re-attaches) engine `index`."""
+    """Brings lost members of `pool` back: `restart(index)` starts (or re-attaches) engine
+    `index`."""
 
-    def __init__(self, pool: EnginePool, push: FleetPush, restart: Callable[[int], Engine], attached: bool,
-                 tries: int, wait_s: float, poll_s: float = 5.0, backoff_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        push: FleetPush,
+        restart: Callable[[int], Engine],
+        attached: bool,
+        tries: int,
+        wait_s: float,
+        poll_s: float = 5.0,
+        backoff_s: float = 1.0,
+    ) -> None:
         self.pool, self.push, self.restart = pool, push, restart
         self.attached, self.tries, self.wait_s, self.poll_s = attached, tries, wait_s, poll_s
         self.backoff_s = backoff_s
@@ -46,8 +56,12 @@ class Revival:
     def lost(self, member: Member) -> None:
         if not member.joined_at or time.monotonic() - member.joined_at > STEADY_S:
             self._tried[member.index] = 0
-        thread = threading.Thread(target=self._bring_back, args=(member,), name=f"orbit-revive-{member.index}",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=self._bring_back,
+            args=(member,),
+            name=f"orbit-revive-{member.index}",
+            daemon=True,
+        )
         with self._lock:
             self._threads.append(thread)
         thread.start()
@@ -68,20 +82,29 @@ class Revival:
             if not self.attached and attempt > self.tries:
                 return self.pool.gave_up(member, f"not restarted after {self.tries} tries ({why})")
             if self.attached and self._nobody_serving_for() > self.wait_s:
-                return self.pool.gave_up(member, f"did not answer again within {self.wait_s:g} s ({why})")
-            pause = self.poll_s if self.attached else min(MAX_BACKOFF_S, self.backoff_s * 2.0 ** (attempt - 1))
+                return self.pool.gave_up(
+                    member, f"did not answer again within {self.wait_s:g} s ({why})"
+                )
+            pause = (
+                self.poll_s
+                if self.attached
+                else min(MAX_BACKOFF_S, self.backoff_s * 2.0 ** (attempt - 1))
+            )
             if self._stop.wait(pause):
                 break
             try:
                 self._try(member)
-                # This thread lives as long as the engine it started: SGLang's processes die with the
-                # thread that started them (PR_SET_PDEATHSIG fires when that thread exits).
+                # This thread lives as long as the engine it started: SGLang's processes die with
+                # the thread that started them (PR_SET_PDEATHSIG fires when that thread exits).
                 self._stop.wait()
                 return
             except Exception as err:  # noqa: BLE001 - reported, and tried again
                 why = f"{type(err).__name__}: {err}".splitlines()[0]
-                if not self.attached:  # an attached server is expected to be down for a while: no noise
-                    self.pool.on_warning(f"engine {member.index}: restart {attempt} of {self.tries} failed: {why}")
+                # an attached server is expected to be down for a while: no noise
+                if not self.attached:
+                    self.pool.on_warning(
+                        f"engine {member.index}: restart {attempt} of {self.tries} failed: {why}"
+                    )
         self.pool.gave_up(member, "the run ended")
 
     def _try(self, member: Member) -> None:
@@ -100,4 +123,3 @@ class Revival:
     def _nobody_serving_for(self) -> float:
         """Seconds since the pool last had a live member (0 while one serves)."""
         return 0.0 if self.pool.alive() else time.monotonic() - self.pool.empty_since
-

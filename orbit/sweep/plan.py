@@ -1,10 +1,11 @@
-"""A sweep's plan: the K runs of one recipe (`--vary KEY=V1,V2 ...` or the recipe's `runs:`), each a whole recipe
-of its own, checked before anything starts.
+"""A sweep's plan: the K runs of one recipe (`--vary KEY=V1,V2 ...` or the recipe's `runs:`), each a
+whole recipe of its own, checked before anything starts.
 
-The runs share the base model, the engines and the trainer's device, so whatever sets those (`SHARED`) is the
-sweep's and cannot differ between runs; anything else (trainer, rollout, task, adapter settings, the seed) may.
-Each run keeps the ring of `engine.slots` slots a single run has, so the engines hold K × `engine.slots` slots
-(SGLang: `max_loras_per_batch` K × slots + 1, the base included), none evicted while the sweep runs.
+The runs share the base model, the engines and the trainer's device, so whatever sets those
+(`SHARED`) is the sweep's and cannot differ between runs; anything else (trainer, rollout, task,
+adapter settings, the seed) may. Each run keeps the ring of `engine.slots` slots a single run has,
+so the engines hold K × `engine.slots` slots (SGLang: `max_loras_per_batch` K × slots + 1, the base
+included), none evicted while the sweep runs.
 """
 
 from __future__ import annotations
@@ -21,15 +22,26 @@ from orbit.config import Recipe, RecipeError, dump_recipe, parse_recipe, set_dot
 from orbit.run.preflight import preflight
 
 # What the runs of a sweep share: the base model, the engines, the loop and the trainer's device.
-SHARED = ("model", "engine", "mode", "logging", "trainer.device", "trainer.devices", "trainer.dtype",
-          "trainer.threads", "trainer.shard")
-MAX_ENGINE_SLOTS = 64  # adapters one engine holds at once (each a few MB at most: tensors, not models)
+SHARED = (
+    "model",
+    "engine",
+    "mode",
+    "logging",
+    "trainer.device",
+    "trainer.devices",
+    "trainer.dtype",
+    "trainer.threads",
+    "trainer.shard",
+)
+# adapters one engine holds at once (each a few MB at most: tensors, not models)
+MAX_ENGINE_SLOTS = 64
 SWEEP_FILE = "sweep.yaml"
 
 
 @dataclass
 class PlannedRun:
-    name: str  # what the console, the table and W&B call it: `lr=0.0003,seed=1` or the entry's `name`
+    # what the console, the table and W&B call it: `lr=0.0003,seed=1` or the entry's `name`
+    name: str
     recipe: Recipe  # a whole recipe; its `out` is the run's own directory inside the sweep's
 
     @property
@@ -62,14 +74,16 @@ def parse_vary(texts: list[str]) -> list[dict[str, Any]]:
     for text in texts:
         key, eq, values = text.partition("=")
         if not eq or not key.strip() or not values.strip():
-            raise RecipeError(f"--vary {text!r}: write KEY=V1,V2,... (e.g. --vary trainer.lr=1e-4,3e-4)")
+            raise RecipeError(
+                f"--vary {text!r}: write KEY=V1,V2,... (e.g. --vary trainer.lr=1e-4,3e-4)"
+            )
         axes.append([(key.strip(), yaml.safe_load(v)) for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
 def plan_sweep(path: Path, vary: list[str], overrides: dict[str, Any] | None = None) -> SweepPlan:
-    """The sweep a recipe file and `--vary` options describe, with the command line's dotted `overrides` of the
-    shared recipe (RecipeError naming the run and the field)."""
+    """The sweep a recipe file and `--vary` options describe, with the command line's dotted
+    `overrides` of the shared recipe (RecipeError naming the run and the field)."""
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {str(path)!r}")
     data = yaml.safe_load(path.read_text()) or {}
@@ -81,7 +95,10 @@ def plan_sweep(path: Path, vary: list[str], overrides: dict[str, Any] | None = N
     if vary:
         entries = parse_vary(vary)
     if len(entries) < 2:
-        raise RecipeError(f"a sweep needs at least 2 runs: pass --vary KEY=V1,V2 or list them under runs: in {path}")
+        raise RecipeError(
+            "a sweep needs at least 2 runs: pass --vary KEY=V1,V2 or list them under runs: in "
+            f"{path}"
+        )
     for key, value in (overrides or {}).items():
         if value is not None:
             set_dotted(data, key, value)
@@ -93,15 +110,23 @@ def plan_sweep(path: Path, vary: list[str], overrides: dict[str, Any] | None = N
 
 def _planned(data: dict, shared: Recipe, entry: Any, i: int) -> PlannedRun:
     if not isinstance(entry, dict):
-        raise RecipeError(f"runs[{i}]: each run is a mapping of settings (e.g. {{trainer.lr: 1e-4}}), got {entry!r}")
+        raise RecipeError(
+            f"runs[{i}]: each run is a mapping of settings (e.g. {{trainer.lr: 1e-4}}), got "
+            f"{entry!r}"
+        )
     overrides = _dotted(entry)
-    name = str(overrides.pop("name", "") or ",".join(f"{k.rpartition('.')[2]}={v}" for k, v in overrides.items()))
+    name = str(
+        overrides.pop("name", "")
+        or ",".join(f"{k.rpartition('.')[2]}={v}" for k, v in overrides.items())
+    )
     where = f"runs[{i}] ({name})"
     for key in overrides:
         if any(key == s or key.startswith(s + ".") for s in SHARED + ("out",)):
-            raise RecipeError(f"{where}: {key}: the runs of a sweep share the base model, the engines and the "
-                              f"trainer's device, so {key} cannot vary; vary trainer, rollout, task, adapter or "
-                              f"seed settings")
+            raise RecipeError(
+                f"{where}: {key}: the runs of a sweep share the base model, the engines and the "
+                f"trainer's device, so {key} cannot vary; vary trainer, rollout, task, adapter or "
+                f"seed settings"
+            )
     run = yaml.safe_load(yaml.safe_dump(data))  # a deep copy of plain data
     run["out"] = str(shared.out / _dir_name(name))
     try:
@@ -128,8 +153,9 @@ def _dir_name(name: str) -> str:
 
 
 def preflight_sweep(plan: SweepPlan) -> tuple[SweepPlan, tuple[str, ...]]:
-    """orbit/run/preflight.py's checks of the shared recipe and of each run (its task, its adapter on this model),
-    every run given the shared recipe's resolved engines; with the notes to print."""
+    """orbit/run/preflight.py's checks of the shared recipe and of each run (its task, its adapter
+    on this model), every run given the shared recipe's resolved engines; with the notes to
+    print."""
     checked = preflight(plan.recipe)
     runs = []
     for run in plan.runs:
@@ -138,34 +164,51 @@ def preflight_sweep(plan: SweepPlan) -> tuple[SweepPlan, tuple[str, ...]]:
             runs.append(PlannedRun(run.name, preflight(recipe).recipe))
         except RecipeError as err:
             raise RecipeError(f"{run.name}: {err}") from None
-    if plan.recipe.adapter.type == "oft" and checked.recipe.engine.backend in ("sglang", "sglang-server"):
-        raise RecipeError("adapter.type: oft reaches SGLang as merged weights, which would change the base every "
-                          "run of the sweep shares; sweep OFT on the embedded engine, or LoRA on SGLang")
+    if plan.recipe.adapter.type == "oft" and checked.recipe.engine.backend in (
+        "sglang",
+        "sglang-server",
+    ):
+        raise RecipeError(
+            "adapter.type: oft reaches SGLang as merged weights, which would change the base every "
+            "run of the sweep shares; sweep OFT on the embedded engine, or LoRA on SGLang"
+        )
     return SweepPlan(checked.recipe, runs), checked.notes
 
 
 def _check(recipe: Recipe, runs: list[PlannedRun]) -> None:
     """What a sweep needs of every run, before anything starts."""
     if recipe.mode != "double-buffer":
-        raise RecipeError(f"mode: a sweep trains each adapter double-buffered (its own slots, flipped on its own); "
-                          f"got {recipe.mode!r}: set mode: double-buffer")
+        raise RecipeError(
+            "mode: a sweep trains each adapter double-buffered (its own slots, flipped on its "
+            "own); "
+            f"got {recipe.mode!r}: set mode: double-buffer"
+        )
     if len(recipe.trainer.rank_devices()) > 1:
-        raise RecipeError("trainer.devices: a sweep's adapters share one trainer device; give it one device "
-                          "(trainer ranks train one adapter across devices: orbit train)")
+        raise RecipeError(
+            "trainer.devices: a sweep's adapters share one trainer device; give it one device "
+            "(trainer ranks train one adapter across devices: orbit train)"
+        )
     dirs = [r.run_dir for r in runs]
     if len(set(dirs)) != len(dirs):
         twice = next(d for d in dirs if dirs.count(d) > 1)
-        raise RecipeError(f"runs: two runs would share the directory {twice}; give them distinct names (name:)")
+        raise RecipeError(
+            f"runs: two runs would share the directory {twice}; give them distinct names (name:)"
+        )
     kinds = {r.recipe.adapter.type for r in runs}
     if len(kinds) > 1:
         raise RecipeError(f"adapter.type: a sweep's adapters are of one kind (got {sorted(kinds)})")
     total = len(runs) * recipe.engine.slots
     if total > MAX_ENGINE_SLOTS:
-        raise RecipeError(f"engine.slots: {len(runs)} runs × {recipe.engine.slots} slots each = {total} adapter slots "
-                          f"per engine, more than {MAX_ENGINE_SLOTS}; sweep fewer runs at once or lower engine.slots")
+        raise RecipeError(
+            f"engine.slots: {len(runs)} runs × {recipe.engine.slots} slots each = {total} adapter "
+            "slots "
+            f"per engine, more than {MAX_ENGINE_SLOTS}; sweep fewer runs at once or lower "
+            "engine.slots"
+        )
 
 
 def dump_sweep(plan: SweepPlan) -> str:
     """sweep.yaml: the shared recipe and each run's name and directory."""
     return dump_recipe(plan.recipe) + yaml.safe_dump(
-        {"runs": [{"name": r.name, "out": str(r.run_dir)} for r in plan.runs]}, sort_keys=False)
+        {"runs": [{"name": r.name, "out": str(r.run_dir)} for r in plan.runs]}, sort_keys=False
+    )

@@ -1,13 +1,19 @@
-"""`orbit sweep`: K runs of one recipe trained at once, on one base, one set of engines and one trainer.
+"""`orbit sweep`: K runs of one recipe trained at once, on one base, one set of engines and one
+trainer.
 
-- **Shared**: the trainer holds the base once with the K adapters side by side (orbit/train/shared.py); the
-  engines are started once with K rings of slots, and every run's requests are batched together on them.
-- **Each run is a single run** (orbit/run/lifecycle.py's `start` and `finish`, on its own thread): its own directory
-  (recipe.yaml, metrics.jsonl, samples.jsonl, timeline.jsonl, checkpoints: `orbit train --resume` and
-  `orbit eval` take it as they take any run's), optimizer, version, staleness bound, admission and
-  double-buffered slots (orbit/sweep/lanes.py), flipped on its own.
-- **Isolation**: a run that fails (a NaN loss, a refused push, its task) stops alone, saved, with its reason
-  on the console and in its run.log; the others go on. An engine's death stops every run, each saved.
+- **Shared**: the trainer holds the base once with the K adapters side by side
+  (orbit/train/shared.py); the
+  engines are started once with K rings of slots, and every run's requests are batched together on
+  them.
+- **Each run is a single run** (orbit/run/lifecycle.py's `start` and `finish`, on its own thread):
+  its own directory
+  (recipe.yaml, metrics.jsonl, samples.jsonl, timeline.jsonl, checkpoints: `orbit train --resume`
+  and `orbit eval` take it as they take any run's), optimizer, version, staleness bound, admission
+  and double-buffered slots (orbit/sweep/lanes.py), flipped on its own.
+- **Isolation**: a run that fails (a NaN loss, a refused push, its task) stops alone, saved, with
+  its reason
+  on the console and in its run.log; the others go on. An engine's death stops every run, each
+  saved.
 - **Ctrl-C** stops every run: each finishes the step it is in, writes its line and saves.
 """
 
@@ -68,9 +74,10 @@ class _Lane:
 
 
 def _few_malloc_arenas(arenas: int = 2) -> None:
-    """Each run trains on a thread of its own, and glibc gives each thread an arena of its own that keeps what a
-    step freed: K runs held K steps' worth of activations (12.0 GB for 7 SmolLM2 runs after 3 steps, 5.6 GB
-    with 2 arenas: bench/algorithms.py). Capped before the threads start; elsewhere than glibc, nothing."""
+    """Each run trains on a thread of its own, and glibc gives each thread an arena of its own that
+    keeps what a step freed: K runs held K steps' worth of activations (12.0 GB for 7 SmolLM2 runs
+    after 3 steps, 5.6 GB with 2 arenas: bench/algorithms.py). Capped before the threads start;
+    elsewhere than glibc, nothing."""
     import ctypes
     import ctypes.util
 
@@ -81,7 +88,9 @@ def _few_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
-def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Console | None = None) -> SweepResult:
+def sweep(
+    plan: SweepPlan, resume: bool = False, live: bool = True, console: Console | None = None
+) -> SweepResult:
     """Train every run of the plan to its last step (or until it fails, or Ctrl-C)."""
     console = console or Console()
     t0 = time.time()
@@ -91,14 +100,20 @@ def sweep(plan: SweepPlan, resume: bool = False, live: bool = True, console: Con
     tokenizer = AutoTokenizer.from_pretrained(plan.recipe.model)
     tasks = []
     try:
-        for run in plan.runs:  # every task first: a bad one fails before any compute, naming its run
+        # every task first: a bad one fails before any compute, naming its run
+        for run in plan.runs:
             tasks.append(_named(run.name, lambda r=run: make_task(r.recipe.task, tokenizer)))
-        stops = [_named(r.name, lambda r=r: stop_token_ids(tokenizer, r.recipe.rollout.stop)) for r in plan.runs]
+        stops = [
+            _named(r.name, lambda r=r: stop_token_ids(tokenizer, r.recipe.rollout.stop))
+            for r in plan.runs
+        ]
         interrupts.raise_if_dropped()
         resumes = [resume and resumable(r.run_dir) for r in plan.runs]
         if resume and not any(resumes):
-            raise RecipeError(f"--resume: no run of this sweep in {plan.out} completed a step; start it without "
-                              "--resume")
+            raise RecipeError(
+                f"--resume: no run of this sweep in {plan.out} completed a step; start it without "
+                "--resume"
+            )
         created = _prepare(plan, resumes)
         (plan.out / SWEEP_FILE).write_text(dump_sweep(plan))
         lanes, engines = _start(plan, tasks, stops, resumes, created, console, tokenizer)
@@ -128,7 +143,8 @@ def _named(name: str, make: Callable[[], T]) -> T:
 
 
 def _prepare(plan: SweepPlan, resumes: list[bool]) -> list[bool]:
-    """Each run's directory, as `orbit train` prepares one; if one holds another run, none is left created."""
+    """Each run's directory, as `orbit train` prepares one; if one holds another run, none is left
+    created."""
     created: list[bool] = []
     try:
         plan.out.mkdir(parents=True, exist_ok=True)
@@ -141,30 +157,58 @@ def _prepare(plan: SweepPlan, resumes: list[bool]) -> list[bool]:
     return created
 
 
-def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], created: list[bool], console: Console,
-           tokenizer) -> tuple[list[_Lane], list[Engine]]:
-    """The engines (K rings of slots), the shared base and each run started on them. A failure stops what
-    started and leaves the run directories as they were."""
+def _start(
+    plan: SweepPlan,
+    tasks: list,
+    stops: list,
+    resumes: list[bool],
+    created: list[bool],
+    console: Console,
+    tokenizer,
+) -> tuple[list[_Lane], list[Engine]]:
+    """The engines (K rings of slots), the shared base and each run started on them. A failure stops
+    what started and leaves the run directories as they were."""
     recipe, k = plan.recipe, len(plan.runs)
     engine_cfg, note = colocate(recipe, 1)
     if note:
         console.print(note, highlight=False)
     engine_cfg = engine_cfg.model_copy(update={"slots": k * recipe.engine.slots})
-    starter = EngineStarter(engine_cfg, recipe.model, recipe.seed, _widest(plan),
-                            call_timeout_s=recipe.rollout.stall_timeout_s,
-                            truncated=any(truncates(r.recipe.rollout.top_p, r.recipe.rollout.top_k)
-                                          and r.recipe.rollout.temperature > 0 for r in plan.runs))
+    starter = EngineStarter(
+        engine_cfg,
+        recipe.model,
+        recipe.seed,
+        _widest(plan),
+        call_timeout_s=recipe.rollout.stall_timeout_s,
+        truncated=any(
+            truncates(r.recipe.rollout.top_p, r.recipe.rollout.top_k)
+            and r.recipe.rollout.temperature > 0
+            for r in plan.runs
+        ),
+    )
     lanes: list[_Lane] = []
     engines: list[Engine] = []
     try:
-        engines = start_engines(starter)  # first: a server that cannot hold K rings of slots says so at once
+        # first: a server that cannot hold K rings of slots says so at once
+        engines = start_engines(starter)
         base = SharedBase(recipe.model, recipe.trainer.dtype)
         for i, (planned, task, stop_ids) in enumerate(zip(plan.runs, tasks, stops, strict=True)):
             r = planned.recipe
             trainer = recipe_trainer(r, shared=base, name=f"run{i}")
             shared = SharedEngines(engines, starter.capacities(), i, recipe.engine.slots)
-            run = start(r, planned.run_dir, resumes[i], task, stop_ids, console, False, trainer, shared, tokenizer,
-                        name=planned.name, group=plan.out.name)
+            run = start(
+                r,
+                planned.run_dir,
+                resumes[i],
+                task,
+                stop_ids,
+                console,
+                False,
+                trainer,
+                shared,
+                tokenizer,
+                name=planned.name,
+                group=plan.out.name,
+            )
             status = RunStatus(planned.name, planned.run_dir, r.trainer.steps)
             run.parts.on_step = status.stepped
             lanes.append(_Lane(status, r, run, created[i], resumes[i]))
@@ -180,18 +224,25 @@ def _start(plan: SweepPlan, tasks: list, stops: list, resumes: list[bool], creat
 
 
 def _widest(plan: SweepPlan) -> AdapterConfig:
-    """The adapter the engines must make room for: every run's rank and target modules (SGLang fixes them at
-    start)."""
+    """The adapter the engines must make room for: every run's rank and target modules (SGLang fixes
+    them at start)."""
     adapters = [r.recipe.adapter for r in plan.runs]
     targets = sorted({m for a in adapters for m in a.target_modules})
-    return adapters[0].model_copy(update={"r": max(a.r for a in adapters), "target_modules": targets})
+    return adapters[0].model_copy(
+        update={"r": max(a.r for a in adapters), "target_modules": targets}
+    )
 
 
 def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
-    """Each run's loop on a thread of its own, the live table on this one, until every run has ended. Ctrl-C
-    interrupts every run's pipeline: each finishes its step and saves. Returns whether Ctrl-C stopped them."""
-    threads = [threading.Thread(target=_lane_main, args=(lane, console), name=f"orbit-sweep-{i}", daemon=True)
-               for i, lane in enumerate(lanes)]
+    """Each run's loop on a thread of its own, the live table on this one, until every run has
+    ended. Ctrl-C interrupts every run's pipeline: each finishes its step and saves. Returns whether
+    Ctrl-C stopped them."""
+    threads = [
+        threading.Thread(
+            target=_lane_main, args=(lane, console), name=f"orbit-sweep-{i}", daemon=True
+        )
+        for i, lane in enumerate(lanes)
+    ]
     stop = threading.Event()
 
     def ctrl_c(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
@@ -201,8 +252,8 @@ def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
         for lane in lanes:
             lane.run.parts.pipeline.interrupt()
 
-    # Held as a flag for the whole phase, not raised: a KeyboardInterrupt between two statements here would
-    # stop the engines under runs still training.
+    # Held as a flag for the whole phase, not raised: a KeyboardInterrupt between two statements
+    # here would stop the engines under runs still training.
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, ctrl_c) if main else None
     try:
@@ -213,7 +264,8 @@ def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
                 time.sleep(0.25)
                 table.refresh()
     finally:
-        if any(t.is_alive() for t in threads):  # this thread failed: the runs stop and save before the engines go
+        # this thread failed: the runs stop and save before the engines go
+        if any(t.is_alive() for t in threads):
             ctrl_c(signal.SIGINT, None)
             for thread in threads:
                 thread.join()
@@ -223,7 +275,8 @@ def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
 
 
 def _lane_main(lane: _Lane, console: Console) -> None:
-    """One run's loop (orbit/run/lifecycle.py's `finish`); however it ends, its status says how and why."""
+    """One run's loop (orbit/run/lifecycle.py's `finish`); however it ends, its status says how and
+    why."""
     status, run = lane.status, lane.run
     trace = ""
     try:
@@ -240,8 +293,12 @@ def _lane_main(lane: _Lane, console: Console) -> None:
         run.trainer.close()
         run.close_files()
     if status.state == "stopped":
-        console.print(f"[bold red]{status.name} stopped[/] (the other runs go on): {status.reason}", highlight=False)
-        status.run_dir.mkdir(parents=True, exist_ok=True)  # a run stopped before its first step left none
+        console.print(
+            f"[bold red]{status.name} stopped[/] (the other runs go on): {status.reason}",
+            highlight=False,
+        )
+        # a run stopped before its first step left none
+        status.run_dir.mkdir(parents=True, exist_ok=True)
         with (status.run_dir / "run.log").open("a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} STOPPED {status.reason}\n{trace}")
 

@@ -31,19 +31,40 @@ from orbit.tasks.verifiers import VerifiersTask
 from orbit.tasks.zorplex import ZorplexTask
 
 __all__ = [
-    "FAILURE_MODES", "MultiTurnTask", "Prompt", "Score", "Segment", "Task", "TaskError", "close_task",
-    "is_agent", "is_multi_turn", "make_task", "task_stop_ids",
+    "FAILURE_MODES",
+    "MultiTurnTask",
+    "Prompt",
+    "Score",
+    "Segment",
+    "Task",
+    "TaskError",
+    "close_task",
+    "is_agent",
+    "is_multi_turn",
+    "make_task",
+    "task_stop_ids",
 ]
 
-# Each built-in task by its own name; the names and their options are orbit/config/task.py's (BUILTINS).
+# Each built-in task by its own name; the names and their options are orbit/config/task.py's
+# (BUILTINS).
 BUILTINS: dict[str, type] = {
     task.name: task
-    for task in (PatternTask, ArithTask, ZorplexTask, JsonlTask, MathTask, AgentTask, GymTask, VerifiersTask)
+    for task in (
+        PatternTask,
+        ArithTask,
+        ZorplexTask,
+        JsonlTask,
+        MathTask,
+        AgentTask,
+        GymTask,
+        VerifiersTask,
+    )
 }
 
 
 def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
-    """Build the task a recipe names. Anything wrong with it is a RecipeError, before any compute."""
+    """Build the task a recipe names. Anything wrong with it is a RecipeError, before any
+    compute."""
     options = cfg.options()
     where = f"task.name: {cfg.name!r}"
     try:
@@ -53,8 +74,11 @@ def make_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
             factory = resolve_factory(cfg.name)
             try:
                 task = factory(tokenizer, **options)
-            except Exception as err:  # noqa: BLE001 - the user's factory failed: say so, with its message
-                raise RecipeError(f"{where}: the factory raised {type(err).__name__}: {err}") from err
+            # the user's factory failed: say so, with its message
+            except Exception as err:  # noqa: BLE001
+                raise RecipeError(
+                    f"{where}: the factory raised {type(err).__name__}: {err}"
+                ) from err
     except TaskLoadError as err:
         raise RecipeError(f"task.{'entry' if cfg.name == 'agent' else 'name'}: {err}") from None
     except DatasetError as err:

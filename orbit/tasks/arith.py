@@ -1,4 +1,5 @@
-"""`arith`: multi-digit arithmetic, answered in an answer tag (or, `answer: math`, in the model's own words).
+"""`arith`: multi-digit arithmetic, answered in an answer tag (or, `answer: math`, in the model's
+own words).
 
 A prompt is `a OP b` written with the task's template (the tiny model's default: `12+34=`); the
 model answers `<answer>46</answer>`, or with `answer: math` anything math-verify reads the value 46
@@ -15,7 +16,14 @@ from collections.abc import Iterator
 from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt
-from orbit.tasks.common import AnswerTagTask, answer_checker, check_chat, encode_prompt, in_split, single_token
+from orbit.tasks.common import (
+    AnswerTagTask,
+    answer_checker,
+    check_chat,
+    encode_prompt,
+    in_split,
+    single_token,
+)
 
 DEFAULT_TEMPLATE = "{a}{op}{b}="
 OPS = "+-*"
@@ -24,9 +32,16 @@ OPS = "+-*"
 class ArithTask(AnswerTagTask):
     name = "arith"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_digits: int = 2, ops: str = "+-",
-                 template: str | None = None, chat: bool = False, system: str | None = None,
-                 answer: str = "tag") -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_digits: int = 2,
+        ops: str = "+-",
+        template: str | None = None,
+        chat: bool = False,
+        system: str | None = None,
+        answer: str = "tag",
+    ) -> None:
         if max_digits < 1:
             raise ValueError(f"task.max_digits: must be >= 1, got {max_digits}")
         if not ops or any(o not in OPS for o in ops):
@@ -43,7 +58,8 @@ class ArithTask(AnswerTagTask):
         end = single_token(tokenizer, "</answer>")
         # Stop right after the answer tag when the tokenizer has it as one token.
         self.stop_token_ids: tuple[int, ...] = (end,) if end is not None and answer == "tag" else ()
-        self.checker = answer_checker(answer)  # last: nothing above may fail with its process started
+        # last: nothing above may fail with its process started
+        self.checker = answer_checker(answer)
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(1, self.max_digits)

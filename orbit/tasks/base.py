@@ -39,7 +39,8 @@ class Prompt:
     text: str
     prompt_ids: tuple[int, ...]
     answer: str = ""
-    meta: dict = field(default_factory=dict, compare=False, hash=False)  # task's own data (e.g. a tool table)
+    # task's own data (e.g. a tool table)
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass
@@ -83,7 +84,8 @@ def is_multi_turn(task: object) -> bool:
 
 
 def is_agent(task: object) -> bool:
-    """An agent task (orbit/tasks/agent.py): its episodes are the user's agent code, run, not generated."""
+    """An agent task (orbit/tasks/agent.py): its episodes are the user's agent code, run, not
+    generated."""
     return getattr(task, "agent", False) is True
 
 
@@ -92,30 +94,38 @@ def task_stop_ids(task: object) -> tuple[int, ...]:
 
 
 def close_task(task: object) -> None:
-    """Stop what a task started (the math tasks' checker process); a task with nothing to stop has no
-    `close`."""
+    """Stop what a task started (the math tasks' checker process); a task with nothing to stop has
+    no `close`."""
     close = getattr(task, "close", None)
     if callable(close):
         close()
 
 
 def check_task(task: object, where: str) -> None:
-    """Raise TypeError unless `task` has what a task needs (name, prompts, score; next_turn's partner)."""
+    """Raise TypeError unless `task` has what a task needs (name, prompts, score; next_turn's
+    partner)."""
     missing = [a for a in ("name", "prompts", "score") if not hasattr(task, a)]
-    missing += [a for a in ("prompts", "score") if hasattr(task, a) and not callable(getattr(task, a))]
+    missing += [
+        a for a in ("prompts", "score") if hasattr(task, a) and not callable(getattr(task, a))
+    ]
     if missing:
         raise TypeError(
-            f"{where} returned {type(task).__name__}, which is not a task: it lacks {sorted(set(missing))} "
-            f"(a task has name, prompts(seed, split), score(prompt, output_ids); see orbit/tasks/base.py)"
+            f"{where} returned {type(task).__name__}, which is not a task: it lacks "
+            f"{sorted(set(missing))} "
+            "(a task has name, prompts(seed, split), score(prompt, output_ids); see "
+            "orbit/tasks/base.py)"
         )
     if is_multi_turn(task):
         turns = getattr(task, "max_turns", None)
         if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
-            raise TypeError(f"{where}: a multi-turn task (it has next_turn) needs max_turns >= 1, got {turns!r}")
+            raise TypeError(
+                f"{where}: a multi-turn task (it has next_turn) needs max_turns >= 1, got {turns!r}"
+            )
 
 
 def answer_tag(text: str) -> str | None:
-    """The content of the last complete <answer>...</answer> in `text`, stripped; None if there is none."""
+    """The content of the last complete <answer>...</answer> in `text`, stripped; None if there is
+    none."""
     end = text.rfind("</answer>")
     if end < 0:
         return None

@@ -1,5 +1,5 @@
-"""Pieces the built-in tasks share: prompt encoding, held-out splits, a dataset's prompt stream, answer-tag
-scoring."""
+"""Pieces the built-in tasks share: prompt encoding, held-out splits, a dataset's prompt stream,
+answer-tag scoring."""
 
 from __future__ import annotations
 
@@ -26,13 +26,16 @@ class DatasetError(ValueError):
 
 
 def shuffled_rows(rows: dict[str, list[R]], split: str, key: str) -> Iterator[tuple[int, R]]:
-    """A dataset task's prompt stream: the rows of `split` ('train' or 'eval') in one shuffled pass after
-    another, for ever, each with its running number. `key` seeds the order (task, split and seed)."""
+    """A dataset task's prompt stream: the rows of `split` ('train' or 'eval') in one shuffled pass
+    after another, for ever, each with its running number. `key` seeds the order (task, split and
+    seed)."""
     if split not in rows:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not rows[split]:
-        raise DatasetError("the dataset has no held-out rows: give task.eval_path, or more rows than "
-                           "task.holdout_every")
+        raise DatasetError(
+            "the dataset has no held-out rows: give task.eval_path, or more rows than "
+            "task.holdout_every"
+        )
     rng = random.Random(key)
     n = 0
     while True:
@@ -50,12 +53,15 @@ def check_chat(tokenizer: PreTrainedTokenizerBase, chat: bool) -> bool:
     return chat
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool, system: str | None = None
-                  ) -> tuple[int, ...]:
-    """Token ids of a prompt; `chat`: as the user turn of the tokenizer's chat template, after `system`
-    as the system turn when given (else the template's own default, if it has one)."""
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, text: str, chat: bool, system: str | None = None
+) -> tuple[int, ...]:
+    """Token ids of a prompt; `chat`: as the user turn of the tokenizer's chat template, after
+    `system` as the system turn when given (else the template's own default, if it has one)."""
     if system is not None and not chat:
-        raise ValueError("task.system: a system prompt needs task.chat: true (it is a turn of the chat template)")
+        raise ValueError(
+            "task.system: a system prompt needs task.chat: true (it is a turn of the chat template)"
+        )
     if check_chat(tokenizer, chat):
         turns = [{"role": "system", "content": system}] if system is not None else []
         ids = tokenizer.apply_chat_template(
@@ -90,16 +96,26 @@ def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)
 
 
-ANSWERS = ("tag", "math")  # how an answer is read: the answer tag, exactly; or math-verify, by value
+# how an answer is read: the answer tag, exactly; or math-verify, by value
+ANSWERS = ("tag", "math")
 
 
-def answer_score(text: str, answer: str, tool_calls: int = 0, spam: bool = False, checker: MathChecker | None = None,
-                 format_reward: float = FORMAT_REWARD, **info) -> Score:
-    """Shaped reward: +1.0 correct, +`format_reward` (0.2) an answer was given, -0.1 per tool call beyond 2.
+def answer_score(
+    text: str,
+    answer: str,
+    tool_calls: int = 0,
+    spam: bool = False,
+    checker: MathChecker | None = None,
+    format_reward: float = FORMAT_REWARD,
+    **info,
+) -> Score:
+    """Shaped reward: +1.0 correct, +`format_reward` (0.2) an answer was given, -0.1 per tool call
+    beyond 2.
 
     The answer is read from the `<answer>` tag and must equal `answer` exactly; with a `checker`, it
-    is read by math-verify (the last `\\boxed{}`, a `#### N` or the final number) and compared by value.
-    failure_mode: success | tool_spam (`spam`: more tool calls than the problem needs, and wrong)
+    is read by math-verify (the last `\\boxed{}`, a `#### N` or the final number) and compared by
+    value. failure_mode: success | tool_spam (`spam`: more tool calls than the problem needs, and
+    wrong)
     | wrong_format (no answer found) | wrong_answer.
     """
     timed_out = False
@@ -124,13 +140,20 @@ def answer_score(text: str, answer: str, tool_calls: int = 0, spam: bool = False
         mode = "wrong_answer"
     return Score(
         reward=round(reward, 6),
-        info={"correct": bool(correct), "format_ok": format_ok, "failure_mode": mode, "tool_calls": tool_calls,
-              "given": given, **info},
+        info={
+            "correct": bool(correct),
+            "format_ok": format_ok,
+            "failure_mode": mode,
+            "tool_calls": tool_calls,
+            "given": given,
+            **info,
+        },
     )
 
 
 def answer_checker(answer: str) -> MathChecker | None:
-    """The checker a task's `answer` option asks for: None for the answer tag, math-verify for `math`."""
+    """The checker a task's `answer` option asks for: None for the answer tag, math-verify for
+    `math`."""
     if answer not in ANSWERS:
         raise ValueError(f"task.answer: {answer!r} is not one of {', '.join(ANSWERS)}")
     return MathChecker() if answer == "math" else None
@@ -146,8 +169,12 @@ class AnswerTagTask:
 
     def score(self, prompt: Prompt, output_ids: list[int]) -> Score:
         # In its own words a model almost always gives some number: no reward for that alone.
-        return answer_score(decode(self.tokenizer, output_ids), prompt.answer, checker=self.checker,
-                            format_reward=FORMAT_REWARD if self.checker is None else 0.0)
+        return answer_score(
+            decode(self.tokenizer, output_ids),
+            prompt.answer,
+            checker=self.checker,
+            format_reward=FORMAT_REWARD if self.checker is None else 0.0,
+        )
 
     def close(self) -> None:
         """Stop what the task started (math-verify's process)."""

@@ -49,8 +49,10 @@ def load_rows(path: str | Path) -> list[Row]:
             except json.JSONDecodeError as err:
                 raise DatasetError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
-                raise DatasetError(f"{where}: a row must be an object with 'prompt' and 'answer', "
-                                   f"got {type(row).__name__}")
+                raise DatasetError(
+                    f"{where}: a row must be an object with 'prompt' and 'answer', "
+                    f"got {type(row).__name__}"
+                )
             missing = [k for k in ("prompt", "answer") if k not in row]
             if missing:
                 raise DatasetError(f"{where}: missing {' and '.join(repr(k) for k in missing)}")
@@ -58,7 +60,9 @@ def load_rows(path: str | Path) -> list[Row]:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise DatasetError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
             if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-                raise DatasetError(f"{where}: 'answer' must be a string or a number, got {answer!r}")
+                raise DatasetError(
+                    f"{where}: 'answer' must be a string or a number, got {answer!r}"
+                )
             answer = str(answer).strip()
             if not answer:
                 raise DatasetError(f"{where}: 'answer' is empty")
@@ -71,8 +75,15 @@ def load_rows(path: str | Path) -> list[Row]:
 class JsonlTask(AnswerTagTask):
     name = "jsonl"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, path: str | Path, eval_path: str | Path | None = None,
-                 holdout_every: int = 10, template: str | None = None, chat: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        path: str | Path,
+        eval_path: str | Path | None = None,
+        holdout_every: int = 10,
+        template: str | None = None,
+        chat: bool = False,
+    ) -> None:
         if holdout_every < 2:
             raise ValueError(f"task.holdout_every: must be >= 2, got {holdout_every}")
         self.tokenizer = tokenizer
@@ -89,12 +100,18 @@ class JsonlTask(AnswerTagTask):
                 "eval": [r for i, r in enumerate(rows, 1) if not i % holdout_every],
             }
         if not self.rows["train"]:
-            raise DatasetError(f"{path}: no training rows left after holding out every {holdout_every}th row")
+            raise DatasetError(
+                f"{path}: no training rows left after holding out every {holdout_every}th row"
+            )
         end = single_token(tokenizer, "</answer>")
         self.stop_token_ids: tuple[int, ...] = (end,) if end is not None else ()
 
     def prompts(self, seed: int, split: str = "train") -> Iterator[Prompt]:
         for n, row in shuffled_rows(self.rows, split, f"jsonl-{split}-{seed}"):
             text = self.template.format(prompt=row.prompt)
-            yield Prompt(id=f"jsonl-{split}-L{row.line}-{n}", text=text,
-                         prompt_ids=encode_prompt(self.tokenizer, text, self.chat), answer=row.answer)
+            yield Prompt(
+                id=f"jsonl-{split}-L{row.line}-{n}",
+                text=text,
+                prompt_ids=encode_prompt(self.tokenizer, text, self.chat),
+                answer=row.answer,
+            )

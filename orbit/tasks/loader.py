@@ -1,8 +1,8 @@
 """User tasks by import path: `task: {name: "mypkg.tasks:make_task", ...options}`.
 
-The factory is called as `factory(tokenizer, **options)` and must return a task (orbit/tasks/base.py).
-`name` may also point at a file: `tasks/my_task.py:make_task`. The working directory is importable,
-as with `python -m`.
+The factory is called as `factory(tokenizer, **options)` and must return a task
+(orbit/tasks/base.py). `name` may also point at a file: `tasks/my_task.py:make_task`. The working
+directory is importable, as with `python -m`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ class TaskLoadError(ValueError):
 def resolve_factory(spec: str) -> Callable:
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise TaskLoadError(f"{spec!r} is not an import path: expected 'module:factory' or 'file.py:factory'")
+        raise TaskLoadError(
+            f"{spec!r} is not an import path: expected 'module:factory' or 'file.py:factory'"
+        )
     if module_name.endswith(".py"):
         module = _load_file(Path(module_name), spec)
     else:
@@ -33,13 +35,17 @@ def resolve_factory(spec: str) -> Callable:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
             raise TaskLoadError(f"cannot import {module_name!r} for task {spec!r}: {err}") from None
-        except Exception as err:  # noqa: BLE001 - any failure of the user's module is reported as such
-            raise TaskLoadError(f"importing {module_name!r} for task {spec!r} raised "
-                                f"{type(err).__name__}: {err}") from None
+        # any failure of the user's module is reported as such
+        except Exception as err:  # noqa: BLE001
+            raise TaskLoadError(
+                f"importing {module_name!r} for task {spec!r} raised {type(err).__name__}: {err}"
+            ) from None
     try:
         factory = getattr(module, attr)
     except AttributeError:
-        raise TaskLoadError(f"module {module_name!r} has no attribute {attr!r} (task {spec!r})") from None
+        raise TaskLoadError(
+            f"module {module_name!r} has no attribute {attr!r} (task {spec!r})"
+        ) from None
     if not callable(factory):
         raise TaskLoadError(f"{spec!r} is a {type(factory).__name__}, not a callable task factory")
     return factory
@@ -60,5 +66,7 @@ def _load_file(path: Path, spec: str):
         module_spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001
         del sys.modules[name]
-        raise TaskLoadError(f"loading {str(path)!r} for task {spec!r} raised {type(err).__name__}: {err}") from None
+        raise TaskLoadError(
+            f"loading {str(path)!r} for task {spec!r} raised {type(err).__name__}: {err}"
+        ) from None
     return module

@@ -14,7 +14,9 @@ from transformers import PreTrainedTokenizerBase
 
 from orbit.tasks.base import Prompt, Score
 
-_WORDS = "red blue green cat dog sun moon star tree one two three four five up down left right".split()
+_WORDS = (
+    "red blue green cat dog sun moon star tree one two three four five up down left right".split()
+)
 
 
 class PatternTask:
@@ -48,5 +50,12 @@ class PatternTask:
         hits = sum(t in self.target_ids for t in tokens)
         reward = hits / max(len(tokens), 1)
         correct = reward >= 0.5
-        return Score(reward=reward, info={"correct": correct, "format_ok": True, "hits": hits,
-                                          "failure_mode": "success" if correct else "wrong_answer"})
+        return Score(
+            reward=reward,
+            info={
+                "correct": correct,
+                "format_ok": True,
+                "hits": hits,
+                "failure_mode": "success" if correct else "wrong_answer",
+            },
+        )

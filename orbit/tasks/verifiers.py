@@ -2,12 +2,12 @@
 
     task: {name: verifiers, taskset: recipes/verifiers/sums.py, python: .venv-verifiers/bin/python}
 
-The environment runs in its own interpreter (`python`: the virtualenv verifiers is installed in, `make
-verifiers`), one bridge process for the run (verifiers_bridge.py): verifiers 0.4 needs openai and transformers
-newer than the ones SGLang pins, so the two cannot share Orbit's environment. Each episode is one of the
-taskset's tasks; the bridge runs it with every model call sent to the episode's own URL on Orbit's endpoint
-(orbit/agents/), which records the tokens, and the reward is the one the taskset's rubric gives. Held out for
-`orbit eval`: every `holdout_every`-th task.
+The environment runs in its own interpreter (`python`: the virtualenv verifiers is installed in,
+`make verifiers`), one bridge process for the run (verifiers_bridge.py): verifiers 0.4 needs openai
+and transformers newer than the ones SGLang pins, so the two cannot share Orbit's environment. Each
+episode is one of the taskset's tasks; the bridge runs it with every model call sent to the
+episode's own URL on Orbit's endpoint (orbit/agents/), which records the tokens, and the reward is
+the one the taskset's rubric gives. Held out for `orbit eval`: every `holdout_every`-th task.
 """
 
 from __future__ import annotations
@@ -28,16 +28,32 @@ START_TIMEOUT_S = 180.0  # importing verifiers and loading a taskset on a loaded
 
 
 class Bridge:
-    """The bridge process: its task list, and episodes asked of it by id (any thread, any event loop)."""
+    """The bridge process: its task list, and episodes asked of it by id (any thread, any event
+    loop)."""
 
     def __init__(self, python: str, taskset: str, harness: str | None) -> None:
-        cmd = [python, "-P", str(BRIDGE), "--taskset", taskset, *(["--harness", harness] if harness else [])]
+        cmd = [
+            python,
+            "-P",
+            str(BRIDGE),
+            "--taskset",
+            taskset,
+            *(["--harness", harness] if harness else []),
+        ]
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, bufsize=1)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+            )
         except OSError as err:
-            raise ValueError(f"task.python: cannot run {python!r} ({err}); make verifiers sets up "
-                             ".venv-verifiers") from None
+            raise ValueError(
+                f"task.python: cannot run {python!r} ({err}); make verifiers sets up "
+                ".venv-verifiers"
+            ) from None
         self._stderr: deque[str] = deque(maxlen=20)
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -46,13 +62,17 @@ class Bridge:
         first = self._first_line()
         if "error" in first:
             self.close()
-            raise ValueError(f"task.taskset: verifiers could not load {taskset!r}: {first['error']}")
+            raise ValueError(
+                f"task.taskset: verifiers could not load {taskset!r}: {first['error']}"
+            )
         self.tasks: list[dict] = first["tasks"]
         threading.Thread(target=self._read, name="orbit-verifiers", daemon=True).start()
 
     def _first_line(self) -> dict:
         box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        reader = threading.Thread(
+            target=lambda: box.append(self.proc.stdout.readline()), daemon=True
+        )
         reader.start()
         reader.join(START_TIMEOUT_S)
         if not box or not box[0]:
@@ -63,8 +83,11 @@ class Bridge:
             return json.loads(box[0])
         except json.JSONDecodeError:
             self.close()
-            raise ValueError(f"task.python: the verifiers bridge said {box[0].strip()[:200]!r} where its task list "
-                             f"was due: {self.stderr()}") from None
+            raise ValueError(
+                f"task.python: the verifiers bridge said {box[0].strip()[:200]!r} where its task "
+                "list "
+                f"was due: {self.stderr()}"
+            ) from None
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
@@ -80,7 +103,8 @@ class Bridge:
                 with self._lock:
                     fut = self._pending.pop(answer["id"], None)
             except (json.JSONDecodeError, KeyError, TypeError):
-                self._stderr.append(line.rstrip())  # not the protocol's: kept for the next error message
+                # not the protocol's: kept for the next error message
+                self._stderr.append(line.rstrip())
                 continue
             if fut is not None:
                 _settle(fut, result=answer)
@@ -116,7 +140,8 @@ class Bridge:
 
 
 def _settle(fut: Future, result: object = None, error: BaseException | None = None) -> None:
-    """Answer an episode's future once: one its episode gave up on (a timeout cancels it) keeps what it has."""
+    """Answer an episode's future once: one its episode gave up on (a timeout cancels it) keeps what
+    it has."""
     try:
         fut.set_exception(error) if error is not None else fut.set_result(result)
     except InvalidStateError:
@@ -128,25 +153,40 @@ class VerifiersTask(AgentTask):
 
     name = "verifiers"
 
-    def __init__(self, tokenizer, taskset: str, python: str, harness: str | None = None, holdout_every: int = 10,
-                 success: float = 1.0) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        taskset: str,
+        python: str,
+        harness: str | None = None,
+        holdout_every: int = 10,
+        success: float = 1.0,
+    ) -> None:
         self.tokenizer, self.success = tokenizer, success
         self.entry = f"the verifiers taskset {taskset}"
         self.bridge = Bridge(python, taskset, harness)
         rows = [{"task": i, **t} for i, t in enumerate(self.bridge.tasks)]
         try:
-            self.train, self.eval = held_out(rows, holdout_every, f"the verifiers taskset {taskset}")
+            self.train, self.eval = held_out(
+                rows, holdout_every, f"the verifiers taskset {taskset}"
+            )
         except ValueError:
             self.bridge.close()
             raise
 
     async def run(self, client, model: str, prompt: Prompt) -> Score:
         """One episode of the prompt's task, run by the bridge against this episode's URL."""
-        answer = await asyncio.wrap_future(self.bridge.episode(prompt.meta["example"]["task"], str(client.base_url),
-                                                               model))
+        answer = await asyncio.wrap_future(
+            self.bridge.episode(prompt.meta["example"]["task"], str(client.base_url), model)
+        )
         if answer.get("reward") is None or answer.get("errors"):
-            raise TaskError(f"{self.entry}: the episode failed: {'; '.join(answer.get('errors') or ['no reward'])}")
-        return episode_score(answer["reward"], {"rewards": answer["rewards"]}, self.entry, self.success)
+            raise TaskError(
+                f"{self.entry}: the episode failed: "
+                f"{'; '.join(answer.get('errors') or ['no reward'])}"
+            )
+        return episode_score(
+            answer["reward"], {"rewards": answer["rewards"]}, self.entry, self.success
+        )
 
     def close(self) -> None:
         self.bridge.close()

@@ -1,10 +1,10 @@
-"""Math answers checked with math-verify (the checker TRL, AReaL, PipelineRL and tinker-cookbook use), each
-check bounded in time.
+"""Math answers checked with math-verify (the checker TRL, AReaL, PipelineRL and tinker-cookbook
+use), each check bounded in time.
 
-The answer a completion gives is its last `\\boxed{}`, else what follows its last `####`, else its final
-number (`answer_text`); math-verify parses it and compares it with the gold answer by value (`42`,
-`42.0`, `1,234`, `3/4`, `0.75`). A final *expression* is not an answer: "so 38 + 57 = " restates the
-question, and math-verify would evaluate it to the right value.
+The answer a completion gives is its last `\\boxed{}`, else what follows its last `####`, else its
+final number (`answer_text`); math-verify parses it and compares it with the gold answer by value
+(`42`, `42.0`, `1,234`, `3/4`, `0.75`). A final *expression* is not an answer: "so 38 + 57 = "
+restates the question, and math-verify would evaluate it to the right value.
 Its own time limits use SIGALRM, which works only in a process's main thread, while Orbit scores in
 the producer's thread. So the checks run in a small process of Orbit's own, on its main thread, with
 math-verify's limits on; and a check that does not come back within `timeout_s` (a pathological
@@ -25,8 +25,9 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
 def answer_text(text: str) -> str | None:
-    """What a completion gives as its answer: its last `\\boxed{...}` (the whole LaTeX, for math-verify to
-    read the boxed one), else what follows its last `####`, else its final number; None when it gives none."""
+    """What a completion gives as its answer: its last `\\boxed{...}` (the whole LaTeX, for
+    math-verify to read the boxed one), else what follows its last `####`, else its final number;
+    None when it gives none."""
     if "\\boxed" in text:
         return text
     if "####" in text:
@@ -43,15 +44,19 @@ class Verdict:
 
 
 class MathChecker:
-    """Thread-safe; one check at a time through one worker process (worker.py), started on first use."""
+    """Thread-safe; one check at a time through one worker process (worker.py), started on first
+    use."""
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
         self._worker = Worker(_serve, (timeout_s,), "orbit-math-verify", timeout_s)
 
     def unreadable(self, golds: list[str]) -> list[int]:
-        """The indices of gold answers math-verify cannot read a value from (one round trip for all)."""
-        kind, value = self._worker.ask(("golds", golds, ""), timeout_s=max(self.timeout_s, 0.05 * len(golds)))
+        """The indices of gold answers math-verify cannot read a value from (one round trip for
+        all)."""
+        kind, value = self._worker.ask(
+            ("golds", golds, ""), timeout_s=max(self.timeout_s, 0.05 * len(golds))
+        )
         if kind != "ok":
             why = "within its time limit" if kind == "timeout" else f"({value})"
             raise RuntimeError(f"math-verify did not read {len(golds)} gold answers {why}")
@@ -62,7 +67,8 @@ class MathChecker:
         if given is None:
             return Verdict(False, None)
         kind, value = self._worker.ask(("check", given, gold))
-        if kind != "ok":  # it ran out of time, or its process died on this completion: not a correct one
+        # it ran out of time, or its process died on this completion: not a correct one
+        if kind != "ok":
             return Verdict(False, None, timed_out=True)
         correct, given = value
         return Verdict(bool(correct), given)
@@ -77,13 +83,16 @@ def _serve(conn: Connection, timeout_s: float) -> None:
 
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeouts are answers here, not news
+    # its timeouts are answers here, not news
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     seconds = max(1, int(timeout_s) - 1)
     gold_config = [ExprExtractionConfig(), LatexExtractionConfig()]
-    given_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]  # \boxed{} first
+    # \boxed{} first
+    given_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
     def readable(gold: str) -> bool:
-        """A value: a number or an expression (digits, LaTeX), not a word read as a product of symbols."""
+        """A value: a number or an expression (digits, LaTeX), not a word read as a product of
+        symbols."""
         try:
             parsed = parse(gold, extraction_config=gold_config, parsing_timeout=seconds)
         except Exception:  # noqa: BLE001 - unreadable is the answer
@@ -100,7 +109,8 @@ def _serve(conn: Connection, timeout_s: float) -> None:
             given = parse(text, extraction_config=given_config, parsing_timeout=seconds)
             correct = bool(given) and verify(target, given, timeout_seconds=seconds)
             return "ok", (correct, str(given[-1])[:200] if given else None)
-        except Exception:  # noqa: BLE001 - a completion math-verify cannot handle is not a correct one
+        # a completion math-verify cannot handle is not a correct one
+        except Exception:  # noqa: BLE001
             return "ok", (False, None)
 
     serve_requests(conn, answer)

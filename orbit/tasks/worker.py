@@ -1,9 +1,10 @@
-"""A worker process whose every answer is bounded in time: what a task runs when the code it calls may
-hang or burn a core (math-verify's sympy, a reasoning-gym generator), in a process of Orbit's own.
+"""A worker process whose every answer is bounded in time: what a task runs when the code it calls
+may hang or burn a core (math-verify's sympy, a reasoning-gym generator), in a process of Orbit's
+own.
 
-One request at a time (thread-safe). A request that does not come back within its time is cut by killing
-the process, which starts again for the next request; the caller gets ("timeout", None). The process
-exits by itself once Orbit is gone (it watches its parent).
+One request at a time (thread-safe). A request that does not come back within its time is cut by
+killing the process, which starts again for the next request; the caller gets ("timeout", None). The
+process exits by itself once Orbit is gone (it watches its parent).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ START_TIMEOUT_S = 120.0  # importing sympy on a loaded 2-core machine
 
 
 class Worker:
-    """`serve(conn, *args)` in a spawned process: it sends "ready", then answers each request it receives
-    with one message, and returns when `conn` closes or its parent is gone (`serve_requests`)."""
+    """`serve(conn, *args)` in a spawned process: it sends "ready", then answers each request it
+    receives with one message, and returns when `conn` closes or its parent is gone
+    (`serve_requests`)."""
 
     def __init__(self, serve: Callable, args: tuple, name: str, timeout_s: float) -> None:
         self.serve, self.args, self.name, self.timeout_s = serve, args, name, timeout_s
@@ -28,8 +30,8 @@ class Worker:
         self._conn: Connection | None = None
 
     def ask(self, request: object, timeout_s: float | None = None) -> tuple[str, object]:
-        """The worker's answer to `request`; ("timeout", None) when none came in time, ("error", why) when the
-        process died."""
+        """The worker's answer to `request`; ("timeout", None) when none came in time, ("error",
+        why) when the process died."""
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
@@ -37,7 +39,8 @@ class Worker:
             if self._conn.poll(timeout_s or self.timeout_s):
                 try:
                     return self._conn.recv()
-                except EOFError:  # it died (killed for memory, a crash in the code it runs): not a timeout
+                # it died (killed for memory, a crash in the code it runs): not a timeout
+                except EOFError:
                     self._proc.join(5)
                     code = self._proc.exitcode
                     self._stop()
@@ -48,7 +51,9 @@ class Worker:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=self.serve, args=(child, *self.args), name=self.name, daemon=True)
+        self._proc = ctx.Process(
+            target=self.serve, args=(child, *self.args), name=self.name, daemon=True
+        )
         self._proc.start()
         child.close()
         self._conn = parent
@@ -75,8 +80,8 @@ class Worker:
 
 
 def serve_requests(conn: Connection, answer: Callable[[object], object]) -> None:
-    """The worker's loop: Ctrl-C ignored (the trainer's to handle), "ready" sent, then `answer` for each
-    request until the connection closes or the parent process is gone."""
+    """The worker's loop: Ctrl-C ignored (the trainer's to handle), "ready" sent, then `answer` for
+    each request until the connection closes or the parent process is gone."""
     import signal
     from multiprocessing import parent_process
 

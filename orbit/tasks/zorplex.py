@@ -50,18 +50,32 @@ _LAST_CALL = re.compile(r"LOOKUP\(\s*([^()\s]*)\s*\)?\s*$")
 class ZorplexTask:
     name = "zorplex"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, min_hops: int = 1, max_hops: int = 3,
-                 max_turns: int | None = None, template: str | None = None, result_format: str | None = None,
-                 call_format: str | None = None, call_end: str = ")", chat: bool = False, answer: str = "tag") -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        min_hops: int = 1,
+        max_hops: int = 3,
+        max_turns: int | None = None,
+        template: str | None = None,
+        result_format: str | None = None,
+        call_format: str | None = None,
+        call_end: str = ")",
+        chat: bool = False,
+        answer: str = "tag",
+    ) -> None:
         if not 1 <= min_hops <= max_hops <= len(KEYS) - 1:
-            raise ValueError(f"task.min_hops/max_hops: need 1 <= min_hops <= max_hops <= 25, "
-                             f"got {min_hops}, {max_hops}")
+            raise ValueError(
+                f"task.min_hops/max_hops: need 1 <= min_hops <= max_hops <= 25, "
+                f"got {min_hops}, {max_hops}"
+            )
         self.tokenizer = tokenizer
         self.min_hops, self.max_hops = min_hops, max_hops
         self.max_turns = max_turns if max_turns is not None else max_hops + 3
         if self.max_turns < max_hops + 1:
-            raise ValueError(f"task.max_turns: {self.max_turns} turns cannot finish a {max_hops}-hop chain "
-                             f"(it needs {max_hops} calls and an answer: at least {max_hops + 1})")
+            raise ValueError(
+                f"task.max_turns: {self.max_turns} turns cannot finish a {max_hops}-hop chain "
+                f"(it needs {max_hops} calls and an answer: at least {max_hops + 1})"
+            )
         self.template = template or DEFAULT_TEMPLATE
         if "{key}" not in self.template:
             raise ValueError(f"task.template: {self.template!r} lacks {{key}}")
@@ -72,16 +86,23 @@ class ZorplexTask:
         end = single_token(tokenizer, call_end)
         if end is None:
             ids = tokenizer.encode(call_end, add_special_tokens=False)
-            raise ValueError(f"task.call_end: {call_end!r} is {len(ids)} tokens {ids} for this tokenizer; the "
-                             "tool call's end marker must be exactly one token (it stops the model's turn)")
+            raise ValueError(
+                f"task.call_end: {call_end!r} is {len(ids)} tokens {ids} for this tokenizer; the "
+                "tool call's end marker must be exactly one token (it stops the model's turn)"
+            )
         self.call_end, self.call_end_id = call_end, end
         self.call_format = call_format or DEFAULT_CALL
         if "{key}" not in self.call_format or not self.call_format.endswith(call_end):
-            raise ValueError(f"task.call_format: {self.call_format!r} must contain {{key}} and end with "
-                             f"call_end {call_end!r}")
+            raise ValueError(
+                f"task.call_format: {self.call_format!r} must contain {{key}} and end with "
+                f"call_end {call_end!r}"
+            )
         answer_end = single_token(tokenizer, "</answer>")
-        self.stop_token_ids: tuple[int, ...] = (end,) + ((answer_end,) if answer_end is not None else ())
-        self.checker = answer_checker(answer)  # last: nothing above may fail with its process started
+        self.stop_token_ids: tuple[int, ...] = (end,) + (
+            (answer_end,) if answer_end is not None else ()
+        )
+        # last: nothing above may fail with its process started
+        self.checker = answer_checker(answer)
 
     # ---- prompts -----------------------------------------------------------------------------
 
@@ -91,7 +112,9 @@ class ZorplexTask:
 
     def _table(self, rng: random.Random, chain: list[str], value: str) -> dict[str, str]:
         """The chain, and every other key pointing at a random key or number (decoys)."""
-        table = {k: (rng.choice(KEYS) if rng.random() < 0.5 else str(rng.randint(10, 99))) for k in KEYS}
+        table = {
+            k: (rng.choice(KEYS) if rng.random() < 0.5 else str(rng.randint(10, 99))) for k in KEYS
+        }
         for k, nxt in zip(chain, chain[1:] + [value], strict=True):
             table[k] = nxt
         return table
@@ -106,8 +129,11 @@ class ZorplexTask:
                 continue
             text = self.template.format(key=chain[0])
             yield Prompt(
-                id=f"zorplex-{split}-{seed}-{n}", text=text, prompt_ids=encode_prompt(self.tokenizer, text, self.chat),
-                answer=value, meta={"table": table, "chain": chain},
+                id=f"zorplex-{split}-{seed}-{n}",
+                text=text,
+                prompt_ids=encode_prompt(self.tokenizer, text, self.chat),
+                answer=value,
+                meta={"table": table, "chain": chain},
             )
             n += 1
 
@@ -122,10 +148,13 @@ class ZorplexTask:
             return None
         text = decode(self.tokenizer, transcript_ids[:-1])
         call = _LAST_CALL.search(text)
-        if call is None:  # the end marker without a call before it: nothing to run, the episode is over
+        # the end marker without a call before it: nothing to run, the episode is over
+        if call is None:
             return None
         value = self.lookup(prompt, call.group(1))
-        return self.tokenizer.encode(self.result_format.format(value=value), add_special_tokens=False)
+        return self.tokenizer.encode(
+            self.result_format.format(value=value), add_special_tokens=False
+        )
 
     # ---- scoring -----------------------------------------------------------------------------
 
@@ -133,8 +162,15 @@ class ZorplexTask:
         text = decode(self.tokenizer, output_ids)
         calls = len(_CALL.findall(text))
         hops = len(prompt.meta["chain"])
-        return answer_score(text, prompt.answer, tool_calls=calls, spam=calls > hops, checker=self.checker,
-                            format_reward=FORMAT_REWARD if self.checker is None else 0.0, hops=hops)
+        return answer_score(
+            text,
+            prompt.answer,
+            tool_calls=calls,
+            spam=calls > hops,
+            checker=self.checker,
+            format_reward=FORMAT_REWARD if self.checker is None else 0.0,
+            hops=hops,
+        )
 
     def close(self) -> None:
         if self.checker is not None:
@@ -149,7 +185,9 @@ class ZorplexTask:
             assert result is not None
             segments += [Segment(tuple(call), True), Segment(tuple(result), False)]
             transcript += call + result
-        answer = self.tokenizer.encode(f"<answer>{prompt.answer}</answer>", add_special_tokens=False)
+        answer = self.tokenizer.encode(
+            f"<answer>{prompt.answer}</answer>", add_special_tokens=False
+        )
         if len(self.stop_token_ids) < 2:  # no single-token answer end: eos ends the episode
             answer.append(self.tokenizer.eos_token_id)
         segments.append(Segment(tuple(answer), True))

@@ -1,5 +1,5 @@
-"""The trainer's side of a batch: samples padded into tensors, micro-batches by tokens, the decoder run
-once per prompt, and the logprobs of the sampled tokens a chunk of positions at a time.
+"""The trainer's side of a batch: samples padded into tensors, micro-batches by tokens, the decoder
+run once per prompt, and the logprobs of the sampled tokens a chunk of positions at a time.
 
 Shared prompts. The samples of a GRPO group share their prompt, often the longer part of each
 sequence (a chat template, a question). So the decoder runs each distinct prompt once and keeps its
@@ -33,8 +33,8 @@ CHUNK_ROWS = 256  # output positions projected to the vocabulary at once
 
 @dataclass
 class Batch:
-    """Prompts [G, P] and the samples' outputs [N, C], right-padded; sample n continues prompt group_of[n].
-    The [N, C] tensors are aligned with each sample's output tokens."""
+    """Prompts [G, P] and the samples' outputs [N, C], right-padded; sample n continues prompt
+    group_of[n]. The [N, C] tensors are aligned with each sample's output tokens."""
 
     prompt_ids: Tensor  # [G, P]
     prompt_mask: Tensor  # [G, P]
@@ -57,17 +57,22 @@ def prompt_groups(samples: list[Sample]) -> dict[tuple[int, ...], list[Sample]]:
 
 
 def padded_tokens(samples: list[Sample]) -> int:
-    """What a micro-batch of these samples costs: its prompts, once each, and its outputs, padded."""
+    """What a micro-batch of these samples costs: its prompts, once each, and its outputs,
+    padded."""
     groups = prompt_groups(samples)
-    return (len(groups) * max(len(p) for p in groups) + len(samples) * max(len(s.output_ids) for s in samples))
+    return len(groups) * max(len(p) for p in groups) + len(samples) * max(
+        len(s.output_ids) for s in samples
+    )
 
 
 def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
-    """Samples grouped by prompt, groups sorted by length, cut into micro-batches of at most `budget` padded
-    tokens (a group too big for one is split; at least one sample each; 0: one micro-batch). The loss is a
-    token sum: the order does not change it."""
-    groups = sorted(prompt_groups(samples).values(),
-                    key=lambda g: (len(g[0].prompt_ids), max(len(s.output_ids) for s in g)))
+    """Samples grouped by prompt, groups sorted by length, cut into micro-batches of at most
+    `budget` padded tokens (a group too big for one is split; at least one sample each; 0: one
+    micro-batch). The loss is a token sum: the order does not change it."""
+    groups = sorted(
+        prompt_groups(samples).values(),
+        key=lambda g: (len(g[0].prompt_ids), max(len(s.output_ids) for s in g)),
+    )
     if budget <= 0:
         return [[s for g in groups for s in g]] if groups else []
     out: list[list[Sample]] = []
@@ -107,10 +112,13 @@ def collate(samples: list[Sample], pad_id: int, version: int, device: torch.devi
     fresh = [s.version_start == s.version_end == version for s in samples]
     trained = torch.tensor([not s.left_out for s in samples], dtype=torch.bool)
     return Batch(
-        prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
         prompt_len=torch.tensor([len(p) for p in prompts], device=device),
         group_of=torch.tensor([index[tuple(s.prompt_ids)] for s in samples], device=device),
-        output_ids=output_ids.to(device), outputs=outputs.to(device), generated=generated.to(device),
+        output_ids=output_ids.to(device),
+        outputs=outputs.to(device),
+        generated=generated.to(device),
         loss_mask=(generated & trained[:, None]).to(device),
         behaviour=behaviour.to(device),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
@@ -125,33 +133,48 @@ def output_hidden(decoder, batch: Batch) -> Tensor:
     prompt = decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, use_cache=True)
     rows = batch.group_of
     cache = prompt.past_key_values
-    for layer in cache.layers:  # each sample's own view of its prompt's keys and values (differentiable)
+    # each sample's own view of its prompt's keys and values (differentiable)
+    for layer in cache.layers:
         layer.batch_select_indices(rows)
     width_c = batch.output_ids.shape[1]
     last = prompt.last_hidden_state[rows, batch.prompt_len[rows] - 1]  # [N, H]
-    # The last output token predicts nothing scored. With one output token the second pass still runs (on
-    # that token, its result unused): under FSDP every rank must make the same forward calls (ranks.py).
+    # The last output token predicts nothing scored. With one output token the second pass still
+    # runs (on that token, its result unused): under FSDP every rank must make the same forward
+    # calls (ranks.py).
     width = max(width_c - 1, 1)
     inputs = batch.output_ids[:, :width]
     positions = batch.prompt_len[rows, None] + torch.arange(width, device=inputs.device)
     mask = torch.cat([batch.prompt_mask[rows], batch.outputs[:, :width].long()], dim=1)
-    out = decoder(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                  use_cache=False)
+    out = decoder(
+        input_ids=inputs,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=False,
+    )
     return torch.cat([last[:, None], out.last_hidden_state[:, : width_c - 1]], dim=1)
 
 
-def token_logprobs(hidden: Tensor, head: Tensor, batch: Batch, temperature: float, top_p: float,
-                   top_k: int, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
-    """[N, C] logprob of each output token under the sampling distribution, from the hidden states that
-    predict them (`output_hidden`) and the output projection `head` [V, H]: log_softmax(hidden @ head.T
-    / T), truncated to top-k/top-p (orbit/rl/truncation.py); and [N, C] that distribution's entropy at each
-    position (differentiable only with `entropy_grad`: an entropy bonus). Zero at padding. Computed (and
-    recomputed for the backward) a chunk of positions at a time: no [N, C, V] tensor is ever whole."""
+def token_logprobs(
+    hidden: Tensor,
+    head: Tensor,
+    batch: Batch,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """[N, C] logprob of each output token under the sampling distribution, from the hidden states
+    that predict them (`output_hidden`) and the output projection `head` [V, H]: log_softmax(hidden
+    @ head.T / T), truncated to top-k/top-p (orbit/rl/truncation.py); and [N, C] that distribution's
+    entropy at each position (differentiable only with `entropy_grad`: an entropy bonus). Zero at
+    padding. Computed (and recomputed for the backward) a chunk of positions at a time: no [N, C, V]
+    tensor is ever whole."""
     rows = batch.outputs.nonzero(as_tuple=True)
     picked_hidden, targets = hidden[rows], batch.output_ids[rows]
     parts = []
     for i in range(0, targets.shape[0], CHUNK_ROWS):
-        h, t = picked_hidden[i: i + CHUNK_ROWS], targets[i: i + CHUNK_ROWS]
+        h, t = picked_hidden[i : i + CHUNK_ROWS], targets[i : i + CHUNK_ROWS]
         args = (h, head, t, temperature, top_p, top_k, entropy_grad)
         if torch.is_grad_enabled() and h.requires_grad:
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -161,12 +184,21 @@ def token_logprobs(hidden: Tensor, head: Tensor, batch: Batch, temperature: floa
     entropy = torch.zeros_like(logp)
     if not parts:
         return logp, entropy
-    return (logp.index_put(rows, torch.cat([p[0] for p in parts])),
-            entropy.index_put(rows, torch.cat([p[1] for p in parts])))
+    return (
+        logp.index_put(rows, torch.cat([p[0] for p in parts])),
+        entropy.index_put(rows, torch.cat([p[1] for p in parts])),
+    )
 
 
-def _chunk_logprobs(h: Tensor, head: Tensor, targets: Tensor, temperature: float, top_p: float, top_k: int,
-                    entropy_grad: bool) -> tuple[Tensor, Tensor]:
+def _chunk_logprobs(
+    h: Tensor,
+    head: Tensor,
+    targets: Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    entropy_grad: bool,
+) -> tuple[Tensor, Tensor]:
     logits = torch.nn.functional.linear(h, head).float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -187,12 +219,12 @@ def spread_over_groups(samples: list[Sample], n: int) -> list[Sample]:
 
 
 def minibatches(samples: list[Sample], n: int) -> list[list[Sample]]:
-    """The batch cut into `n` shares of whole groups (by `group_id`, in the batch's order), as even in
-    groups as they can be: one optimizer step each (algorithm.minibatches)."""
+    """The batch cut into `n` shares of whole groups (by `group_id`, in the batch's order), as even
+    in groups as they can be: one optimizer step each (algorithm.minibatches)."""
     by_group: dict[int, list[Sample]] = {}
     for s in samples:
         by_group.setdefault(s.group_id, []).append(s)
     groups = list(by_group.values())
     n = max(1, min(n, len(groups)))
     cuts = [round(i * len(groups) / n) for i in range(n + 1)]
-    return [[s for g in groups[cuts[i]: cuts[i + 1]] for s in g] for i in range(n)]
+    return [[s for g in groups[cuts[i] : cuts[i + 1]] for s in g] for i in range(n)]

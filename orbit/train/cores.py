@@ -1,16 +1,18 @@
-"""No core left idle while the trainer is the bottleneck: the trainer borrows the engines' cores while they have
-nothing to generate, and gives them back as soon as generation resumes.
+"""No core left idle while the trainer is the bottleneck: the trainer borrows the engines' cores
+while they have nothing to generate, and gives them back as soon as generation resumes.
 
 On a CPU machine the engines and the trainer each have their own torch threads (`engine.threads`,
-`trainer.threads`). In an overlapped run whose trainer is slower than its engines, admission holds the engines
-idle for much of every step (nothing may start until the next version); their cores then sit unused. The
-pipeline says when no request is in flight (`engines_idle`); the trainer, on its own thread, asks `apply()`
-before each decoder layer's forward and backward and each micro-batch, and sets its torch thread count to its own
-threads, plus the engines' while they are idle. torch's thread count is the calling thread's (an OpenMP
-setting), so only the trainer's thread can change it: hence the checks, not a watcher.
+`trainer.threads`). In an overlapped run whose trainer is slower than its engines, admission holds
+the engines idle for much of every step (nothing may start until the next version); their cores then
+sit unused. The pipeline says when no request is in flight (`engines_idle`); the trainer, on its own
+thread, asks `apply()` before each decoder layer's forward and backward and each micro-batch, and
+sets its torch thread count to its own threads, plus the engines' while they are idle. torch's
+thread count is the calling thread's (an OpenMP setting), so only the trainer's thread can change
+it: hence the checks, not a watcher.
 
-Idle OpenMP workers spin for a while before they sleep (GOMP_SPINCOUNT), so a borrowed worker keeps the engines'
-core busy for a moment after the trainer gives it back; bench/cores.py measures what that costs the engines.
+Idle OpenMP workers spin for a while before they sleep (GOMP_SPINCOUNT), so a borrowed worker keeps
+the engines' core busy for a moment after the trainer gives it back; bench/cores.py measures what
+that costs the engines.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class Cores:
     def __init__(self, own: int, lend: int) -> None:
         self.own, self.lend = own, lend
         self._idle = threading.Event()
-        self.borrowed = 0  # checks that found the engines idle (what share of the trainer's checks borrowed)
+        # checks that found the engines idle (what share of the trainer's checks borrowed)
+        self.borrowed = 0
         self.checks = 0
 
     def engines_idle(self, idle: bool) -> None:
@@ -43,8 +46,10 @@ class Cores:
             torch.set_num_threads(want)
 
     def hook(self, layers) -> None:
-        """Check before each layer's forward and before its backward (a micro-batch is seconds long; a layer,
-        tens of ms): the backward check is a hook on the layer's output, which fires as its gradient arrives."""
+        """Check before each layer's forward and before its backward (a micro-batch is seconds long;
+        a layer, tens of ms): the backward check is a hook on the layer's output, which fires as its
+        gradient arrives."""
+
         def on_output(module, args, out) -> None:
             hidden = out[0] if isinstance(out, tuple) else out
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
@@ -55,7 +60,8 @@ class Cores:
             layer.register_forward_hook(on_output)
 
     def take_share(self) -> float:
-        """The share of checks since the last call that borrowed (a step's figure), and start counting anew."""
+        """The share of checks since the last call that borrowed (a step's figure), and start
+        counting anew."""
         share = self.borrowed / self.checks if self.checks else 0.0
         self.borrowed = self.checks = 0
         return share

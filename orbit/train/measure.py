@@ -28,7 +28,8 @@ class StepResult:
     kl: float  # NaN unless loss.kl_coef > 0
     tokens: int  # trained-on tokens (loss_mask 1)
     samples: int
-    logprob_diff: float  # mean |trainer - engine| logprob, each sample under the weights that made it
+    # mean |trainer - engine| logprob, each sample under the weights that made it
+    logprob_diff: float
     logprob_diff_tokens: int
     policy_drift: float  # the same mean on the stale samples
     policy_drift_tokens: int
@@ -36,14 +37,18 @@ class StepResult:
     masked_frac: float = 0.0  # share of trained tokens the mask band dropped
     lr: float = 0.0  # the learning rate of the batch's last optimizer step
     optimizer_steps: int = 1
-    flops: float = 0.0  # of the step's forwards and backwards, counted by the tokens that went through (trainer.py)
-    borrowed_frac: float = 0.0  # share of the step's thread checks that found the engines idle (cores.py)
-    queue_s: float = 0.0  # waiting for the shared base while other adapters of a sweep trained (shared.py)
+    # of the step's forwards and backwards, counted by the tokens that went through (trainer.py)
+    flops: float = 0.0
+    # share of the step's thread checks that found the engines idle (cores.py)
+    borrowed_frac: float = 0.0
+    # waiting for the shared base while other adapters of a sweep trained (shared.py)
+    queue_s: float = 0.0
 
 
 @dataclass
 class Totals:
-    """Sums over micro-batches (and optimizer steps), turned into token-weighted means at the end."""
+    """Sums over micro-batches (and optimizer steps), turned into token-weighted means at the
+    end."""
 
     loss: float = 0.0
     tokens: int = 0
@@ -77,7 +82,8 @@ class Totals:
             self.diff_tokens[i] += int(mask.sum())
 
     def merge(self, other: Totals) -> None:
-        """Another optimizer step's sums (its agreement, when it measured one, replaces none taken yet)."""
+        """Another optimizer step's sums (its agreement, when it measured one, replaces none taken
+        yet)."""
         self.loss += other.loss
         self.tokens += other.tokens
         self.ratio_sum += other.ratio_sum
@@ -90,10 +96,18 @@ class Totals:
             self.diff[i] += other.diff[i]
             self.diff_tokens[i] += other.diff_tokens[i]
 
-    def result(self, version: int, grad_norm: float, n_samples: int, n_steps: int, lr: float,
-               epochs: int = 1) -> StepResult:
-        """The batch's figures: ratios, entropy and the mask share over every token of every optimizer step;
-        `loss` and `grad_norm` the means over its optimizer steps; `tokens` those of one pass."""
+    def result(
+        self,
+        version: int,
+        grad_norm: float,
+        n_samples: int,
+        n_steps: int,
+        lr: float,
+        epochs: int = 1,
+    ) -> StepResult:
+        """The batch's figures: ratios, entropy and the mask share over every token of every
+        optimizer step; `loss` and `grad_norm` the means over its optimizer steps; `tokens` those of
+        one pass."""
         return StepResult(
             version=version,
             loss=self.loss / n_steps,
@@ -116,14 +130,42 @@ class Totals:
 
     def sum_over(self, ranks: Ranks | Alone) -> None:
         """The whole batch's sums, from every rank's share."""
-        sums = torch.tensor([self.loss, self.tokens, self.ratio_sum, self.clipped, self.kl_sum, self.entropy_sum,
-                             self.masked, *self.diff, *self.diff_tokens], dtype=torch.float64)
+        sums = torch.tensor(
+            [
+                self.loss,
+                self.tokens,
+                self.ratio_sum,
+                self.clipped,
+                self.kl_sum,
+                self.entropy_sum,
+                self.masked,
+                *self.diff,
+                *self.diff_tokens,
+            ],
+            dtype=torch.float64,
+        )
         most = torch.tensor([self.ratio_max], dtype=torch.float64)
         ranks.all_reduce(sums)
         ranks.all_reduce(most, torch.distributed.ReduceOp.MAX)
-        (self.loss, tokens, self.ratio_sum, self.clipped, self.kl_sum, self.entropy_sum, masked, d0, d1, t0,
-         t1) = sums.tolist()
-        self.tokens, self.masked, self.diff, self.diff_tokens = int(tokens), int(masked), [d0, d1], [int(t0), int(t1)]
+        (
+            self.loss,
+            tokens,
+            self.ratio_sum,
+            self.clipped,
+            self.kl_sum,
+            self.entropy_sum,
+            masked,
+            d0,
+            d1,
+            t0,
+            t1,
+        ) = sums.tolist()
+        self.tokens, self.masked, self.diff, self.diff_tokens = (
+            int(tokens),
+            int(masked),
+            [d0, d1],
+            [int(t0), int(t1)],
+        )
         self.ratio_max = float(most)
 
 

@@ -1,5 +1,6 @@
 """LoRA and OFT on the trainer side: peft configs, and merged weights for the full push. (What the
-adapter push exports, peft's own state dict and config, is the trainer's: orbit/train/trainer.py.)"""
+adapter push exports, peft's own state dict and config, is the trainer's:
+orbit/train/trainer.py.)"""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def peft_config(adapter: AdapterConfig, model: nn.Module | None = None) -> peft.
         )
     if model is not None:
         check_oft_block_size(adapter, model)
-    # r=0: peft derives the number of blocks per layer from oft_block_size (one of the two must be 0).
+    # r=0: peft derives the number of blocks per layer from oft_block_size (one of the two must be
+    # 0).
     return peft.OFTConfig(
         r=0,
         oft_block_size=adapter.oft_block_size,
@@ -42,7 +44,8 @@ def peft_config(adapter: AdapterConfig, model: nn.Module | None = None) -> peft.
 
 
 def target_in_features(model: nn.Module, target_modules: list[str]) -> dict[str, int]:
-    """in_features of every nn.Linear that peft would wrap (matched by name suffix, as peft does)."""
+    """in_features of every nn.Linear that peft would wrap (matched by name suffix, as peft
+    does)."""
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name.rpartition(".")[2] in target_modules:
@@ -67,11 +70,14 @@ def check_oft_block_size(adapter: AdapterConfig, model: nn.Module) -> None:
     allowed = [d for d in range(2, min(common, 1024) + 1) if common % d == 0]
     raise ValueError(
         f"adapter.oft_block_size: {bs} does not divide in_features {bad} of target_modules "
-        f"{list(adapter.target_modules)}; allowed values: {allowed or 'none (choose other target_modules)'}"
+        f"{list(adapter.target_modules)}; allowed values: "
+        f"{allowed or 'none (choose other target_modules)'}"
     )
 
 
-def merged_weights(peft_model: peft.PeftModel, only_adapted: bool = False) -> dict[str, torch.Tensor]:
+def merged_weights(
+    peft_model: peft.PeftModel, only_adapted: bool = False
+) -> dict[str, torch.Tensor]:
     """The full base state dict under the checkpoint's own names, adapter merged in.
 
     Computed functionally from each base weight and peft's `get_delta_weight`: the model is never
@@ -121,18 +127,21 @@ def _merged_weight(layer: BaseTunerLayer) -> torch.Tensor:
     for name in layer.active_adapters:
         if isinstance(layer, LoraLayer) and name in layer.lora_A:
             if name in layer.lora_variant or layer.lora_bias[name]:
-                raise NotImplementedError("merged_weights supports plain LoRA (no DoRA, no lora_bias)")
+                raise NotImplementedError(
+                    "merged_weights supports plain LoRA (no DoRA, no lora_bias)"
+                )
             weight = weight + layer.get_delta_weight(name).to(weight.dtype)
         elif isinstance(layer, OFTLayer) and name in layer.oft_R:
-            # OFT rotates the input rows, y = (x R) W^T, so the merged weight is W R^T, as peft's merge.
+            # OFT rotates the input rows, y = (x R) W^T, so the merged weight is W R^T, as peft's
+            # merge.
             rotation = layer.get_delta_weight(name)
             weight = torch.mm(rotation, weight.t().to(rotation.dtype)).t().to(weight.dtype)
     return weight
 
 
 def adapter_tensors(peft_model: peft.PeftModel, name: str = "default") -> dict[str, torch.Tensor]:
-    """Adapter `name`'s weights under peft's names (as for a model's one adapter), as detached contiguous CPU
-    copies."""
+    """Adapter `name`'s weights under peft's names (as for a model's one adapter), as detached
+    contiguous CPU copies."""
     state = peft.get_peft_model_state_dict(peft_model, adapter_name=name)
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
 
@@ -141,6 +150,7 @@ def adapter_config_dict(peft_model: peft.PeftModel, name: str = "default") -> di
     """Adapter `name`'s peft config as plain JSON types (the adapter_config.json contents)."""
     config = peft_model.peft_config[name].to_dict()
     for key, value in config.items():
-        if isinstance(value, set):  # save_pretrained turns sets into lists too; sort for stable output
+        # save_pretrained turns sets into lists too; sort for stable output
+        if isinstance(value, set):
             config[key] = sorted(value)
     return json.loads(json.dumps(config))  # enums -> str, tuples -> lists

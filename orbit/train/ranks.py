@@ -1,27 +1,27 @@
-"""Trainer ranks: one trainer process per device, started by torch's launcher (`torch.distributed.run`,
-the code behind `torchrun`), NCCL between GPUs and gloo on CPU.
+"""Trainer ranks: one trainer process per device, started by torch's launcher
+(`torch.distributed.run`, the code behind `torchrun`), NCCL between GPUs and gloo on CPU.
 
-Rank 0 is the run: engines, producer, pool, push, metrics, checkpoints and the console. The other ranks
-only train. Each step rank 0 sends every rank the whole batch (`send`, a broadcast on a gloo group of
-its own), each rank trains on its share (`split_by_tokens`: by tokens, so that the ranks finish
-together), and the adapter's gradients are summed over the ranks in one all-reduce of one flat buffer
-(what DDP does; for an adapter this is one small collective a step). Every rank then steps the same
-optimizer on the same gradients, so the adapter and its optimizer state stay replicated: rank 0 alone
-holds all that a push or a checkpoint needs, also after another rank is lost, and a checkpoint is the
-one a single rank writes (resume with any number of ranks).
+Rank 0 is the run: engines, producer, pool, push, metrics, checkpoints and the console. The other
+ranks only train. Each step rank 0 sends every rank the whole batch (`send`, a broadcast on a gloo
+group of its own), each rank trains on its share (`split_by_tokens`: by tokens, so that the ranks
+finish together), and the adapter's gradients are summed over the ranks in one all-reduce of one
+flat buffer (what DDP does; for an adapter this is one small collective a step). Every rank then
+steps the same optimizer on the same gradients, so the adapter and its optimizer state stay
+replicated: rank 0 alone holds all that a push or a checkpoint needs, also after another rank is
+lost, and a checkpoint is the one a single rank writes (resume with any number of ranks).
 
 `trainer.shard: fsdp` shards the frozen base over the ranks with FSDP2's `fully_shard` (each decoder
-layer, then the decoder), the adapter's parameters left out (`ignored_params`): the base is what does
-not fit on one device, and leaving the adapter whole keeps the rest of this module as it is. Every
-forward of a sharded module is a collective, so under FSDP every rank runs as many micro-batches as
-the busiest one (`padded_micro_batches`).
+layer, then the decoder), the adapter's parameters left out (`ignored_params`): the base is what
+does not fit on one device, and leaving the adapter whole keeps the rest of this module as it is.
+Every forward of a sharded module is a collective, so under FSDP every rank runs as many
+micro-batches as the busiest one (`padded_micro_batches`).
 
 Liveness. Each rank counts a heartbeat in the launcher's store once a second and watches the others'
-(rank 0 all of them, the others rank 0). A rank whose count stands still for `trainer.rank_timeout_s`
-is lost: another rank exits at once, saying which; rank 0 is interrupted (`on_lost`) and saves the
-adapter of its last complete step. Collectives of a step time out after `rank_timeout_s` too, so no
-rank waits in one for ever; the command broadcast has no such bound (rank 0 may wait long for
-rollouts), the heartbeat is its bound.
+(rank 0 all of them, the others rank 0). A rank whose count stands still for
+`trainer.rank_timeout_s` is lost: another rank exits at once, saying which; rank 0 is interrupted
+(`on_lost`) and saves the adapter of its last complete step. Collectives of a step time out after
+`rank_timeout_s` too, so no rank waits in one for ever; the command broadcast has no such bound
+(rank 0 may wait long for rollouts), the heartbeat is its bound.
 """
 
 from __future__ import annotations
@@ -43,8 +43,19 @@ from orbit.train.batch import micro_batches, prompt_groups
 from orbit.train.launcher import RankInfo
 
 BEAT_S = 1.0
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 _COMMAND_TIMEOUT = timedelta(days=30)  # rank 0 may wait long between steps; the heartbeat bounds it
 
 
@@ -54,8 +65,8 @@ class RankLost(RuntimeError):
 
 def split_by_tokens(samples: list[Sample], world: int) -> list[list[Sample]]:
     """Each rank's share of a batch: whole prompt groups (a prompt runs once per rank that has its
-    samples) given largest first to the rank with the fewest tokens so far; single samples when there
-    are fewer groups than ranks. Deterministic: every rank computes every share alike."""
+    samples) given largest first to the rank with the fewest tokens so far; single samples when
+    there are fewer groups than ranks. Deterministic: every rank computes every share alike."""
     groups = list(prompt_groups(samples).values())
     units = groups if len(groups) >= world else [[s] for s in samples]
     shares: list[list[Sample]] = [[] for _ in range(world)]
@@ -71,11 +82,12 @@ def split_by_tokens(samples: list[Sample], world: int) -> list[list[Sample]]:
     return shares
 
 
-def padded_micro_batches(samples: list[Sample], world: int, rank: int, budget: int,
-                         pad: bool) -> list[tuple[list[Sample], bool]]:
-    """This rank's micro-batches of the batch, each with whether it counts; `pad`: as many as the busiest
-    rank has, the extra ones a real sample whose loss is multiplied by 0 (sharded modules all-gather
-    in every forward, so every rank must run as many)."""
+def padded_micro_batches(
+    samples: list[Sample], world: int, rank: int, budget: int, pad: bool
+) -> list[tuple[list[Sample], bool]]:
+    """This rank's micro-batches of the batch, each with whether it counts; `pad`: as many as the
+    busiest rank has, the extra ones a real sample whose loss is multiplied by 0 (sharded modules
+    all-gather in every forward, so every rank must run as many)."""
     shares = split_by_tokens(samples, world)
     mine = [(chunk, True) for chunk in micro_batches(shares[rank], budget)]
     if pad:
@@ -85,8 +97,9 @@ def padded_micro_batches(samples: list[Sample], world: int, rank: int, budget: i
 
 
 class Alone:
-    """A trainer with no other rank: what the trainer asks of its ranks, with no one to tell. The trainer is
-    given this or `Ranks`, so a single run, a sweep's run and a rank run one code path."""
+    """A trainer with no other rank: what the trainer asks of its ranks, with no one to tell. The
+    trainer is given this or `Ranks`, so a single run, a sweep's run and a rank run one code
+    path."""
 
     world, rank, leader, lost = 1, 0, True, None
 
@@ -96,7 +109,9 @@ class Alone:
     def send(self, what: str, payload: object = None) -> None:
         pass
 
-    def share(self, samples: list[Sample], budget: int, pad: bool) -> list[tuple[list[Sample], bool]]:  # noqa: ARG002
+    def share(
+        self, samples: list[Sample], budget: int, pad: bool
+    ) -> list[tuple[list[Sample], bool]]:  # noqa: ARG002
         return [(chunk, True) for chunk in micro_batches(samples, budget)]
 
     def sum_grads(self, params: list[Tensor]) -> None:
@@ -109,42 +124,58 @@ class Alone:
         pass
 
     def shard_base(self, decoder: torch.nn.Module, keep: list[Tensor]) -> None:
-        raise ValueError("trainer.shard: fsdp shards the base over several ranks; this trainer is alone")
+        raise ValueError(
+            "trainer.shard: fsdp shards the base over several ranks; this trainer is alone"
+        )
 
 
 class Ranks:
-    """This process's place among the trainer ranks, the collectives a step needs, and the heartbeat."""
+    """This process's place among the trainer ranks, the collectives a step needs, and the
+    heartbeat."""
 
     def __init__(self, info: RankInfo, devices: list[str], timeout_s: float) -> None:
         if info.local_world != len(devices):
             from orbit.config import RecipeError
 
-            raise RecipeError(f"trainer.devices: {len(devices)} device(s) {devices}, but {info.local_world} ranks were "
-                              f"started on this host; start one rank per device (torchrun --nproc-per-node "
-                              f"{len(devices)})")
+            raise RecipeError(
+                f"trainer.devices: {len(devices)} device(s) {devices}, but {info.local_world} "
+                "ranks were "
+                f"started on this host; start one rank per device (torchrun --nproc-per-node "
+                f"{len(devices)})"
+            )
         self.rank, self.world = info.rank, info.world
         self.device = torch.device(devices[info.local_rank])
         self.timeout_s = timeout_s
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=self.device if self.device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
         self._commands = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
         self.hosts: list[str] = [""] * self.world
         dist.all_gather_object(self.hosts, socket.gethostname(), group=self._commands)
         self.lost: str | None = None  # why another rank counts as lost, once it does
-        self.on_lost: Callable[[], None] | None = None  # rank 0: how the run is told (set by the run)
+        # rank 0: how the run is told (set by the run)
+        self.on_lost: Callable[[], None] | None = None
         self._stopped = threading.Event()
-        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                    timeout=timedelta(seconds=timeout_s))
+        self._store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
         self._prefix = f"orbit/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/beat/"
         self._watch = threading.Thread(target=self._heartbeat, name="orbit-ranks", daemon=True)
         self._watch.start()
-        # What the launcher told this rank is read: engines and servers started from here must not take
-        # it for theirs (SGLang's schedulers read RANK, LOCAL_RANK, MASTER_PORT ... and then hang).
+        # What the launcher told this rank is read: engines and servers started from here must not
+        # take it for theirs (SGLang's schedulers read RANK, LOCAL_RANK, MASTER_PORT ... and then
+        # hang).
         for key in [k for k in os.environ if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_")]:
-            if key != "TORCHELASTIC_ERROR_FILE":  # where an error of this rank is reported to the launcher
+            # where an error of this rank is reported to the launcher
+            if key != "TORCHELASTIC_ERROR_FILE":
                 del os.environ[key]
 
     @property
@@ -174,21 +205,25 @@ class Ranks:
 
     # -- the collectives of a step --------------------------------------------------------------
 
-    def share(self, samples: list[Sample], budget: int, pad: bool) -> list[tuple[list[Sample], bool]]:
-        """This rank's micro-batches of the batch, each with whether it counts (`padded_micro_batches`)."""
+    def share(
+        self, samples: list[Sample], budget: int, pad: bool
+    ) -> list[tuple[list[Sample], bool]]:
+        """This rank's micro-batches of the batch, each with whether it counts
+        (`padded_micro_batches`)."""
         return padded_micro_batches(samples, self.world, self.rank, budget, pad)
 
     def sum_grads(self, params: list[Tensor]) -> None:
-        """Sum the adapter's gradients over the ranks, in one flat buffer (a rank with nothing to train has zeros).
-        Not DDP's reducer: DDP wraps the module and reduces buckets during a backward that every rank runs alike;
-        here ranks run different numbers of micro-batches and only the adapter's few tensors need one sum."""
+        """Sum the adapter's gradients over the ranks, in one flat buffer (a rank with nothing to
+        train has zeros). Not DDP's reducer: DDP wraps the module and reduces buckets during a
+        backward that every rank runs alike; here ranks run different numbers of micro-batches and
+        only the adapter's few tensors need one sum."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.all_reduce(flat)
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset: offset + n].view_as(p).clone()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
     def all_reduce(self, tensor: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
@@ -207,8 +242,8 @@ class Ranks:
             dist.broadcast(p.data, src=0)
 
     def shard_base(self, decoder: torch.nn.Module, keep: list[Tensor]) -> None:
-        """FSDP2 over the frozen base: each decoder layer, then the decoder (its embedding and final norm);
-        `keep` (the adapter) stays whole on every rank."""
+        """FSDP2 over the frozen base: each decoder layer, then the decoder (its embedding and final
+        norm); `keep` (the adapter) stays whole on every rank."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -225,17 +260,22 @@ class Ranks:
             raise RankLost(self.lost)
 
     def _lost_error(self, err: BaseException) -> RankLost:
-        """A collective failed: the rank to blame is one whose heartbeat stands still over a few beats (a
-        dead rank fails a collective at once; a hung one only at the collective's timeout)."""
+        """A collective failed: the rank to blame is one whose heartbeat stands still over a few
+        beats (a dead rank fails a collective at once; a hung one only at the collective's
+        timeout)."""
         if self.lost is None:
             silent = self._silent(3 * BEAT_S)
             if silent:
                 self.lost = f"{self.where(silent[0])} stopped answering (it died or hangs)"
-        return RankLost(self.lost or f"a collective with the other ranks failed ({str(err).splitlines()[0]})")
+        return RankLost(
+            self.lost or f"a collective with the other ranks failed ({str(err).splitlines()[0]})"
+        )
 
     def _silent(self, seconds: float) -> list[int]:
         """The other ranks whose heartbeat does not move for `seconds`."""
-        store = dist.TCPStore(self._store.host, self._store.port, is_master=False, timeout=timedelta(seconds=5))
+        store = dist.TCPStore(
+            self._store.host, self._store.port, is_master=False, timeout=timedelta(seconds=5)
+        )
         others = [r for r in range(self.world) if r != self.rank]
         try:
             before = {r: store.add(f"{self._prefix}{r}", 0) for r in others}
@@ -245,16 +285,18 @@ class Ranks:
             return []
 
     def _heartbeat(self) -> None:
-        # Not `monitored_barrier`: every rank must enter it, and rank 0 spends most of its time outside any
-        # collective (waiting for rollouts); nor the elastic agent's monitoring, which sees a worker exit but
-        # not one that hangs. A count in the launcher's store shows both, wherever the other rank is.
+        # Not `monitored_barrier`: every rank must enter it, and rank 0 spends most of its time
+        # outside any collective (waiting for rollouts); nor the elastic agent's monitoring, which
+        # sees a worker exit but not one that hangs. A count in the launcher's store shows both,
+        # wherever the other rank is.
         watched = range(1, self.world) if self.leader else [0]
         seen = {r: (-1, time.monotonic()) for r in watched}
         while not self._stopped.wait(BEAT_S):
             try:
                 self._store.add(f"{self._prefix}{self.rank}", 1)
                 counts = {r: self._store.add(f"{self._prefix}{r}", 0) for r in watched}
-            except Exception as err:  # noqa: BLE001 - the launcher's store is gone: so is the launcher
+            # the launcher's store is gone: so is the launcher
+            except Exception as err:  # noqa: BLE001
                 self._lose(f"the launcher's store stopped answering ({str(err).splitlines()[0]})")
                 return
             now = time.monotonic()
@@ -262,8 +304,11 @@ class Ranks:
                 if count != seen[r][0]:
                     seen[r] = (count, now)
                 elif now - seen[r][1] > self.timeout_s:
-                    self._lose(f"{self.where(r)} stopped answering (no heartbeat for {now - seen[r][1]:.0f} s, "
-                               f"trainer.rank_timeout_s {self.timeout_s:g})")
+                    self._lose(
+                        f"{self.where(r)} stopped answering (no heartbeat for "
+                        f"{now - seen[r][1]:.0f} s, "
+                        f"trainer.rank_timeout_s {self.timeout_s:g})"
+                    )
                     return
 
     def _lose(self, why: str) -> None:
@@ -276,7 +321,8 @@ class Ranks:
             self.on_lost()
 
     def close(self) -> None:
-        """Rank 0: tell the others to stop (when they can still hear it); every rank: leave the group."""
+        """Rank 0: tell the others to stop (when they can still hear it); every rank: leave the
+        group."""
         if self.leader and self.lost is None:
             try:
                 self.send("stop")
@@ -284,9 +330,11 @@ class Ranks:
                 pass
         self._stopped.set()
         if threading.current_thread() is not self._watch:
-            # No store call in flight when the process exits: C++ aborts on a store thread torn down mid-call.
+            # No store call in flight when the process exits: C++ aborts on a store thread torn down
+            # mid-call.
             self._watch.join(timeout=self.timeout_s)
-        # Taking the group down waits on every rank; a hung one would hold this rank for ever. Bounded.
+        # Taking the group down waits on every rank; a hung one would hold this rank for ever.
+        # Bounded.
         down = threading.Thread(target=_destroy_group, name="orbit-ranks-down", daemon=True)
         down.start()
         down.join(timeout=self.timeout_s if self.lost is None else 2 * BEAT_S)
@@ -295,5 +343,6 @@ class Ranks:
 def _destroy_group() -> None:
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a group with a lost rank may not come down cleanly; we exit anyway
+    # a group with a lost rank may not come down cleanly; we exit anyway
+    except Exception:  # noqa: BLE001
         pass

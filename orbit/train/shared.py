@@ -1,12 +1,12 @@
-"""One frozen base model in the trainer, and the adapters trained on it side by side (peft's multi-adapter
-model).
+"""One frozen base model in the trainer, and the adapters trained on it side by side (peft's
+multi-adapter model).
 
 A single run has one adapter, peft's "default". A sweep (orbit/sweep/) adds one per run: each run's
-`Trainer` owns its adapter's parameters, optimizer and version, and the base is held once. Only one adapter
-can compute on the base at a time (peft activates one adapter per forward), so `turn(name)` hands the base to
-the adapters in the order they asked for it: first come, first served. A run whose batch is complete first
-trains first, a slow run never holds back a fast one, and no adapter waits behind more than one step of
-each other adapter.
+`Trainer` owns its adapter's parameters, optimizer and version, and the base is held once. Only one
+adapter can compute on the base at a time (peft activates one adapter per forward), so `turn(name)`
+hands the base to the adapters in the order they asked for it: first come, first served. A run whose
+batch is complete first trains first, a slow run never holds back a fast one, and no adapter waits
+behind more than one step of each other adapter.
 """
 
 from __future__ import annotations
@@ -51,23 +51,27 @@ class FirstComeLock:
 
 
 class SharedBase:
-    """The base model (loaded once, frozen) and the peft model that holds every adapter added to it."""
+    """The base model (loaded once, frozen) and the peft model that holds every adapter added to
+    it."""
 
     def __init__(self, model_path: str | Path, dtype: str) -> None:
-        self.base: nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.base: nn.Module = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype)
+        )
         self.model: peft.PeftModel | None = None
         self._active: str | None = None
         self._lock = FirstComeLock()
 
     def add(self, name: str, config: peft.PeftConfig) -> list[nn.Parameter]:
-        """Add adapter `name` (initialised from torch's random state, as peft does); returns its parameters,
-        in float32 whatever the base's dtype."""
+        """Add adapter `name` (initialised from torch's random state, as peft does); returns its
+        parameters, in float32 whatever the base's dtype."""
         if self.model is None:
             self.model = peft.get_peft_model(self.base, config, adapter_name=name)
         else:
             self.model.add_adapter(name, config)
         self._activate(name)
-        # peft names an adapter's parameters `...lora_A.<name>.weight` (OFT: `...oft_R.<name>.weight`).
+        # peft names an adapter's parameters `...lora_A.<name>.weight` (OFT:
+        # `...oft_R.<name>.weight`).
         params = [p for key, p in self.model.named_parameters() if f".{name}." in key]
         for p in params:
             p.data = p.data.float()
@@ -75,7 +79,8 @@ class SharedBase:
 
     @contextmanager
     def turn(self, name: str) -> Iterator[float]:
-        """The base for adapter `name` alone, after those that asked before it; yields the seconds waited."""
+        """The base for adapter `name` alone, after those that asked before it; yields the seconds
+        waited."""
         with self._lock.held() as waited:
             self._activate(name)
             yield waited

@@ -1,6 +1,6 @@
-"""A trainer's state on disk: the adapter in peft's format, the optimizer's state, and the trainer's own
-(version, random state, schedule, the run's place), written last: a checkpoint is complete when it is there
-(orbit/train/checkpoint.py)."""
+"""A trainer's state on disk: the adapter in peft's format, the optimizer's state, and the trainer's
+own (version, random state, schedule, the run's place), written last: a checkpoint is complete when
+it is there (orbit/train/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ DEFAULT_ADAPTER = "default"  # peft's name for a model's one adapter
 
 @dataclass
 class SavedState:
-    """What a checkpoint holds for the trainer, as read from its directory (rank 0 reads, every rank restores)."""
+    """What a checkpoint holds for the trainer, as read from its directory (rank 0 reads, every rank
+    restores)."""
 
     weights: dict[str, Tensor]
     optimizer: dict
@@ -29,10 +30,12 @@ class SavedState:
 
 
 def write(directory: Path, model: peft.PeftModel, name: str, optimizer: dict, state: dict) -> None:
-    """The adapter `name` of `model` in peft's format, the optimizer's state, then `state` (with the RNG's)."""
+    """The adapter `name` of `model` in peft's format, the optimizer's state, then `state` (with the
+    RNG's)."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, selected_adapters=[name])
-    if name != DEFAULT_ADAPTER:  # peft puts any other adapter in a directory of its name: one format
+    # peft puts any other adapter in a directory of its name: one format
+    if name != DEFAULT_ADAPTER:
         for path in (directory / name).iterdir():
             path.replace(directory / path.name)
         (directory / name).rmdir()
@@ -40,7 +43,9 @@ def write(directory: Path, model: peft.PeftModel, name: str, optimizer: dict, st
     rng = {
         "python": random.getstate(),
         "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        if torch.cuda.is_available()
+        else [],
     }
     (directory / STATE_FILE).write_text(json.dumps({**state, "rng": rng}))
 
@@ -52,10 +57,14 @@ def read(directory: Path, model: peft.PeftModel, name: str) -> SavedState:
     if set(weights) != expected:
         raise ValueError(
             f"{directory}: adapter does not match this trainer's adapter config "
-            f"(missing {sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})"
+            f"(missing {sorted(expected - set(weights))[:3]}, unexpected "
+            f"{sorted(set(weights) - expected)[:3]})"
         )
-    return SavedState(weights, torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
-                      json.loads((directory / STATE_FILE).read_text()))
+    return SavedState(
+        weights,
+        torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
+        json.loads((directory / STATE_FILE).read_text()),
+    )
 
 
 def set_rng(rng: dict) -> None:

@@ -44,33 +44,61 @@ RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra n
 
 
 def _keep(samples: list[Sample], logp: Tensor) -> None:
-    """Each sample's trainer logprobs, as measured against the engine's (samples.jsonl shows where they differ)."""
+    """Each sample's trainer logprobs, as measured against the engine's (samples.jsonl shows where
+    they differ)."""
     rows = logp.detach().cpu()
     for row, s in enumerate(samples):
         s.trainer_logprobs = rows[row, : len(s.output_ids)].tolist()
 
 
-def recipe_trainer(recipe: Recipe, ranks: Ranks | None = None, shared: SharedBase | None = None,
-                   name: str = DEFAULT_ADAPTER) -> Trainer:
-    """The trainer a recipe asks for: its adapter, optimizer, schedule and loss, scoring as its rollouts sample."""
+def recipe_trainer(
+    recipe: Recipe,
+    ranks: Ranks | None = None,
+    shared: SharedBase | None = None,
+    name: str = DEFAULT_ADAPTER,
+) -> Trainer:
+    """The trainer a recipe asks for: its adapter, optimizer, schedule and loss, scoring as its
+    rollouts sample."""
     r = recipe.rollout
-    return Trainer(recipe.model, recipe.adapter, recipe.trainer, r.temperature, recipe.seed, top_p=r.top_p,
-                   top_k=r.top_k, ranks=ranks, shared=shared, name=name, algorithm=recipe.algorithm,
-                   max_new_tokens=r.max_new_tokens)
+    return Trainer(
+        recipe.model,
+        recipe.adapter,
+        recipe.trainer,
+        r.temperature,
+        recipe.seed,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        ranks=ranks,
+        shared=shared,
+        name=name,
+        algorithm=recipe.algorithm,
+        max_new_tokens=r.max_new_tokens,
+    )
 
 
 class Trainer:
-    """Trains a LoRA or OFT adapter on scored samples (see `step`). Composed of its base (`shared`: its own, or
-    a sweep's shared by every run) and its ranks (`ranks`: `Alone`, or one of several trainer ranks, ranks.py,
-    where rank 0's `step`, `logprobs` and `load` make the other ranks, in `follow`, do the same)."""
+    """Trains a LoRA or OFT adapter on scored samples (see `step`). Composed of its base (`shared`:
+    its own, or a sweep's shared by every run) and its ranks (`ranks`: `Alone`, or one of several
+    trainer ranks, ranks.py, where rank 0's `step`, `logprobs` and `load` make the other ranks, in
+    `follow`, do the same)."""
 
     def __init__(
-        self, model_path: str | Path, adapter: AdapterConfig, cfg: TrainerConfig, temperature: float, seed: int,
-        top_p: float = 1.0, top_k: int = 0, ranks: Ranks | None = None, shared: SharedBase | None = None,
-        name: str = DEFAULT_ADAPTER, algorithm: AlgorithmConfig | None = None, max_new_tokens: int = 1,
+        self,
+        model_path: str | Path,
+        adapter: AdapterConfig,
+        cfg: TrainerConfig,
+        temperature: float,
+        seed: int,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        ranks: Ranks | None = None,
+        shared: SharedBase | None = None,
+        name: str = DEFAULT_ADAPTER,
+        algorithm: AlgorithmConfig | None = None,
+        max_new_tokens: int = 1,
     ) -> None:
-        """`algorithm`: the loss and its optimizer steps (default: Orbit's default loss); `max_new_tokens`: the
-        rollout's, seq-mean-token-sum-norm's default constant."""
+        """`algorithm`: the loss and its optimizer steps (default: Orbit's default loss);
+        `max_new_tokens`: the rollout's, seq-mean-token-sum-norm's default constant."""
         # The engine runs in its own process with its own threads; don't let torch take every core.
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -80,14 +108,16 @@ class Trainer:
         self.ranks: Ranks | Alone = ranks or Alone(cfg.device)
         self._closed = False
         self.device = self.ranks.device
-        # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated logprobs.
+        # Temperature 0 means greedy on the engine, which then reports temperature-1 untruncated
+        # logprobs.
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p, self.top_k = (top_p, top_k) if temperature > 0 else (1.0, 0)
         # A sweep's runs share one base (shared.py); a single run has one of its own.
         self.shared = shared or SharedBase(model_path, cfg.dtype)
         self.name = name
         base = self.shared.base
-        set_seed(seed)  # python, numpy, torch: the adapter's init is random (LoRA A), the same in a sweep or alone
+        # python, numpy, torch: the adapter's init is random (LoRA A), the same in a sweep or alone
+        set_seed(seed)
         self.params = self.shared.add(name, adapters.peft_config(adapter, base))
         self.model: peft.PeftModel = self.shared.model
         # The decoder stack (with its final norm) and the output projection, run apart (batch.py).
@@ -95,45 +125,53 @@ class Trainer:
         self._head = base.get_output_embeddings().weight
         self._sharded = cfg.shard == "fsdp" and self.ranks.world > 1
         if self._sharded:
-            # The head is frozen and often tied to the (sharded) embedding: every rank keeps it whole.
+            # The head is frozen and often tied to the (sharded) embedding: every rank keeps it
+            # whole.
             self._head = self._head.detach().clone().to(self.device)
             self.ranks.shard_base(self._decoder, self.params)
         self.model.to(self.device)
         self.ranks.broadcast_params(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = scheduler(self.optimizer, self.algo.optimizer_steps, cfg.steps, cfg.warmup_steps,
-                                   cfg.schedule)
+        self.scheduler = scheduler(
+            self.optimizer, self.algo.optimizer_steps, cfg.steps, cfg.warmup_steps, cfg.schedule
+        )
         self.pad_id = base.config.pad_token_id or 0
         self.version = 0
         self._snapshots: dict[int, list[Tensor]] = {}
         self._snapshot()
         self.cores: Cores | None = None
-        # the weights every token's forward multiplies by (the decoder's and the output projection): FLOP counts
-        self._matmul_params = sum(p.numel() for p in self._decoder.layers.parameters()) + self._head.numel()
+        # the weights every token's forward multiplies by (the decoder's and the output projection):
+        # FLOP counts
+        self._matmul_params = (
+            sum(p.numel() for p in self._decoder.layers.parameters()) + self._head.numel()
+        )
         self._flops = 0.0
 
     def share_cores(self, cores: Cores) -> None:
-        """Borrow the engines' threads while they are idle (cores.py): checked at every layer and micro-batch."""
+        """Borrow the engines' threads while they are idle (cores.py): checked at every layer and
+        micro-batch."""
         self.cores = cores
         cores.hook(self._decoder.layers)
 
     # -- training ---------------------------------------------------------------------------
 
     def step(self, samples: list[Sample]) -> StepResult:
-        """One optimizer step on the batch, in micro-batches of at most `cfg.micro_batch_tokens` padded
-        tokens (batch.py); with ranks, each on its share and the gradients summed."""
+        """One optimizer step on the batch, in micro-batches of at most `cfg.micro_batch_tokens`
+        padded tokens (batch.py); with ranks, each on its share and the gradients summed."""
         if not samples:
             raise ValueError("step needs at least one sample")
         self.ranks.send("step", samples)
-        with self.shared.turn(self.name) as waited:  # after the adapters (of a sweep) that asked first
+        # after the adapters (of a sweep) that asked first
+        with self.shared.turn(self.name) as waited:
             result = self._step(samples)
         result.queue_s = waited
         return result
 
     def _step(self, samples: list[Sample]) -> StepResult:
-        """`algorithm.epochs` passes over the batch, each in `algorithm.minibatches` optimizer steps; the adapter
-        becomes one version newer whatever their number. With more than one, the policy before the first is
-        scored once (one no-grad forward): the decoupled loss's proximal policy, and the engine agreement."""
+        """`algorithm.epochs` passes over the batch, each in `algorithm.minibatches` optimizer
+        steps; the adapter becomes one version newer whatever their number. With more than one, the
+        policy before the first is scored once (one no-grad forward): the decoupled loss's proximal
+        policy, and the engine agreement."""
         totals = Totals()
         self._flops = 0.0
         several = self.algo.optimizer_steps > 1
@@ -151,16 +189,20 @@ class Trainer:
             raise
         self.version += 1
         self._snapshot()
-        result = totals.result(self.version, fmean(norms), len(samples), len(norms), lr, self.algo.epochs)
+        result = totals.result(
+            self.version, fmean(norms), len(samples), len(norms), lr, self.algo.epochs
+        )
         result.flops = self._flops
         result.borrowed_frac = self.cores.take_share() if self.cores is not None else 0.0
         return result
 
-    def _optimizer_step(self, samples: list[Sample], totals: Totals, prox: dict[int, Tensor] | None,
-                        measure: bool) -> float:
-        """One optimizer step on `samples` (the batch, or one of its mini-batches), in micro-batches of at most
-        `cfg.micro_batch_tokens` padded tokens (batch.py); with ranks, each on its share, the gradients summed.
-        `measure`: this forward is the step's engine agreement (its weights are those that made fresh samples)."""
+    def _optimizer_step(
+        self, samples: list[Sample], totals: Totals, prox: dict[int, Tensor] | None, measure: bool
+    ) -> float:
+        """One optimizer step on `samples` (the batch, or one of its mini-batches), in micro-batches
+        of at most `cfg.micro_batch_tokens` padded tokens (batch.py); with ranks, each on its share,
+        the gradients summed. `measure`: this forward is the step's engine agreement (its weights
+        are those that made fresh samples)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         norm = self._norm(samples)  # the whole share's counts, on every rank
@@ -169,14 +211,25 @@ class Trainer:
             batch = self._collate(chunk)
             logp, entropy = self._logprobs(batch, entropy_grad=self.algo.entropy_coef > 0)
             ref = self._ref_logprobs(batch) if self.algo.kl_coef > 0 else None
-            loss, stats = policy_loss(logp, batch.behaviour, batch.advantages, batch.loss_mask, self.algo, norm,
-                                      ref_logp=ref, prox_logp=saved_rows(prox, chunk, logp) if prox else None,
-                                      entropy=entropy)
-            if not counts:  # a pad (FSDP): its forward and backward are collectives, its loss is not ours
+            loss, stats = policy_loss(
+                logp,
+                batch.behaviour,
+                batch.advantages,
+                batch.loss_mask,
+                self.algo,
+                norm,
+                ref_logp=ref,
+                prox_logp=saved_rows(prox, chunk, logp) if prox else None,
+                entropy=entropy,
+            )
+            # a pad (FSDP): its forward and backward are collectives, its loss is not ours
+            if not counts:
                 (loss * 0.0).backward()
                 continue
             loss.backward()
-            step.add(loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch)
+            step.add(
+                loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch
+            )
             if measure:
                 _keep(chunk, logp)
         self.ranks.sum_grads(self.params)
@@ -191,29 +244,36 @@ class Trainer:
         if not math.isfinite(grad_norm):
             # An update now would put NaN into the adapter that the engine serves next.
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at version {self.version}")
+            raise FloatingPointError(
+                f"non-finite gradient norm ({grad_norm}) at version {self.version}"
+            )
         self.optimizer.step()
         self.scheduler.step()
         return grad_norm
 
     def _norm(self, samples: list[Sample]) -> Norm:
         trained = [0 if s.left_out else sum(1 for m in s.loss_mask if m) for s in samples]
-        return Norm(tokens=sum(trained), sequences=sum(1 for t in trained if t), length=self.norm_length)
+        return Norm(
+            tokens=sum(trained), sequences=sum(1 for t in trained if t), length=self.norm_length
+        )
 
     @torch.no_grad()
     def _proximal(self, samples: list[Sample], totals: Totals) -> dict[int, Tensor]:
-        """Each sample's logprobs under the adapter before this batch's first optimizer step (eval mode), by
-        `id(sample)`; the engine agreement of the step measured on the way."""
+        """Each sample's logprobs under the adapter before this batch's first optimizer step (eval
+        mode), by `id(sample)`; the engine agreement of the step measured on the way."""
         was_training = self.model.training
         self.model.eval()
         out: dict[int, Tensor] = {}
         step = Totals()
-        try:  # each mini-batch's micro-batches, as the optimizer steps will cut them (on each rank, its share)
+        # each mini-batch's micro-batches, as the optimizer steps will cut them (on each rank, its
+        # share)
+        try:
             for part in minibatches(samples, self.algo.minibatches):
                 for chunk, counts in self._micro_batches(part):
                     batch = self._collate(chunk)
                     logp, _ = self._logprobs(batch)
-                    out.update({id(s): logp[row] for row, s in enumerate(chunk)})  # a pad's too (FSDP)
+                    # a pad's too (FSDP)
+                    out.update({id(s): logp[row] for row, s in enumerate(chunk)})
                     if counts:
                         step.add_diff((logp - batch.behaviour).abs(), batch)
                         _keep(chunk, logp)
@@ -227,8 +287,11 @@ class Trainer:
 
     def _state(self) -> tuple[list[Tensor], dict, dict]:
         """The adapter, its optimizer and its schedule as they are (adapters are small)."""
-        return ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()),
-                self.scheduler.state_dict())
+        return (
+            [p.detach().clone() for p in self.params],
+            copy.deepcopy(self.optimizer.state_dict()),
+            self.scheduler.state_dict(),
+        )
 
     @torch.no_grad()
     def _set_state(self, state: tuple[list[Tensor], dict, dict]) -> None:
@@ -239,7 +302,8 @@ class Trainer:
         self.scheduler.load_state_dict(schedule)
 
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
-        """(micro-batch, whether it counts): all of them, or with ranks this rank's share's (ranks.py)."""
+        """(micro-batch, whether it counts): all of them, or with ranks this rank's share's
+        (ranks.py)."""
         return self.ranks.share(samples, self.cfg.micro_batch_tokens, pad=self._sharded)
 
     def _snapshot(self) -> None:
@@ -250,25 +314,33 @@ class Trainer:
 
     @torch.no_grad()
     def _rescore(self, samples: list[Sample], totals: Totals) -> None:
-        """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples, spread over
-        the step's groups, each under the exact adapter version that generated it, so `logprob_diff`
-        measures numerics every step (not policy drift) even when every sample is stale."""
+        """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples, spread
+        over the step's groups, each under the exact adapter version that generated it, so
+        `logprob_diff` measures numerics every step (not policy drift) even when every sample is
+        stale."""
         versions = {id(s): s.versions() for s in samples}
         chosen = spread_over_groups(
-            [s for s in samples if any(v in self._snapshots for v in versions[id(s)])], RESCORE_SAMPLES)
+            [s for s in samples if any(v in self._snapshots for v in versions[id(s)])],
+            RESCORE_SAMPLES,
+        )
         current = [p.detach().clone() for p in self.params]
         was_training = self.model.training
         self.model.eval()
         try:  # a multi-turn sample's turns may come from several versions: each token under its own
-            for version in sorted({v for s in chosen for v in versions[id(s)] if v in self._snapshots}):
-                weights = current if version == self.version else self._snapshots[version]  # not stepped yet
+            for version in sorted(
+                {v for s in chosen for v in versions[id(s)] if v in self._snapshots}
+            ):
+                # not stepped yet
+                weights = current if version == self.version else self._snapshots[version]
                 for p, old in zip(self.params, weights, strict=True):
                     p.copy_(old)
                 these = [s for s in chosen if version in versions[id(s)]]
                 batch = self._collate(these)
                 ours = torch.zeros_like(batch.generated)
                 for row, s in enumerate(these):
-                    ours[row, : len(s.output_ids)] = torch.tensor([v == version for v in versions[id(s)]])
+                    ours[row, : len(s.output_ids)] = torch.tensor(
+                        [v == version for v in versions[id(s)]]
+                    )
                 diff = (self._logprobs(batch)[0] - batch.behaviour).abs()[batch.generated & ours]
                 totals.diff[0] += float(diff.sum())
                 totals.diff_tokens[0] += diff.numel()
@@ -281,7 +353,8 @@ class Trainer:
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Trainer logprobs of each sample's output tokens under the current adapter (eval mode)."""
-        self.ranks.send("logprobs", samples)  # every rank runs the same forwards (collectives under FSDP)
+        # every rank runs the same forwards (collectives under FSDP)
+        self.ranks.send("logprobs", samples)
         with self.shared.turn(self.name):
             return self._sample_logprobs(samples)
 
@@ -299,22 +372,26 @@ class Trainer:
         return [out[i] for i in range(len(samples))]
 
     def _reshard(self) -> None:
-        """Under FSDP, leave every rank's base sharded after a command. FSDP keeps the root's weights
-        gathered after a forward without backward, and rank 0 alone then reads the model's state (a
-        push, a save), which reshards them there only: the next forward would all-gather on rank 0 alone."""
+        """Under FSDP, leave every rank's base sharded after a command. FSDP keeps the root's
+        weights gathered after a forward without backward, and rank 0 alone then reads the model's
+        state (a push, a save), which reshards them there only: the next forward would all-gather on
+        rank 0 alone."""
         if self._sharded:
             self._decoder.reshard()
 
     def _logprobs(self, batch: Batch, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
-        """[N, C] logprob of each output token under the sampling distribution, and that distribution's entropy
-        (batch.py): each prompt runs once, the decoder to its last hidden state, the vocabulary projection a
-        chunk at a time."""
+        """[N, C] logprob of each output token under the sampling distribution, and that
+        distribution's entropy (batch.py): each prompt runs once, the decoder to its last hidden
+        state, the vocabulary projection a chunk at a time."""
         if self.cores is not None:
             self.cores.apply()
         tokens = int(batch.prompt_mask.sum()) + int(batch.outputs.sum())
-        self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens  # a backward: 2 more
+        # a backward: 2 more
+        self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens
         hidden = output_hidden(self._decoder, batch)
-        return token_logprobs(hidden, self._head, batch, self.temperature, self.top_p, self.top_k, entropy_grad)
+        return token_logprobs(
+            hidden, self._head, batch, self.temperature, self.top_p, self.top_k, entropy_grad
+        )
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: Batch) -> Tensor:
@@ -334,18 +411,29 @@ class Trainer:
         return adapters.adapter_config_dict(self.model, self.name)
 
     def merged_weights(self, only_adapted: bool = False) -> dict[str, Tensor]:
-        """Base weights with the adapter merged in; `only_adapted`: just the adapted modules' weights."""
+        """Base weights with the adapter merged in; `only_adapted`: just the adapted modules'
+        weights."""
         with self.shared.turn(self.name):  # merging reads the active adapter
             return adapters.merged_weights(self.model, only_adapted)
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def save(self, directory: str | Path, run_state: dict | None = None) -> Path:
-        """Adapter in peft's format, optimizer state and trainer state (version, RNG, schedule, and the run's
-        own `run_state`, e.g. where the prompt stream stands, which `load` returns): state.py."""
+        """Adapter in peft's format, optimizer state and trainer state (version, RNG, schedule, and
+        the run's own `run_state`, e.g. where the prompt stream stands, which `load` returns):
+        state.py."""
         directory = Path(directory)
-        state.write(directory, self.model, self.name, self.optimizer.state_dict(),
-                    {"version": self.version, "run": run_state or {}, "schedule": self.scheduler.state_dict()})
+        state.write(
+            directory,
+            self.model,
+            self.name,
+            self.optimizer.state_dict(),
+            {
+                "version": self.version,
+                "run": run_state or {},
+                "schedule": self.scheduler.state_dict(),
+            },
+        )
         return directory
 
     def load(self, directory: str | Path) -> dict:
@@ -357,8 +445,11 @@ class Trainer:
         return saved.state.get("run", {})
 
     def _restore(self, saved: state.SavedState) -> None:
-        peft.set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in saved.weights.items()},
-                                       adapter_name=self.name)
+        peft.set_peft_model_state_dict(
+            self.model,
+            {k: v.to(self.device) for k, v in saved.weights.items()},
+            adapter_name=self.name,
+        )
         self.optimizer.load_state_dict(saved.optimizer)  # moves the state to the parameters' device
         self.version = int(saved.state["version"])
         if "schedule" in saved.state:
@@ -371,7 +462,12 @@ class Trainer:
 
     def close(self) -> None:
         """Rank 0: the other ranks stop following (when they can still hear it). Idempotent."""
-        if self.ranks.world > 1 and self.ranks.leader and self.ranks.lost is None and not self._closed:
+        if (
+            self.ranks.world > 1
+            and self.ranks.leader
+            and self.ranks.lost is None
+            and not self._closed
+        ):
             self._closed = True
             try:
                 self.ranks.send("stop")

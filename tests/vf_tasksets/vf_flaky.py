@@ -1,5 +1,5 @@
-"""A verifiers taskset whose rubric fails on one episode in 4 (by the bridge's count of scored episodes): those
-episodes are lost, not the run."""
+"""A verifiers taskset whose rubric fails on one episode in 4 (by the bridge's count of scored
+episodes): those episodes are lost, not the run."""
 
 import itertools
 import json
@@ -28,7 +28,9 @@ class FlakyTaskset(vf.Taskset[FlakyTask, vf.TasksetConfig]):
     def load(self):
         for line in DATA.read_text().splitlines():
             row = json.loads(line)
-            yield FlakyTask(FlakyData(prompt=row["question"], answer=row["answer"]), self.config.task)
+            yield FlakyTask(
+                FlakyData(prompt=row["question"], answer=row["answer"]), self.config.task
+            )
 
 
 __all__ = ["FlakyData", "FlakyTask", "FlakyTaskset"]

@@ -1,7 +1,7 @@
-"""A verifiers taskset for the tests: the sums of tests/data/questions.jsonl. The tiny test model writes noise,
-so the reward is the share of the answer's digits in the reply: it varies, which is all a test of the plumbing
-needs (that a verifiers taskset learns: docs/agents.md, SmolLM2). Its rubric prints, as rubrics being debugged
-do: the bridge's protocol must not mind."""
+"""A verifiers taskset for the tests: the sums of tests/data/questions.jsonl. The tiny test model
+writes noise, so the reward is the share of the answer's digits in the reply: it varies, which is
+all a test of the plumbing needs (that a verifiers taskset learns: docs/agents.md, SmolLM2). Its
+rubric prints, as rubrics being debugged do: the bridge's protocol must not mind."""
 
 import json
 from pathlib import Path
@@ -27,7 +27,9 @@ class QuestionTaskset(vf.Taskset[QuestionTask, vf.TasksetConfig]):
     def load(self):
         for line in DATA.read_text().splitlines():
             row = json.loads(line)
-            yield QuestionTask(QuestionData(prompt=row["question"], answer=row["answer"]), self.config.task)
+            yield QuestionTask(
+                QuestionData(prompt=row["question"], answer=row["answer"]), self.config.task
+            )
 
 
 __all__ = ["QuestionData", "QuestionTask", "QuestionTaskset"]

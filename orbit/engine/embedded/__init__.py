@@ -1,5 +1,5 @@
-"""Orbit's embedded engine (docs/design.md §4): its own decoder, KV cache, continuous batching, prefix
-cache and a ring of adapter slots, in a process of its own.
+"""Orbit's embedded engine (docs/design.md §4): its own decoder, KV cache, continuous batching,
+prefix cache and a ring of adapter slots, in a process of its own.
 
     model.py      decoder for Llama/Qwen2/Qwen3 checkpoints (plain tensors, fused projections)
     slots.py      LoRA/OFT slots from peft state dicts; per-row application in mixed batches

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from orbit.engine.base import ACTIVE, Completion, EngineError, EngineStats, FinishReason, SamplingParams, Slot
+from orbit.engine.base import (
+    ACTIVE,
+    Completion,
+    EngineError,
+    EngineStats,
+    FinishReason,
+    SamplingParams,
+    Slot,
+)
 from orbit.engine.checks import check_pause_mode, check_prompt, check_slot, check_version
 from orbit.engine.embedded.kv_cache import KVPool, PrefixCache, PrefixEntry, PrefixKey
 from orbit.engine.embedded.model import Decoder, Project, plain_linear, validate_weights
@@ -32,9 +40,10 @@ from orbit.engine.embedded.scheduler import Scheduler, Sequence
 from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
 from orbit.engine.serving import ActiveSlot
 
-# A step's prefill is sized to take about this long at the speed the engine's prefills have run: the loop answers
-# control calls (the pool's liveness ping among them) only between steps, and on a CPU a 135M model prefills a few
-# hundred tokens a second per thread, so 32 prompts at once would hold the loop for many seconds.
+# A step's prefill is sized to take about this long at the speed the engine's prefills have run: the
+# loop answers control calls (the pool's liveness ping among them) only between steps, and on a CPU
+# a 135M model prefills a few hundred tokens a second per thread, so 32 prompts at once would hold
+# the loop for many seconds.
 PREFILL_STEP_S = 1.0
 FIRST_PREFILL_TOKENS = 512  # before any prefill was timed
 
@@ -58,12 +67,21 @@ class EngineCore:
         self.options = opts = options or EngineOptions()
         if opts.max_running < 1:
             raise EngineError(f"max_running must be >= 1, got {opts.max_running}")
-        self.decoder = Decoder(model_path, max_context=opts.max_context, dtype=opts.dtype, device=opts.device)
+        self.decoder = Decoder(
+            model_path, max_context=opts.max_context, dtype=opts.dtype, device=opts.device
+        )
         self.spec = self.decoder.spec
         self.max_context = self.decoder.max_context
         s = self.spec
-        self.pool = KVPool(s.num_layers, opts.max_running, s.num_kv_heads, self.max_context, s.head_dim,
-                           self.decoder.dtype, self.decoder.device)
+        self.pool = KVPool(
+            s.num_layers,
+            opts.max_running,
+            s.num_kv_heads,
+            self.max_context,
+            s.head_dim,
+            self.decoder.dtype,
+            self.decoder.device,
+        )
         self.cache = PrefixCache(opts.prefix_cache_size)
         self.scheduler = Scheduler(opts.max_running, opts.max_prefill_tokens)
         if opts.slots < 1:
@@ -77,14 +95,28 @@ class EngineCore:
         self._finished: list[tuple[int, Completion]] = []
         self._next_rid = 0
         self._pause_t0 = 0.0
-        self._prefill_rate: float | None = None  # prompt tokens per second of the prefills so far (smoothed)
-        self.counters = {"tokens_generated": 0, "busy_s": 0.0, "paused_s": 0.0, "prefill_tokens": 0,
-                         "aborted": 0, "aborted_on_load": 0, "retracted": 0}
+        # prompt tokens per second of the prefills so far (smoothed)
+        self._prefill_rate: float | None = None
+        self.counters = {
+            "tokens_generated": 0,
+            "busy_s": 0.0,
+            "paused_s": 0.0,
+            "prefill_tokens": 0,
+            "aborted": 0,
+            "aborted_on_load": 0,
+            "retracted": 0,
+        }
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Seq[int], sampling: SamplingParams, slot: Slot = ACTIVE,
-               meta: dict | None = None, rid: int | None = None) -> int:
+    def submit(
+        self,
+        prompt_ids: Seq[int],
+        sampling: SamplingParams,
+        slot: Slot = ACTIVE,
+        meta: dict | None = None,
+        rid: int | None = None,
+    ) -> int:
         """Queue a request; returns its id. Raises EngineError for bad input (nothing queued)."""
         prompt = check_prompt(prompt_ids, self.spec.vocab_size, self.max_context)
         self._check_sampling(sampling)
@@ -97,10 +129,21 @@ class EngineCore:
             stops.update(self.spec.eos_token_ids)
         generator = None
         if sampling.temperature > 0:
-            seed = sampling.seed if sampling.seed is not None else int(
-                torch.randint(0, 2**62, (), generator=self.rng))
+            seed = (
+                sampling.seed
+                if sampling.seed is not None
+                else int(torch.randint(0, 2**62, (), generator=self.rng))
+            )
             generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(rid, prompt, sampling, bound, frozenset(stops), generator, meta if meta is not None else {})
+        seq = Sequence(
+            rid,
+            prompt,
+            sampling,
+            bound,
+            frozenset(stops),
+            generator,
+            meta if meta is not None else {},
+        )
         self.scheduler.add(seq)
         return rid
 
@@ -110,11 +153,15 @@ class EngineCore:
         sampling.check()
         if any(isinstance(t, bool) or not isinstance(t, int) for t in sampling.stop_token_ids):
             raise EngineError(f"stop_token_ids must be ints, got {sampling.stop_token_ids!r}")
-        if sampling.seed is not None and (isinstance(sampling.seed, bool) or not isinstance(sampling.seed, int)):
+        if sampling.seed is not None and (
+            isinstance(sampling.seed, bool) or not isinstance(sampling.seed, int)
+        ):
             raise EngineError(f"seed must be an int or None, got {sampling.seed!r}")
 
     def _resolve_slot(self, slot: Slot) -> int | None:
-        return self.active.bind(slot if slot in (ACTIVE, None) else check_slot(slot, len(self.slots)))
+        return self.active.bind(
+            slot if slot in (ACTIVE, None) else check_slot(slot, len(self.slots))
+        )
 
     def _version(self, slot: int | None) -> int:
         weights = self.slots[slot] if slot is not None else None
@@ -126,10 +173,15 @@ class EngineCore:
         return out
 
     def has_work(self) -> bool:
-        return not self.paused and not self.released and bool(self.scheduler.running or self.scheduler.waiting)
+        return (
+            not self.paused
+            and not self.released
+            and bool(self.scheduler.running or self.scheduler.waiting)
+        )
 
     def run_until_idle(self) -> list[tuple[int, Completion]]:
-        """Step until nothing can run (tests and scripts; the process interleaves commands instead)."""
+        """Step until nothing can run (tests and scripts; the process interleaves commands
+        instead)."""
         while self.has_work():
             self.step()
         return self.pop_finished()
@@ -149,7 +201,8 @@ class EngineCore:
         self.counters["busy_s"] += time.perf_counter() - t0
 
     def _prefill_budget(self) -> int:
-        """Prompt tokens for this step's prefill: about PREFILL_STEP_S of work (the scheduler caps it)."""
+        """Prompt tokens for this step's prefill: about PREFILL_STEP_S of work (the scheduler caps
+        it)."""
         if self._prefill_rate is None:
             return FIRST_PREFILL_TOKENS
         return max(1, int(self._prefill_rate * PREFILL_STEP_S))
@@ -165,8 +218,10 @@ class EngineCore:
             rows = [i for i, x in enumerate(slots) if x == s]
             idx = None
             if len(rows) < len(slots):  # a mixed batch: this slot touches only its rows' tokens
-                idx = (torch.tensor(rows, device=device)[:, None] * tokens_per_row
-                       + torch.arange(tokens_per_row, device=device)).reshape(-1)
+                idx = (
+                    torch.tensor(rows, device=device)[:, None] * tokens_per_row
+                    + torch.arange(tokens_per_row, device=device)
+                ).reshape(-1)
             entries.append((self.slots[s], idx))
         return SlotBatch(entries).project
 
@@ -180,7 +235,8 @@ class EngineCore:
         compute: list[int] = []  # indices into admitted that need a forward
         keys: dict[int, PrefixKey] = {}
         first_of: dict[PrefixKey, int] = {}
-        copies: list[tuple[int, int]] = []  # (index, index of the identical prompt computed in this batch)
+        # (index, index of the identical prompt computed in this batch)
+        copies: list[tuple[int, int]] = []
         for j, seq in enumerate(admitted):
             if seq.version_start is None:
                 seq.version_start, seq.t_start = self._version(seq.slot), now
@@ -204,7 +260,9 @@ class EngineCore:
                 logits[j] = row_logits
                 if j in keys:
                     seq = admitted[j]
-                    entry = PrefixEntry(self.pool.export(seq.row, seq.num_tokens), row_logits.clone())
+                    entry = PrefixEntry(
+                        self.pool.export(seq.row, seq.num_tokens), row_logits.clone()
+                    )
                     self.cache.put(keys[j], entry)
         for j, src in copies:
             self.pool.move(admitted[src].row, admitted[j].row, admitted[j].num_tokens)
@@ -223,13 +281,18 @@ class EngineCore:
         rows = torch.tensor([s.row for s in seqs], device=device)
         t0 = time.perf_counter()
         hidden = self.decoder.prefill(
-            tokens.to(device), self._project([s.slot for s in seqs], width),
+            tokens.to(device),
+            self._project([s.slot for s in seqs], width),
             store=lambda layer, k, v: self.pool.store_prefill(rows, layer, k, v),
         )
-        last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lengths, device=device) - 1]
+        last = hidden[
+            torch.arange(len(seqs), device=device), torch.tensor(lengths, device=device) - 1
+        ]
         logits = self.decoder.logits(last)
         rate = sum(lengths) / max(time.perf_counter() - t0, 1e-6)
-        self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
+        self._prefill_rate = (
+            rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
+        )
         self.counters["prefill_tokens"] += sum(lengths)
         return logits
 
@@ -239,8 +302,14 @@ class EngineCore:
         tokens = torch.tensor([s.output_ids[-1] for s in running], device=device)
         positions = torch.tensor([s.num_tokens - 1 for s in running], device=device)
         kv_len = max(s.num_tokens for s in running)
-        hidden = self.decoder.decode(tokens, positions, self.pool.k, self.pool.v, kv_len,
-                                     self._project([s.slot for s in running], 1))
+        hidden = self.decoder.decode(
+            tokens,
+            positions,
+            self.pool.k,
+            self.pool.v,
+            kv_len,
+            self._project([s.slot for s in running], 1),
+        )
         self._advance(running, self.decoder.logits(hidden))
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -265,13 +334,22 @@ class EngineCore:
     def _complete(self, seq: Sequence, reason: FinishReason) -> None:
         if reason == "abort":
             self.counters["aborted"] += 1
-        self._finished.append((seq.rid, seq.completion(
-            reason, self._version(seq.slot), self._version(seq.slot), time.time())))
+        self._finished.append(
+            (
+                seq.rid,
+                seq.completion(
+                    reason, self._version(seq.slot), self._version(seq.slot), time.time()
+                ),
+            )
+        )
 
     # ---- control calls -------------------------------------------------------------------------
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
-        """Write a peft adapter into a slot; the other slot keeps serving meanwhile. Returns the write time.
+    def load_adapter(
+        self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
+    ) -> float:
+        """Write a peft adapter into a slot; the other slot keeps serving meanwhile. Returns the
+        write time.
 
         Everything is validated and built first (EngineError leaves the slot as it was). Then, if
         generation is running, requests running on this slot are aborted (never write under a
@@ -279,8 +357,15 @@ class EngineCore:
         """
         slot = check_slot(slot, len(self.slots))
         check_version(version)
-        weights = parse_adapter(tensors, adapter_config, version, self.spec, self.decoder.dtype,
-                                self.decoder.device)  # validates everything; raises before any change
+        weights = parse_adapter(
+            tensors,
+            adapter_config,
+            version,
+            self.spec,
+            self.decoder.dtype,
+            # validates everything; raises before any change
+            self.decoder.device,
+        )
         if not self.paused:
             victims = [s for s in self.scheduler.running if s.slot == slot]
             if victims:
@@ -334,7 +419,8 @@ class EngineCore:
         self.cache.clear()
 
     def release_memory(self) -> None:
-        """Free the KV pool and prefix cache (running requests are retracted); on CUDA, weights go to CPU."""
+        """Free the KV pool and prefix cache (running requests are retracted); on CUDA, weights go
+        to CPU."""
         if self.released:
             return
         self._retract()
@@ -363,18 +449,28 @@ class EngineCore:
         c = self.counters
         paused_s = c["paused_s"] + (time.perf_counter() - self._pause_t0 if self.paused else 0.0)
         return EngineStats(
-            tokens_generated=c["tokens_generated"], busy_s=c["busy_s"], paused_s=paused_s,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefix_cache_entries=len(self.cache), prefix_cache_hits=self.cache.hits, active_slot=self.active.get(),
+            tokens_generated=c["tokens_generated"],
+            busy_s=c["busy_s"],
+            paused_s=paused_s,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prefix_cache_entries=len(self.cache),
+            prefix_cache_hits=self.cache.hits,
+            active_slot=self.active.get(),
             slot_versions=tuple(None if w is None else w.version for w in self.slots),
-            slot_requests=tuple(sum(1 for q in (*self.scheduler.running, *self.scheduler.waiting) if q.slot == i)
-                                for i in range(len(self.slots))),
-            base_version=self.base_version, paused=self.paused, prefill_tokens=c["prefill_tokens"],
-            aborted=c["aborted"], aborted_on_load=c["aborted_on_load"], retracted=c["retracted"],
+            slot_requests=tuple(
+                sum(1 for q in (*self.scheduler.running, *self.scheduler.waiting) if q.slot == i)
+                for i in range(len(self.slots))
+            ),
+            base_version=self.base_version,
+            paused=self.paused,
+            prefill_tokens=c["prefill_tokens"],
+            aborted=c["aborted"],
+            aborted_on_load=c["aborted_on_load"],
+            retracted=c["retracted"],
         )
 
     def shutdown(self) -> None:
         """Finish everything with reason abort."""
         for seq in self.scheduler.take_running() + self.scheduler.take_waiting():
             self._complete(seq, "abort")
-

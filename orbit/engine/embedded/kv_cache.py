@@ -17,12 +17,21 @@ from dataclasses import dataclass
 
 import torch
 
-PrefixKey = tuple[int | None, int, int, tuple[int, ...]]  # (slot, slot version, base version, prompt)
+# (slot, slot version, base version, prompt)
+PrefixKey = tuple[int | None, int, int, tuple[int, ...]]
 
 
 class KVPool:
-    def __init__(self, layers: int, rows: int, kv_heads: int, context: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        kv_heads: int,
+        context: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.shape = (layers, rows, kv_heads, context, head_dim)
         self.dtype, self.device = dtype, device
         self.k: torch.Tensor | None = None
@@ -43,7 +52,9 @@ class KVPool:
     def allocated(self) -> bool:
         return self.k is not None
 
-    def store_prefill(self, rows: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store_prefill(
+        self, rows: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Write a prefill's keys/values [n, kv_heads, T, D] at positions 0..T-1 of `rows`."""
         t = k.shape[2]
         self.k[layer, rows, :, :t] = k

@@ -43,7 +43,10 @@ assert tuple(m for members in GROUPS.values() for m in members) == MODULES  # th
 def unsupported(spec: ModelSpec, raw: dict) -> str | None:
     """Why this decoder cannot run a checkpoint (None: it can)."""
     if spec.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"it is a {spec.model_type!r} model; the embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        return (
+            f"it is a {spec.model_type!r} model; the embedded engine runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         return f"hidden_act {raw['hidden_act']!r} is not supported (silu only)"
     if raw.get("use_sliding_window"):
@@ -63,7 +66,9 @@ def _rope_parameters(raw: dict) -> dict:
     return params
 
 
-def rope_frequencies(path: str | Path, raw: dict, spec: ModelSpec, max_context: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    path: str | Path, raw: dict, spec: ModelSpec, max_context: int
+) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) for the checkpoint's rope settings.
 
     The default type is computed here (the formula of transformers' compute_default_rope_parameters)
@@ -74,14 +79,18 @@ def rope_frequencies(path: str | Path, raw: dict, spec: ModelSpec, max_context: 
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dim = spec.head_dim
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (
+            params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+        )
         return inv_freq, 1.0
     # dynamic/longrope switch frequencies by sequence length; a static table matches them only
     # while every sequence stays within the original length.
     original = params.get("original_max_position_embeddings", spec.max_position_embeddings)
     limit = spec.max_position_embeddings if "dynamic" in rope_type else original
     if ("dynamic" in rope_type or rope_type == "longrope") and max_context > limit:
-        raise EngineError(f"rope_type {rope_type!r} needs max_context <= {limit}, got {max_context}")
+        raise EngineError(
+            f"rope_type {rope_type!r} needs max_context <= {limit}, got {max_context}"
+        )
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -141,8 +150,14 @@ def plain_linear(layer: int, group: str, lin: Linear, x: torch.Tensor) -> torch.
 class Decoder:
     """Llama/Qwen2/Qwen3 forward over plain tensors. Not thread-safe; one engine owns it."""
 
-    def __init__(self, path: str | Path, *, max_context: int | None = None, dtype: str = "float32",
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_context: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
         if dtype not in DTYPES:
             raise EngineError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.spec, raw = read_spec(path)
@@ -178,10 +193,17 @@ class Decoder:
                 start += w.shape[0]
             bias = None
             if any(b is not None for b in biases):  # a member without bias gets zeros, not exported
-                bias = torch.cat([(b if b is not None else torch.zeros(w.shape[0])).to(self.device, self.dtype)
-                                  for b, w in zip(biases, weights, strict=True)])
-                self._bias_members.update(f"{prefix}.{m}" for m, b in zip(members, biases, strict=True)
-                                          if b is not None)
+                bias = torch.cat(
+                    [
+                        (b if b is not None else torch.zeros(w.shape[0])).to(
+                            self.device, self.dtype
+                        )
+                        for b, w in zip(biases, weights, strict=True)
+                    ]
+                )
+                self._bias_members.update(
+                    f"{prefix}.{m}" for m, b in zip(members, biases, strict=True) if b is not None
+                )
             return Linear(torch.cat(weights).contiguous(), bias, tuple(parts))
 
         self._bias_members: set[str] = set()
@@ -192,13 +214,15 @@ class Decoder:
         self.layers = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}"
-            self.layers.append(Layer(
-                attn_norm=take(f"{p}.input_layernorm.weight"),
-                mlp_norm=take(f"{p}.post_attention_layernorm.weight"),
-                **{g: fuse(p, members) for g, members in GROUPS.items()},
-                q_norm=take(f"{p}.self_attn.q_norm.weight") if qk_norm else None,
-                k_norm=take(f"{p}.self_attn.k_norm.weight") if qk_norm else None,
-            ))
+            self.layers.append(
+                Layer(
+                    attn_norm=take(f"{p}.input_layernorm.weight"),
+                    mlp_norm=take(f"{p}.post_attention_layernorm.weight"),
+                    **{g: fuse(p, members) for g, members in GROUPS.items()},
+                    q_norm=take(f"{p}.self_attn.q_norm.weight") if qk_norm else None,
+                    k_norm=take(f"{p}.self_attn.k_norm.weight") if qk_norm else None,
+                )
+            )
         freqs = torch.outer(torch.arange(self.max_context, dtype=torch.float), self._inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * self.attention_scaling).to(self.device, self.dtype)
@@ -206,8 +230,11 @@ class Decoder:
 
     def params(self) -> dict[str, torch.Tensor]:
         """HF name -> tensor (views into the fused weights; writing one writes the model)."""
-        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm,
-               "lm_head.weight": self.lm_head}  # tied: the same tensor as the embedding
+        out = {
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.final_norm,
+            "lm_head.weight": self.lm_head,
+        }  # tied: the same tensor as the embedding
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}"
             out[f"{p}.input_layernorm.weight"] = layer.attn_norm
@@ -252,13 +279,18 @@ class Decoder:
         is expanded per call, from the tensors that params() exposes, so a push takes effect.
         """
         s = self.spec
-        weight = torch.cat((layer.q_norm.expand(s.num_heads, -1), layer.k_norm.expand(s.num_kv_heads, -1)))
-        if qk.dtype == torch.float32:  # F.rms_norm wants a weight of the normalized shape: apply it after
+        weight = torch.cat(
+            (layer.q_norm.expand(s.num_heads, -1), layer.k_norm.expand(s.num_kv_heads, -1))
+        )
+        # F.rms_norm wants a weight of the normalized shape: apply it after
+        if qk.dtype == torch.float32:
             return F.rms_norm(qk, weight.shape[-1:], None, s.rms_eps) * weight
-        return self._norm(qk, weight)  # statistics per head in float32; the [H+Hkv, D] weight broadcasts
+        # statistics per head in float32; the [H+Hkv, D] weight broadcasts
+        return self._norm(qk, weight)
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                project: Project) -> torch.Tensor:
+    def _layers(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, project: Project
+    ) -> torch.Tensor:
         """Run all layers over tokens [n, T] at positions [n, T]; return hidden [n*T, hidden]."""
         s = self.spec
         n, t = tokens.shape
@@ -276,7 +308,7 @@ class Decoder:
             qk = self._rope(qk, cos, sin)
             q = qk[:, :, :h_q].transpose(1, 2)
             k = qk[:, :, h_q:].transpose(1, 2)
-            v = qkv[:, (h_q + h_kv) * d:].view(n, t, h_kv, d).transpose(1, 2)
+            v = qkv[:, (h_q + h_kv) * d :].view(n, t, h_kv, d).transpose(1, 2)
             a = attend(i, q, k, v).transpose(1, 2).reshape(n * t, h_q * d)
             h = h + project(i, "o", layer.o, a)
             x = self._norm(h, layer.mlp_norm)
@@ -288,9 +320,14 @@ class Decoder:
         """Final norm + lm_head, in float32 for the sampler."""
         return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
 
-    def prefill(self, tokens: torch.Tensor, project: Project = plain_linear,
-                store: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Causal forward over right-padded tokens [n, T] from position 0; returns hidden [n, T, hidden].
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        project: Project = plain_linear,
+        store: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Causal forward over right-padded tokens [n, T] from position 0; returns hidden [n, T,
+        hidden].
 
         Padding sits after each sequence's last token, so causal masking alone keeps it out of
         every real position. `store(layer, k, v)` receives each layer's keys/values [n, Hkv, T, D].
@@ -305,9 +342,17 @@ class Decoder:
 
         return self._layers(tokens, positions, attend, project).view(n, t, -1)
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, k_cache: list[torch.Tensor],
-               v_cache: list[torch.Tensor], kv_len: int, project: Project = plain_linear) -> torch.Tensor:
-        """One token per row: tokens/positions [n]; row r uses cache row r. Returns hidden [n, hidden].
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        kv_len: int,
+        project: Project = plain_linear,
+    ) -> torch.Tensor:
+        """One token per row: tokens/positions [n]; row r uses cache row r. Returns hidden [n,
+        hidden].
 
         The new key/value is written at `positions[r]`, then each row attends over its first
         positions[r]+1 cache entries (`kv_len` = the longest of them).
@@ -315,7 +360,9 @@ class Decoder:
         n = tokens.shape[0]
         s = self.spec
         rows = torch.arange(n, device=self.device)
-        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None]).view(n, 1, 1, kv_len)
+        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None]).view(
+            n, 1, 1, kv_len
+        )
         groups = s.num_heads // s.num_kv_heads
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -325,14 +372,17 @@ class Decoder:
             # one query per row: the G query heads of a kv head become G query positions, so no
             # repeat of the cache is needed
             qg = q.reshape(n, s.num_kv_heads, groups, s.head_dim)
-            out = F.scaled_dot_product_attention(qg, kc[:n, :, :kv_len], vc[:n, :, :kv_len], attn_mask=mask)
+            out = F.scaled_dot_product_attention(
+                qg, kc[:n, :, :kv_len], vc[:n, :, :kv_len], attn_mask=mask
+            )
             return out.reshape(n, s.num_heads, 1, s.head_dim)
 
         return self._layers(tokens.view(n, 1), positions.view(n, 1), attend, project)
 
 
 def validate_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Check a full-weight push against the model; return name -> destination view. Changes nothing."""
+    """Check a full-weight push against the model; return name -> destination view. Changes
+    nothing."""
     params = decoder.params()
     if not tensors:
         raise EngineError("update_weights: no tensors given")

@@ -1,21 +1,22 @@
 """The embedded engine in a process of its own: the client the trainer side holds, and the loop that
 runs in the engine's process. The two ends of one protocol, in one place.
 
-Trainer side (`EmbeddedClient`, the Engine protocol): thread-safe; a producer thread calls `generate`
-while the trainer thread makes control calls. `generate` returns a Future at once; control calls
-block until the engine has done them. One reader thread resolves futures from the engine's pipe; it
-polls with a timeout and checks the process, so if the engine dies every pending future and every
-later call raises EngineDeadError within about a second instead of hanging.
+Trainer side (`EmbeddedClient`, the Engine protocol): thread-safe; a producer thread calls
+`generate` while the trainer thread makes control calls. `generate` returns a Future at once;
+control calls block until the engine has done them. One reader thread resolves futures from the
+engine's pipe; it polls with a timeout and checks the process, so if the engine dies every pending
+future and every later call raises EngineDeadError within about a second instead of hanging.
 
-Engine side (`engine_main`): a loop that interleaves commands with engine steps. Commands arrive on a
-torch.multiprocessing queue (tensors travel as shared-memory handles); results go back on a one-way
-pipe whose only writer is the engine process, so the trainer side sees EOF the moment it dies.
-Between two steps the loop drains every queued command, so a control call waits at most one step
-(plus its own work), and a burst of `generate` calls is admitted together.
+Engine side (`engine_main`): a loop that interleaves commands with engine steps. Commands arrive on
+a torch.multiprocessing queue (tensors travel as shared-memory handles); results go back on a
+one-way pipe whose only writer is the engine process, so the trainer side sees EOF the moment it
+dies. Between two steps the loop drains every queued command, so a control call waits at most one
+step (plus its own work), and a burst of `generate` calls is admitted together.
 
 Messages in:  ("generate", rid, (prompt_ids, sampling, slot))  |  ("call", cid, (method, args))
-Messages out: ("ready", None, EngineInfo) | ("startup_error", None, exc) | ("done", rid, Completion)
-              | ("failed", rid, exc) | ("reply", cid, value) | ("error", cid, exc) | ("crash", None, text)
+Messages out: ("ready", None, EngineInfo) | ("startup_error", None, exc)
+              | ("done", rid, Completion) | ("failed", rid, exc) | ("reply", cid, value)
+              | ("error", cid, exc) | ("crash", None, text)
 """
 
 from __future__ import annotations
@@ -60,33 +61,58 @@ CALL_TIMEOUT_S = 300.0
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 
-def start_embedded_engine(model_path: str | Path, *, max_running: int = 32, max_context: int | None = None,
-                          dtype: str = "float32", device: str = "cpu", threads: int = 1, seed: int = 0,
-                          prefix_cache_size: int = 64, max_prefill_tokens: int = 4096,
-                          call_timeout_s: float = CALL_TIMEOUT_S, slots: int = 2) -> EmbeddedClient:
+def start_embedded_engine(
+    model_path: str | Path,
+    *,
+    max_running: int = 32,
+    max_context: int | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int = 1,
+    seed: int = 0,
+    prefix_cache_size: int = 64,
+    max_prefill_tokens: int = 4096,
+    call_timeout_s: float = CALL_TIMEOUT_S,
+    slots: int = 2,
+) -> EmbeddedClient:
     """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
 
-    `call_timeout_s`: a control call unanswered this long means the engine is hung (EngineDeadError).
-    `slots`: adapter slots."""
-    options = EngineOptions(max_running=max_running, max_context=max_context, dtype=dtype, device=device,
-                            seed=seed, prefix_cache_size=prefix_cache_size, max_prefill_tokens=max_prefill_tokens,
-                            slots=slots)
+    `call_timeout_s`: a control call unanswered this long means the engine is hung
+    (EngineDeadError). `slots`: adapter slots."""
+    options = EngineOptions(
+        max_running=max_running,
+        max_context=max_context,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        prefix_cache_size=prefix_cache_size,
+        max_prefill_tokens=max_prefill_tokens,
+        slots=slots,
+    )
     ctx = mp.get_context("spawn")
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=engine_main, args=(str(model_path), options, threads, commands, writer),
-                          daemon=True, name="orbit-engine")
+    process = ctx.Process(
+        target=engine_main,
+        args=(str(model_path), options, threads, commands, writer),
+        daemon=True,
+        name="orbit-engine",
+    )
     process.start()
     writer.close()  # the engine must hold the only writer, so its death reads as EOF here
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     try:
         while not reader.poll(_POLL_S):
             if not process.is_alive() or time.monotonic() > deadline:
-                raise EngineStartError(f"engine process failed to start (exit code {process.exitcode})")
+                raise EngineStartError(
+                    f"engine process failed to start (exit code {process.exitcode})"
+                )
         kind, _, payload = reader.recv()
     except (EOFError, OSError) as e:
         process.join(5)
-        raise EngineStartError(f"engine process failed to start (exit code {process.exitcode})") from e
+        raise EngineStartError(
+            f"engine process failed to start (exit code {process.exitcode})"
+        ) from e
     if kind != "ready":
         process.join(5)
         raise payload
@@ -98,12 +124,21 @@ class EmbeddedClient:
 
     adapter_transport = "shared-memory"  # tensors cross to the engine process through shared memory
 
-    def __init__(self, process, commands, results, info: EngineInfo, slots: int,
-                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        process,
+        commands,
+        results,
+        info: EngineInfo,
+        slots: int,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
         self.info = info
-        # Everything a push may ask of it: OFT slots, loads under paused requests, flush at any time.
-        self.capabilities = Capabilities(slots=slots, oft_slots=True, loads_while_paused=True,
-                                         flush_while_running=True)
+        # Everything a push may ask of it: OFT slots, loads under paused requests, flush at any
+        # time.
+        self.capabilities = Capabilities(
+            slots=slots, oft_slots=True, loads_while_paused=True, flush_while_running=True
+        )
         self.call_timeout_s = call_timeout_s
         self._process = process
         self._commands = commands
@@ -140,8 +175,10 @@ class EmbeddedClient:
             return fut.result(timeout)
         except TimeoutError:
             fut.cancel()
-            raise EngineDeadError(f"engine process {self.pid} did not answer {method} within {timeout:g} s "
-                                  f"(alive: {self._process.is_alive()}); it is hung") from None
+            raise EngineDeadError(
+                f"engine process {self.pid} did not answer {method} within {timeout:g} s "
+                f"(alive: {self._process.is_alive()}); it is hung"
+            ) from None
 
     def _read(self) -> None:
         try:
@@ -153,8 +190,12 @@ class EmbeddedClient:
                     raise EOFError
         except (EOFError, OSError):
             self._process.join(2)
-            self._fail_all(EngineDeadError(self._closing or f"engine process {self.pid} died (exit code "
-                                                            f"{self._process.exitcode})"))
+            self._fail_all(
+                EngineDeadError(
+                    self._closing
+                    or f"engine process {self.pid} died (exit code {self._process.exitcode})"
+                )
+            )
         except EngineDeadError as e:
             self._fail_all(e)
         except BaseException as e:  # noqa: BLE001 - whatever broke, no caller may hang on it
@@ -190,7 +231,9 @@ class EmbeddedClient:
         (the call blocks until the engine has copied them).
         """
         if not isinstance(tensors, dict):
-            raise EngineError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+            raise EngineError(
+                f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}"
+            )
         out = {}
         for name, t in tensors.items():
             if isinstance(t, torch.Tensor):
@@ -202,8 +245,13 @@ class EmbeddedClient:
 
     # ---- the Engine protocol -------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
-                 meta: dict | None = None) -> Future[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        slot: Slot = ACTIVE,
+        meta: dict | None = None,
+    ) -> Future[Completion]:
         """Submit one request. Bad arguments raise EngineError here; an empty slot or a token id
         outside the vocabulary fails the future with EngineError."""
         if not isinstance(sampling, SamplingParams):
@@ -213,8 +261,11 @@ class EmbeddedClient:
         check_request_slot(slot, self.capabilities.slots)
         return self._submit("generate", (prompt, sampling, slot), meta)
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
-        config = plain_config(adapter_config)  # peft's enums and sets do not cross the process as themselves
+    def load_adapter(
+        self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
+    ) -> float:
+        # peft's enums and sets do not cross the process as themselves
+        config = plain_config(adapter_config)
         return self._call("load_adapter", slot, self._shared(tensors), config, version)  # type: ignore[return-value]
 
     def activate(self, slot: int | None) -> None:
@@ -274,16 +325,31 @@ class EmbeddedClient:
 # ---- the engine's process ----------------------------------------------------------------------
 
 # Control calls the trainer side may invoke by name (anything else is refused).
-CALLS = frozenset({"load_adapter", "activate", "pause_generation", "flush_cache", "continue_generation",
-                   "update_weights", "release_memory", "resume_memory", "stats", "shutdown"})
+CALLS = frozenset(
+    {
+        "load_adapter",
+        "activate",
+        "pause_generation",
+        "flush_cache",
+        "continue_generation",
+        "update_weights",
+        "release_memory",
+        "resume_memory",
+        "stats",
+        "shutdown",
+    }
+)
 _MAX_COMMANDS_PER_STEP = 512  # keeps a flood of submissions from starving the decode loop
 _IDLE_POLL_S = 0.5
 
 
-def engine_main(model_path: str, options: EngineOptions, threads: int, commands, out: Connection) -> None:
+def engine_main(
+    model_path: str, options: EngineOptions, threads: int, commands, out: Connection
+) -> None:
     """Process entry point (spawned)."""
-    # The trainer stops the engine itself, after what a Ctrl-C or a launcher's SIGTERM to its process group
-    # makes it save; the engine leaves that group (and ignores a Ctrl-C sent to it before it has).
+    # The trainer stops the engine itself, after what a Ctrl-C or a launcher's SIGTERM to its
+    # process group makes it save; the engine leaves that group (and ignores a Ctrl-C sent to it
+    # before it has).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)
     torch.set_num_threads(threads)  # before any op: generation and training share the cores
@@ -293,8 +359,22 @@ def engine_main(model_path: str, options: EngineOptions, threads: int, commands,
         out.send(("startup_error", None, e if isinstance(e, EngineError) else EngineError(repr(e))))
         return
     spec = core.spec
-    out.send(("ready", None, EngineInfo(os.getpid(), spec.model_type, spec.vocab_size, core.max_context,
-                                        spec.eos_token_ids, spec.num_layers, options.device, options.dtype)))
+    out.send(
+        (
+            "ready",
+            None,
+            EngineInfo(
+                os.getpid(),
+                spec.model_type,
+                spec.vocab_size,
+                core.max_context,
+                spec.eos_token_ids,
+                spec.num_layers,
+                options.device,
+                options.dtype,
+            ),
+        )
+    )
     try:
         _serve(core, commands, out)
     except BaseException:  # noqa: BLE001 - a bug in the engine: tell the client, then die

@@ -28,8 +28,9 @@ from orbit.rl.truncation import kept_sorted
 BLOCK = 512  # at most this many vocabulary entries per block of the two-level inverse CDF
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[float]]:
     """logits [n, V] float32 -> (token per row, its logprob)."""
     temps = [p.temperature for p in params]
     if not any(temps):  # all greedy: the common evaluation path, no uniforms needed
@@ -42,7 +43,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     t = torch.tensor([x if x > 0 else 1.0 for x in temps], device=device)
     probs = torch.softmax(logits / t[:, None], dim=-1)
     uniforms = torch.tensor(
-        [float(torch.rand((), generator=g, dtype=torch.float64)) if g is not None else 0.0 for g in generators],
+        [
+            float(torch.rand((), generator=g, dtype=torch.float64)) if g is not None else 0.0
+            for g in generators
+        ],
         device=device,
     )
     # Rows that keep every token sample in vocabulary order; only truncating rows are sorted, so a
@@ -64,17 +68,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if greedy:  # temperature 1, untruncated: log_softmax(logits) of the argmax
         rows = torch.tensor(greedy, device=device)
         tokens[rows] = logits[rows].argmax(dim=-1)
-        chosen[rows] = logits[rows].gather(1, tokens[rows, None]).squeeze(1) - torch.logsumexp(logits[rows], dim=-1)
+        chosen[rows] = logits[rows].gather(1, tokens[rows, None]).squeeze(1) - torch.logsumexp(
+            logits[rows], dim=-1
+        )
     return tokens.tolist(), chosen.tolist()
 
 
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Index per row where the running sum of (unnormalised, non-negative) weights [n, V] first exceeds
-    u·total, found in two levels: the block whose cumulative mass crosses it, then the entry in it.
-    `right=True` makes a zero-weight entry unpickable: its running sum equals its predecessor's."""
+    """Index per row where the running sum of (unnormalised, non-negative) weights [n, V] first
+    exceeds u·total, found in two levels: the block whose cumulative mass crosses it, then the entry
+    in it. `right=True` makes a zero-weight entry unpickable: its running sum equals its
+    predecessor's."""
     n, vocab = weights.shape
     size = math.gcd(vocab, BLOCK)
-    if size < 64:  # a vocabulary with no good block size (small or odd): pad it (cheap at that size)
+    # a vocabulary with no good block size (small or odd): pad it (cheap at that size)
+    if size < 64:
         size = BLOCK
         weights = F.pad(weights, (0, -vocab % BLOCK))
     blocks = weights.view(n, -1, size)
@@ -84,7 +92,9 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     b = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
     rows = torch.arange(n, device=weights.device)
     inner = blocks[rows, b].double().cumsum(dim=-1)  # [n, size]
-    j = torch.searchsorted(inner, (target - (cdf[rows, b] - mass[rows, b]))[:, None], right=True).squeeze(1)
+    j = torch.searchsorted(
+        inner, (target - (cdf[rows, b] - mass[rows, b]))[:, None], right=True
+    ).squeeze(1)
     # rounding can put the target a hair past the block's last positive entry: take that entry
     last = (blocks[rows, b] > 0).int().cumsum(dim=-1).argmax(dim=-1)
     return (b * size + torch.minimum(j, last)).clamp_(max=vocab - 1)

@@ -54,12 +54,20 @@ class Sequence:
             return "length"  # at max_context the last token has no position left to be fed at
         return None
 
-    def completion(self, reason: FinishReason, version_start: int, version_end: int, t_end: float) -> Completion:
+    def completion(
+        self, reason: FinishReason, version_start: int, version_end: int, t_end: float
+    ) -> Completion:
         return Completion(
-            prompt_ids=list(self.prompt_ids), output_ids=list(self.output_ids), logprobs=list(self.logprobs),
-            finish_reason=reason, slot=self.slot,
+            prompt_ids=list(self.prompt_ids),
+            output_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=reason,
+            slot=self.slot,
             version_start=self.version_start if self.version_start is not None else version_start,
-            version_end=version_end, t_start=self.t_start or t_end, t_end=t_end, meta=self.meta,
+            version_end=version_end,
+            t_start=self.t_start or t_end,
+            t_end=t_end,
+            meta=self.meta,
         )
 
 
@@ -77,8 +85,8 @@ class Scheduler:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def admit(self, budget: int | None = None) -> list[Sequence]:
-        """Move waiting sequences into free rows, FIFO, within the prefill token budget (`budget`, at most
-        `max_prefill_tokens`).
+        """Move waiting sequences into free rows, FIFO, within the prefill token budget (`budget`,
+        at most `max_prefill_tokens`).
 
         At least one is admitted whenever a row is free, so a long prompt cannot starve.
         """
@@ -96,7 +104,8 @@ class Scheduler:
         return admitted
 
     def remove(self, done: list[Sequence]) -> list[Move]:
-        """Take finished sequences out of `running`; return the KV row moves that refill the holes."""
+        """Take finished sequences out of `running`; return the KV row moves that refill the
+        holes."""
         gone = {id(s) for s in done}
         holes = sorted(s.row for s in done)
         for s in done:
@@ -108,7 +117,8 @@ class Scheduler:
             if hole >= len(self.running):
                 continue  # the hole was in the tail that just got trimmed
             last = self.running.pop()
-            moves.append((last.row, hole, last.num_tokens - 1))  # its KV covers all but the last token
+            # its KV covers all but the last token
+            moves.append((last.row, hole, last.num_tokens - 1))
             last.row = hole
             self.running[hole] = last
         while self.running and id(self.running[-1]) in gone:

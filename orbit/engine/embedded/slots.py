@@ -30,12 +30,15 @@ from orbit.engine.spec import ModelSpec
 
 NUM_SLOTS = 2  # the default: the classic double buffer (engine.slots)
 
+
 @dataclass
 class LoraGroup:
     a: torch.Tensor  # [sum of ranks, in]
     b: torch.Tensor  # [group out, sum of ranks], block diagonal, scale folded in
 
-    def apply(self, lin: Linear, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None) -> None:
+    def apply(
+        self, lin: Linear, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None
+    ) -> None:
         delta = F.linear(F.linear(x, self.a), self.b)
         if idx is None:
             y.add_(delta)
@@ -47,13 +50,17 @@ class LoraGroup:
 class OftGroup:
     rotations: tuple[torch.Tensor | None, ...]  # per member of the group: [blocks, bs, bs] or None
 
-    def apply(self, lin: Linear, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None) -> None:
+    def apply(
+        self, lin: Linear, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None
+    ) -> None:
         for (_, start, end), rot in zip(lin.parts, self.rotations, strict=True):
             if rot is None:  # member not targeted: the base output already in y is right
                 continue
             blocks, size = rot.shape[0], rot.shape[1]
             # peft rotates in the adapter's float32, then casts back for the base linear
-            xr = torch.einsum("nrk,rkc->nrc", x.float().view(-1, blocks, size), rot).reshape(x.shape)
+            xr = torch.einsum("nrk,rkc->nrc", x.float().view(-1, blocks, size), rot).reshape(
+                x.shape
+            )
             xr = xr.to(x.dtype)
             bias = None if lin.bias is None else lin.bias[start:end]
             out = F.linear(xr, lin.weight[start:end], bias)
@@ -69,7 +76,8 @@ class SlotWeights:
 
     kind: Literal["lora", "oft"]
     version: int
-    layers: list[dict[str, LoraGroup | OftGroup]] = field(default_factory=list)  # group name -> adapter
+    # group name -> adapter
+    layers: list[dict[str, LoraGroup | OftGroup]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> SlotWeights:
         def move(g: LoraGroup | OftGroup) -> LoraGroup | OftGroup:
@@ -77,7 +85,9 @@ class SlotWeights:
                 return LoraGroup(g.a.to(device), g.b.to(device))
             return OftGroup(tuple(None if r is None else r.to(device) for r in g.rotations))
 
-        return SlotWeights(self.kind, self.version, [{k: move(g) for k, g in lay.items()} for lay in self.layers])
+        return SlotWeights(
+            self.kind, self.version, [{k: move(g) for k, g in lay.items()} for lay in self.layers]
+        )
 
 
 class SlotBatch:
@@ -91,7 +101,9 @@ class SlotBatch:
         self.entries = entries
 
     def project(self, layer: int, group: str, lin: Linear, x: torch.Tensor) -> torch.Tensor:
-        todo = [(w.layers[layer][group], idx) for w, idx in self.entries if group in w.layers[layer]]
+        todo = [
+            (w.layers[layer][group], idx) for w, idx in self.entries if group in w.layers[layer]
+        ]
         y = F.linear(x, lin.weight, lin.bias)
         for adapter, idx in todo:
             adapter.apply(lin, x if idx is None else x.index_select(0, idx), y, idx)
@@ -143,15 +155,28 @@ def oft_rotation(vec: torch.Tensor, size: int, config: dict) -> torch.Tensor:
     return torch.linalg.solve(eye + q, eye - q, left=False)
 
 
-def parse_adapter(tensors: dict[str, torch.Tensor], config: dict, version: int, spec: ModelSpec,
-                  dtype: torch.dtype, device: torch.device) -> SlotWeights:
+def parse_adapter(
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    version: int,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> SlotWeights:
     """Validate a peft state dict + config and build the slot contents. Raises EngineError."""
     kind, found = check_adapter(tensors, config, spec)
     return _build(kind, found, config, version, spec, dtype, device)
 
 
-def _build(kind: str, found: dict[tuple[int, str], dict[str, torch.Tensor]], config: dict, version: int,
-           spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> SlotWeights:
+def _build(
+    kind: str,
+    found: dict[tuple[int, str], dict[str, torch.Tensor]],
+    config: dict,
+    version: int,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> SlotWeights:
     layers: list[dict[str, LoraGroup | OftGroup]] = [{} for _ in range(spec.num_layers)]
     for layer in range(spec.num_layers):
         for group, members in GROUPS.items():
@@ -159,8 +184,9 @@ def _build(kind: str, found: dict[tuple[int, str], dict[str, torch.Tensor]], con
             if not present:
                 continue
             if kind == "lora":
-                layers[layer][group] = _lora_group(members, {m: found[(layer, m)] for m in present},
-                                                   config, spec, dtype, device)
+                layers[layer][group] = _lora_group(
+                    members, {m: found[(layer, m)] for m in present}, config, spec, dtype, device
+                )
             else:
                 rots = []
                 for m in members:
@@ -168,7 +194,9 @@ def _build(kind: str, found: dict[tuple[int, str], dict[str, torch.Tensor]], con
                         rots.append(None)
                         continue
                     blocks, size = oft_layout(config, spec.module_shape(m)[1])
-                    rot = oft_rotation(found[(layer, m)]["oft_R"].detach().float().cpu(), size, config)
+                    rot = oft_rotation(
+                        found[(layer, m)]["oft_R"].detach().float().cpu(), size, config
+                    )
                     if config.get("block_share"):
                         rot = rot.repeat(blocks, 1, 1)
                     rots.append(rot.to(device=device).contiguous())  # float32, as peft keeps it
@@ -176,8 +204,14 @@ def _build(kind: str, found: dict[tuple[int, str], dict[str, torch.Tensor]], con
     return SlotWeights(kind, version, layers)  # type: ignore[arg-type]
 
 
-def _lora_group(members: tuple[str, ...], parts: dict[str, dict[str, torch.Tensor]], config: dict,
-                spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LoraGroup:
+def _lora_group(
+    members: tuple[str, ...],
+    parts: dict[str, dict[str, torch.Tensor]],
+    config: dict,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraGroup:
     r, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     present = [m for m in members if m in parts]
@@ -187,7 +221,7 @@ def _lora_group(members: tuple[str, ...], parts: dict[str, dict[str, torch.Tenso
     for m in members:  # member m's B fills its output rows and its own rank columns
         out = spec.module_shape(m)[0]
         if m in parts:
-            b[row:row + out, col:col + r] = parts[m]["lora_B"].detach().float().cpu() * scale
+            b[row : row + out, col : col + r] = parts[m]["lora_B"].detach().float().cpu() * scale
             col += r
         row += out
     return LoraGroup(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))

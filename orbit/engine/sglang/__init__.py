@@ -41,5 +41,14 @@ def start_sglang_engine(model_path: str | Path, **options) -> SGLangEngine:
     sgl, loop, spec, hf_config, memory_saver, previous_sigquit = launch(model_path, opts)
     transport = InProcessTransport(sgl, memory_saver, previous_sigquit)
     max_context = sgl.server_args.context_length or opts.context_length
-    return SGLangEngine(transport, loop, Path(model_path), spec, hf_config, opts, max_context,
-                        pid=transport.child_pids[0], label="SGLang engine")
+    return SGLangEngine(
+        transport,
+        loop,
+        Path(model_path),
+        spec,
+        hf_config,
+        opts,
+        max_context,
+        pid=transport.child_pids[0],
+        label="SGLang engine",
+    )

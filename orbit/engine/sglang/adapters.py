@@ -27,35 +27,55 @@ from orbit.engine.spec import ModelSpec
 from orbit.host.files import write_dir
 
 
-def prepare_adapter(tensors: dict, adapter_config: dict, spec: ModelSpec, hf_config: dict, lora: bool,
-                    max_rank: int, targets: set[str], dtype: torch.dtype) -> tuple[dict, dict]:
-    """Validate and convert a LoRA push; returns fresh contiguous CPU tensors in the engine's dtype."""
+def prepare_adapter(
+    tensors: dict,
+    adapter_config: dict,
+    spec: ModelSpec,
+    hf_config: dict,
+    lora: bool,
+    max_rank: int,
+    targets: set[str],
+    dtype: torch.dtype,
+) -> tuple[dict, dict]:
+    """Validate and convert a LoRA push; returns fresh contiguous CPU tensors in the engine's
+    dtype."""
     if not lora:
         raise EngineError("this SGLang engine was started without LoRA: it has no adapter slots")
     config = plain_config(adapter_config)
     kind, found = check_adapter(tensors, config, spec, engine="the SGLang backend")
     if kind == "oft":
-        raise EngineError("SGLang serves LoRA adapters only: an OFT adapter cannot go into a slot on this "
-                          "backend (supports_oft_slots is False; Orbit pushes OFT as merged weights instead)")
+        raise EngineError(
+            "SGLang serves LoRA adapters only: an OFT adapter cannot go into a slot on this "
+            "backend (supports_oft_slots is False; Orbit pushes OFT as merged weights instead)"
+        )
     r = int(config["r"])
     if r > max_rank:
         raise EngineError(f"adapter r={r} exceeds the engine's max_lora_rank={max_rank}")
     modules = {module.rsplit(".", 1)[-1] for _, module in found}
     if modules - targets:
-        raise EngineError(f"adapter targets {sorted(modules - targets)}, but the engine was started with "
-                          f"lora_target_modules {sorted(targets)}")
+        raise EngineError(
+            f"adapter targets {sorted(modules - targets)}, but the engine was started with "
+            f"lora_target_modules {sorted(targets)}"
+        )
     try:
-        tensors, config = to_sglang_lora({k: v.detach() for k, v in tensors.items()}, config, hf_config)
+        tensors, config = to_sglang_lora(
+            {k: v.detach() for k, v in tensors.items()}, config, hf_config
+        )
     except ValueError as e:
         raise EngineError(str(e)) from None
-    # fresh CPU copies: the in-process transport's serialization moves their storage into shared memory
-    return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in tensors.items()}, config
+    # fresh CPU copies: the in-process transport's serialization moves their storage into shared
+    # memory
+    return {
+        k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in tensors.items()
+    }, config
 
 
 def write_peft_dir(root: Path, name: str, tensors: dict, config: dict) -> Path:
     """`root/name` holding the adapter in peft's format, written atomically (temporary directory,
     then rename). An existing `root/name` is replaced."""
-    return _write_dir(root, name, {"adapter_model.safetensors": tensors}, {"adapter_config.json": config})
+    return _write_dir(
+        root, name, {"adapter_model.safetensors": tensors}, {"adapter_config.json": config}
+    )
 
 
 def write_weights_dir(root: Path, name: str, named: list[tuple[str, torch.Tensor]]) -> Path:
@@ -64,7 +84,9 @@ def write_weights_dir(root: Path, name: str, named: list[tuple[str, torch.Tensor
     return _write_dir(root, name, {"model.safetensors": dict(named)}, {})
 
 
-def _write_dir(root: Path, name: str, tensor_files: dict[str, dict], json_files: dict[str, dict]) -> Path:
+def _write_dir(
+    root: Path, name: str, tensor_files: dict[str, dict], json_files: dict[str, dict]
+) -> Path:
     def fill(tmp: Path) -> None:
         for file, tensors in tensor_files.items():
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file))

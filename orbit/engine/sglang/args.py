@@ -1,6 +1,6 @@
-"""`engine.sglang_args`: SGLang server arguments Orbit does not set itself, passed through as they are, checked
-at recipe load against SGLang's own argument parser (`ServerArgs.add_cli_args`), so a misspelt name or a bad value
-fails naming the field before anything starts."""
+"""`engine.sglang_args`: SGLang server arguments Orbit does not set itself, passed through as they
+are, checked at recipe load against SGLang's own argument parser (`ServerArgs.add_cli_args`), so a
+misspelt name or a bad value fails naming the field before anything starts."""
 
 from __future__ import annotations
 
@@ -8,11 +8,33 @@ import argparse
 import contextlib
 import io
 
-# What Orbit sets from its own fields (engine.*, adapter.*, its shims): passing them again would fight it.
-ORBITS = {"model_path", "tokenizer_path", "host", "port", "skip_tokenizer_init", "dtype", "device", "base_gpu_id",
-          "tp_size", "context_length", "max_running_requests", "random_seed", "enable_lora", "max_lora_rank",
-          "lora_target_modules", "max_loras_per_batch", "lora_backend", "mem_fraction_static", "api_key",
-          "sampling_mask_max_tokens", "enable_memory_saver", "log_level", "custom_sigquit_handler"}
+# What Orbit sets from its own fields (engine.*, adapter.*, its shims): passing them again would
+# fight it.
+ORBITS = {
+    "model_path",
+    "tokenizer_path",
+    "host",
+    "port",
+    "skip_tokenizer_init",
+    "dtype",
+    "device",
+    "base_gpu_id",
+    "tp_size",
+    "context_length",
+    "max_running_requests",
+    "random_seed",
+    "enable_lora",
+    "max_lora_rank",
+    "lora_target_modules",
+    "max_loras_per_batch",
+    "lora_backend",
+    "mem_fraction_static",
+    "api_key",
+    "sampling_mask_max_tokens",
+    "enable_memory_saver",
+    "log_level",
+    "custom_sigquit_handler",
+}
 
 
 def server_flags(args: dict[str, object]) -> list[str]:
@@ -46,15 +68,24 @@ def check(args: dict[str, object]) -> list[str]:
     problems = []
     for name, value in args.items():
         if name in ORBITS:
-            problems.append(f"engine.sglang_args.{name}: Orbit sets this one itself (from its engine and adapter "
-                            "settings); leave it out")
+            problems.append(
+                f"engine.sglang_args.{name}: Orbit sets this one itself (from its engine and "
+                "adapter "
+                "settings); leave it out"
+            )
         elif name not in known:
-            problems.append(f"engine.sglang_args.{name}: not an argument of SGLang's server (sglang.launch_server "
-                            "--help lists them, with dashes for underscores)")
+            problems.append(
+                f"engine.sglang_args.{name}: not an argument of SGLang's server "
+                "(sglang.launch_server "
+                "--help lists them, with dashes for underscores)"
+            )
         else:
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 try:
                     parser.parse_args(["--model-path", "m", *server_flags({name: value})])
                 except (argparse.ArgumentError, SystemExit) as e:
-                    problems.append(f"engine.sglang_args.{name}: SGLang refuses {value!r} ({e or err.getvalue()})")
+                    problems.append(
+                        f"engine.sglang_args.{name}: SGLang refuses {value!r} "
+                        f"({e or err.getvalue()})"
+                    )
     return problems

@@ -42,9 +42,19 @@ from orbit.engine.spec import DTYPES, ModelSpec, checkpoint_shapes
 class SGLangEngine:
     """Implements orbit.engine.base.Engine on SGLang."""
 
-    def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, model_path: Path, spec: ModelSpec,
-                 hf_config: dict, options: SGLangOptions, max_context: int, pid: int, label: str,
-                 liveness_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        loop: asyncio.AbstractEventLoop,
+        model_path: Path,
+        spec: ModelSpec,
+        hf_config: dict,
+        options: SGLangOptions,
+        max_context: int,
+        pid: int,
+        label: str,
+        liveness_s: float = POLL_S,
+    ) -> None:
         self.transport = transport
         self._killed = False  # kill(): dead or hung, nothing orderly to do on its server
         self.model_path = model_path
@@ -53,19 +63,28 @@ class SGLangEngine:
         self.label = label  # "SGLang engine" or "SGLang server http://...": named in errors
         self.max_context = max_context
         self.num_slots = options.slots
-        # Upstream SGLang serves LoRA only (OFT goes as merged weights); a load unloads the slot's old
-        # adapter, which waits for its requests (so never under paused ones); flush_cache is refused
-        # while requests run, an in_place pause included.
-        self.capabilities = Capabilities(slots=options.slots, oft_slots=False, loads_while_paused=False,
-                                         flush_while_running=False)
+        # Upstream SGLang serves LoRA only (OFT goes as merged weights); a load unloads the slot's
+        # old adapter, which waits for its requests (so never under paused ones); flush_cache is
+        # refused while requests run, an in_place pause included.
+        self.capabilities = Capabilities(
+            slots=options.slots,
+            oft_slots=False,
+            loads_while_paused=False,
+            flush_while_running=False,
+        )
         self.adapter_transport = transport.adapter_transport
         self._hf_config = hf_config
         self._shapes = checkpoint_shapes(model_path)
         self._dtype = DTYPES[options.dtype]
         self._targets = set(sglang_target_modules(options.lora_target_modules))
         self.info = EngineInfo(  # the same start-up facts the embedded client exposes
-            pid=pid, model_type=spec.model_type, vocab_size=spec.vocab_size, max_context=max_context,
-            eos_token_ids=spec.eos_token_ids, num_layers=spec.num_layers, device=options.device,
+            pid=pid,
+            model_type=spec.model_type,
+            vocab_size=spec.vocab_size,
+            max_context=max_context,
+            eos_token_ids=spec.eos_token_ids,
+            num_layers=spec.num_layers,
+            device=options.device,
             dtype=options.dtype,
         )
         self.gate = SlotGate(options.slots)  # loop-thread state
@@ -76,8 +95,15 @@ class SGLangEngine:
         self._pause_t0 = 0.0
         self._inflight = 0
         self._busy_t0: float | None = None
-        self._counters = {"tokens_generated": 0, "busy_s": 0.0, "paused_s": 0.0, "prefill_tokens": 0, "aborted": 0,
-                          "retracted": 0, "prefix_cache_hits": 0}
+        self._counters = {
+            "tokens_generated": 0,
+            "busy_s": 0.0,
+            "paused_s": 0.0,
+            "prefill_tokens": 0,
+            "aborted": 0,
+            "retracted": 0,
+            "prefix_cache_hits": 0,
+        }
         self.loop = EngineLoop(loop, transport.dead, label, liveness_s)
         self._call = self.loop.call
         atexit.register(self.shutdown)
@@ -90,7 +116,8 @@ class SGLangEngine:
         return self.info.pid
 
     def _busy(self, delta: int) -> None:
-        """Track wall time with at least one request in flight and the engine not paused (busy_s)."""
+        """Track wall time with at least one request in flight and the engine not paused
+        (busy_s)."""
         now = time.perf_counter()
         if self._busy_t0 is not None:
             self._counters["busy_s"] += now - self._busy_t0
@@ -110,7 +137,9 @@ class SGLangEngine:
         lora_path = None if slot is None else slot_name(slot)
         # Every request on a slot carries that slot's adapter; only base-model requests carry none.
         if (slot is None) != (lora_path is None):
-            raise EngineError(f"internal error: a request on slot {slot} would run with lora_path={lora_path!r}")
+            raise EngineError(
+                f"internal error: a request on slot {slot} would run with lora_path={lora_path!r}"
+            )
         t_start = time.time()
         self._busy(+1)
         try:
@@ -118,61 +147,105 @@ class SGLangEngine:
                 out = await self.transport.generate({**body, "lora_path": lora_path})
             except EngineError:
                 raise
-            except Exception as e:  # noqa: BLE001 - SGLang's own refusals (ValueError, HTTP 400) reach the caller
-                raise self.loop.dead or EngineError(f"{self.label} refused the request: {e}") from None
+            # SGLang's own refusals (ValueError, HTTP 400) reach the caller
+            except Exception as e:  # noqa: BLE001
+                raise self.loop.dead or EngineError(
+                    f"{self.label} refused the request: {e}"
+                ) from None
         finally:
             self._busy(-1)
             if slot is not None:
                 self.gate.leave(slot)
         return out, version, t_start
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, slot: Slot = ACTIVE,
-                 meta: dict | None = None) -> Future[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        slot: Slot = ACTIVE,
+        meta: dict | None = None,
+    ) -> Future[Completion]:
         """Submit one request; returns a Future at once. Bad arguments raise EngineError here.
 
         `version_start` is the slot's (or base) version when the request entered SGLang;
         `version_end` is its slot's version (a slot is never rewritten under a request) or, for base
         requests, the base version SGLang stamped on its last token.
         """
-        req = build_request(prompt_ids, sampling, slot, self.spec.vocab_size, self.max_context, self.num_slots)
+        req = build_request(
+            prompt_ids, sampling, slot, self.spec.vocab_size, self.max_context, self.num_slots
+        )
         bound = self.active.bind(req.slot)
 
         async def run() -> None:
             out, version, t_start = await self._on_slot(bound, req.body(None))
             reply = read_reply(out, req.truncated)
-            version_end = version if bound is not None else weight_version(reply.meta_info, self._base_version)
+            version_end = (
+                version
+                if bound is not None
+                else weight_version(reply.meta_info, self._base_version)
+            )
             c, meta_info = self._counters, reply.meta_info
             c["tokens_generated"] += len(reply.output_ids)
             cached = int(meta_info.get("cached_tokens") or 0)
-            c["prefill_tokens"] += max(0, int(meta_info.get("prompt_tokens") or len(req.prompt_ids)) - cached)
+            c["prefill_tokens"] += max(
+                0, int(meta_info.get("prompt_tokens") or len(req.prompt_ids)) - cached
+            )
             c["prefix_cache_hits"] += cached > 0
             c["aborted"] += reply.finish == "abort"
-            resolve(fut, Completion(
-                prompt_ids=req.prompt_ids, output_ids=reply.output_ids, logprobs=reply.logprobs,
-                finish_reason=reply.finish, slot=bound, version_start=version, version_end=version_end,
-                t_start=t_start, t_end=time.time(), meta=meta if meta is not None else {}, detail=reply.detail,
-            ))
+            resolve(
+                fut,
+                Completion(
+                    prompt_ids=req.prompt_ids,
+                    output_ids=reply.output_ids,
+                    logprobs=reply.logprobs,
+                    finish_reason=reply.finish,
+                    slot=bound,
+                    version_start=version,
+                    version_end=version_end,
+                    t_start=t_start,
+                    t_end=time.time(),
+                    meta=meta if meta is not None else {},
+                    detail=reply.detail,
+                ),
+            )
 
         fut: Future = Future()
         return self.loop.submit(run, fut)
 
     # ---- adapters ------------------------------------------------------------------------------
 
-    def load_adapter(self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int) -> float:
+    def load_adapter(
+        self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
+    ) -> float:
         """Write a LoRA adapter into a slot (gate.py): its name is unloaded after the requests on it
         finish, and loaded again. The other slots keep serving. Bad input raises EngineError before
         anything reaches SGLang; a load SGLang refuses puts the previous adapter back. Refused while
         paused if the slot holds an adapter. Returns the write time."""
         slot = check_slot(slot, self.num_slots)
         check_version(version)
-        named, config = prepare_adapter(tensors, adapter_config, self.spec, self._hf_config, self.options.lora,
-                                        self.options.max_lora_rank, self._targets, self._dtype)
+        named, config = prepare_adapter(
+            tensors,
+            adapter_config,
+            self.spec,
+            self._hf_config,
+            self.options.lora,
+            self.options.max_lora_rank,
+            self._targets,
+            self._dtype,
+        )
         name = slot_name(slot)
         t = self.transport
-        return self._call(self.gate.rewrite(
-            slot, version, self._paused, load=lambda: t.load_adapter(name, named, config, version),
-            unload=lambda: t.unload_adapter(name), restore=lambda backup: t.load_adapter(name, *backup),
-            backup=(named, config, version)))
+        return self._call(
+            self.gate.rewrite(
+                slot,
+                version,
+                self._paused,
+                load=lambda: t.load_adapter(name, named, config, version),
+                unload=lambda: t.unload_adapter(name),
+                restore=lambda backup: t.load_adapter(name, *backup),
+                backup=(named, config, version),
+            )
+        )
 
     def activate(self, slot: int | None) -> None:
         """New ACTIVE requests carry this slot's adapter (None = base weights) from now on."""
@@ -182,15 +255,16 @@ class SGLangEngine:
         self.active.set(slot)
 
     def clear_slots(self) -> None:
-        """Unload adapters a previous Orbit engine left under this engine's slot names (a server that
-        outlived its last run): SGLang refuses to load a name that is still loaded."""
+        """Unload adapters a previous Orbit engine left under this engine's slot names (a server
+        that outlived its last run): SGLang refuses to load a name that is still loaded."""
         self._call(self._release_slots(range(self.num_slots)))
 
     async def _release_slots(self, slots) -> None:
         for slot in slots:
             try:
                 await asyncio.wait_for(self.transport.unload_adapter(slot_name(slot)), 10)
-            except Exception:  # noqa: BLE001 - not loaded, or the server is going: nothing to release
+            # not loaded, or the server is going: nothing to release
+            except Exception:  # noqa: BLE001
                 pass
 
     # ---- pause, flush, weights -----------------------------------------------------------------
@@ -221,11 +295,14 @@ class SGLangEngine:
         pause): pause with 'retract' or 'abort' first; EngineError says so."""
         ok, _ = self._call(self.transport.flush())
         if not ok:
-            raise EngineError(f"{self.label} refused flush_cache: requests are running. Pause with 'retract' or "
-                              "'abort' first (never flush during an 'in_place' pause with requests running)")
+            raise EngineError(
+                f"{self.label} refused flush_cache: requests are running. Pause with 'retract' or "
+                "'abort' first (never flush during an 'in_place' pause with requests running)"
+            )
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Full-weight push by HF names (any subset of the checkpoint's tensors). Validated first."""
+        """Full-weight push by HF names (any subset of the checkpoint's tensors). Validated
+        first."""
         check_version(version)
         if not isinstance(tensors, dict) or not tensors:
             raise EngineError("update_weights: no tensors given")
@@ -254,7 +331,8 @@ class SGLangEngine:
         else:
             self.loop.check_alive()
 
-    def stats(self, timeout: float | None = None) -> EngineStats:  # noqa: ARG002 - counters are local
+    # counters are local
+    def stats(self, timeout: float | None = None) -> EngineStats:  # noqa: ARG002
         self.loop.check_alive()
         c = self._counters
         now = time.perf_counter()
@@ -262,10 +340,20 @@ class SGLangEngine:
         paused = c["paused_s"] + (now - self._pause_t0 if self._paused else 0.0)
         gate = self.gate
         return EngineStats(
-            tokens_generated=c["tokens_generated"], busy_s=busy, paused_s=paused, running=self._inflight,
-            waiting=sum(gate.held), prefix_cache_hits=c["prefix_cache_hits"], active_slot=self.active.get(),
-            slot_versions=tuple(gate.version), slot_requests=gate.requests(), base_version=self._base_version,
-            paused=self._paused, prefill_tokens=c["prefill_tokens"], aborted=c["aborted"], retracted=c["retracted"],
+            tokens_generated=c["tokens_generated"],
+            busy_s=busy,
+            paused_s=paused,
+            running=self._inflight,
+            waiting=sum(gate.held),
+            prefix_cache_hits=c["prefix_cache_hits"],
+            active_slot=self.active.get(),
+            slot_versions=tuple(gate.version),
+            slot_requests=gate.requests(),
+            base_version=self._base_version,
+            paused=self._paused,
+            prefill_tokens=c["prefill_tokens"],
+            aborted=c["aborted"],
+            retracted=c["retracted"],
         )
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -277,9 +365,12 @@ class SGLangEngine:
 
         async def release() -> None:
             # A server that stays up: take our adapters off it. Not after `kill`: a hung server that
-            # answers again is re-attached (orbit/run/revive.py), and a late unload would hit the new slots.
+            # answers again is re-attached (orbit/run/revive.py), and a late unload would hit the
+            # new slots.
             if self.transport.attached and not self._killed:
-                await self._release_slots([s for s, v in enumerate(self.gate.version) if v is not None])
+                await self._release_slots(
+                    [s for s, v in enumerate(self.gate.version) if v is not None]
+                )
                 if self._base_version:  # full pushes replaced its weights: the checkpoint's again
                     await self.transport.restore_weights(str(self.model_path))
             await self.transport.aclose()
@@ -288,9 +379,9 @@ class SGLangEngine:
             self.transport.close()
 
     def kill(self) -> None:
-        """A dead or hung engine: stop the server Orbit started first (nothing there to save; the orderly
-        part of shutdown can take seconds against a dead server), then shut down. In-process, shutting
-        down kills only SGLang's own processes anyway."""
+        """A dead or hung engine: stop the server Orbit started first (nothing there to save; the
+        orderly part of shutdown can take seconds against a dead server), then shut down.
+        In-process, shutting down kills only SGLang's own processes anyway."""
         self._killed = True
         self.transport.stop_server()
         self.shutdown()

@@ -1,8 +1,9 @@
-"""The SGLang engine's event loop and liveness: every call to SGLang is a coroutine run on one asyncio loop
-in a thread of its own; a watchdog polls the transport's liveness (the in-process engine's child
-processes, a server's process and `/health`). Once SGLang is gone every pending future and every
-later call fails with EngineDeadError, and every request's future is answered on every path (a reply
-that cannot be read, a cancellation, a bug): a caller never waits on a request that has left SGLang.
+"""The SGLang engine's event loop and liveness: every call to SGLang is a coroutine run on one
+asyncio loop in a thread of its own; a watchdog polls the transport's liveness (the in-process
+engine's child processes, a server's process and `/health`). Once SGLang is gone every pending
+future and every later call fails with EngineDeadError, and every request's future is answered on
+every path (a reply that cannot be read, a cancellation, a bug): a caller never waits on a request
+that has left SGLang.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ POLL_S = 0.2
 
 
 class EngineLoop:
-    def __init__(self, loop: asyncio.AbstractEventLoop, dead: Callable[[], Awaitable[str | None]], label: str,
-                 liveness_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        dead: Callable[[], Awaitable[str | None]],
+        label: str,
+        liveness_s: float = POLL_S,
+    ) -> None:
         """`dead()`: the transport's liveness probe (why SGLang is gone, or None). `label` names the
         engine in errors."""
         self.label = label
@@ -34,10 +40,13 @@ class EngineLoop:
         self.dead: EngineDeadError | None = None
         self.closed = False
         self._closing = threading.Event()  # wakes the watchdog at shutdown
-        self._probe: concurrent.futures.Future | None = None  # the watchdog's liveness probe in flight
+        # the watchdog's liveness probe in flight
+        self._probe: concurrent.futures.Future | None = None
         self._thread = threading.Thread(target=self._run, name="orbit-sglang-loop", daemon=True)
         self._thread.start()
-        self._watchdog = threading.Thread(target=self._watch, name="orbit-sglang-watchdog", daemon=True)
+        self._watchdog = threading.Thread(
+            target=self._watch, name="orbit-sglang-watchdog", daemon=True
+        )
         self._watchdog.start()
 
     def _run(self) -> None:
@@ -61,8 +70,9 @@ class EngineLoop:
             try:
                 return fut.result(POLL_S)
             except concurrent.futures.CancelledError:
-                # shutdown cancels the loop's calls (a lost engine is shut down while an updater still
-                # talks to it): the caller must hear that the engine is gone, not a bare CancelledError
+                # shutdown cancels the loop's calls (a lost engine is shut down while an updater
+                # still talks to it): the caller must hear that the engine is gone, not a bare
+                # CancelledError
                 raise EngineDeadError(str(self.dead or f"{self.label} was shut down")) from None
             except concurrent.futures.TimeoutError:
                 if self.dead is not None and not fut.done():
@@ -70,7 +80,9 @@ class EngineLoop:
                     raise EngineDeadError(str(self.dead)) from None
 
     def submit(self, make_coro: Callable[[], Awaitable[None]], fut: Future) -> Future:
-        """Run `make_coro()` on the loop for the caller's `fut`, which is answered however it ends."""
+        """Run `make_coro()` on the loop for the caller's `fut`, which is answered however it
+        ends."""
+
         async def guarded(key: int) -> None:
             try:
                 await make_coro()
@@ -80,12 +92,18 @@ class EngineLoop:
             except EngineError as e:
                 resolve(fut, exc=e)
             except Exception as e:  # noqa: BLE001 - whatever broke, the caller hears of it
-                resolve(fut, exc=self.dead or EngineError(f"{self.label}: SGLang's reply could not be read: "
-                                                          f"{type(e).__name__}: {e}"))
+                resolve(
+                    fut,
+                    exc=self.dead
+                    or EngineError(
+                        f"{self.label}: SGLang's reply could not be read: {type(e).__name__}: {e}"
+                    ),
+                )
             finally:
                 with self._lock:
                     self._pending.pop(key, None)
-            resolve(fut, exc=EngineError("internal error: a request ended without an answer"))  # no-op if answered
+            # no-op if answered
+            resolve(fut, exc=EngineError("internal error: a request ended without an answer"))
 
         with self._lock:
             if self.dead is not None:
@@ -101,7 +119,8 @@ class EngineLoop:
             self._probe = asyncio.run_coroutine_threadsafe(self._probe_dead(), self._loop)
             try:
                 reason = self._probe.result(30)
-            except BaseException:  # noqa: BLE001 - a probe that could not run (or was cancelled) says nothing
+            # a probe that could not run (or was cancelled) says nothing
+            except BaseException:  # noqa: BLE001
                 reason = None
             if self.closed:
                 return
@@ -119,8 +138,8 @@ class EngineLoop:
             task.cancel()
 
     def close(self, last: Callable[[], Awaitable[None]]) -> bool:
-        """Fail what is pending, cancel the loop's tasks, run `last()` on the loop (what the transport must
-        release there), stop the loop. False when it was closed already."""
+        """Fail what is pending, cancel the loop's tasks, run `last()` on the loop (what the
+        transport must release there), stop the loop. False when it was closed already."""
         with self._lock:
             if self.closed:
                 return False

@@ -1,4 +1,5 @@
-"""The slot gate: which adapter each slot holds, which requests use it, and when it may be rewritten.
+"""The slot gate: which adapter each slot holds, which requests use it, and when it may be
+rewritten.
 
 Slot i is the SGLang adapter name `orbit-slot-i`. SGLang binds a request to the adapter instance it
 was admitted with, and `unload_lora_adapter` waits until every request using that name has finished,
@@ -38,7 +39,8 @@ class SlotGate:
         self._ready = [asyncio.Event() for _ in range(slots)]  # cleared while a slot is rewritten
         self._idle = [asyncio.Event() for _ in range(slots)]
         self._rewriting = [asyncio.Lock() for _ in range(slots)]  # one rewrite per slot at a time
-        self._backup: list[tuple | None] = [None] * slots  # what to load back if SGLang refuses a load
+        # what to load back if SGLang refuses a load
+        self._backup: list[tuple | None] = [None] * slots
         for e in (*self._ready, *self._idle):
             e.set()
 
@@ -66,24 +68,36 @@ class SlotGate:
         if self.users[slot] == 0:
             self._idle[slot].set()
 
-    async def rewrite(self, slot: int, version: int, paused: bool, load: Callable[[], Awaitable[Outcome]],
-                      unload: Callable[[], Awaitable[Outcome]], restore: Callable[[tuple], Awaitable[Outcome]],
-                      backup: tuple) -> float:
+    async def rewrite(
+        self,
+        slot: int,
+        version: int,
+        paused: bool,
+        load: Callable[[], Awaitable[Outcome]],
+        unload: Callable[[], Awaitable[Outcome]],
+        restore: Callable[[tuple], Awaitable[Outcome]],
+        backup: tuple,
+    ) -> float:
         """Replace the slot's adapter with the one `load()` loads. Returns the write time (when the
-        slot's last request had finished). A load SGLang refuses puts `restore(previous backup)` back;
-        EngineError says what happened and what the slot serves now."""
+        slot's last request had finished). A load SGLang refuses puts `restore(previous backup)`
+        back; EngineError says what happened and what the slot serves now."""
         name = slot_name(slot)
         async with self._rewriting[slot]:
             previous = self.version[slot]
             if previous is not None and paused:
                 raise EngineError(
-                    f"load_adapter({slot}) while paused: replacing the adapter means unloading '{name}', which "
-                    f"waits for the requests using it, and paused requests never finish. Load while generation "
-                    f"runs (the requests on the slot finish first) or pause with 'abort'")
+                    f"load_adapter({slot}) while paused: replacing the adapter means unloading "
+                    f"'{name}', which "
+                    "waits for the requests using it, and paused requests never finish. Load "
+                    "while generation "
+                    f"runs (the requests on the slot finish first) or pause with 'abort'"
+                )
             ready = self._ready[slot]
-            ready.clear()  # new requests for this slot wait for the new adapter (they count as held)
+            # new requests for this slot wait for the new adapter (they count as held)
+            ready.clear()
             try:
-                while self.users[slot]:  # requests on the slot finish on the adapter they started with
+                # requests on the slot finish on the adapter they started with
+                while self.users[slot]:
                     await self._idle[slot].wait()
                 written = time.time()
                 if previous is not None:
@@ -98,12 +112,17 @@ class SlotGate:
                     ok, message = False, f"{type(e).__name__}: {e}"
                 if not ok:
                     note = f" (slot {slot} is now empty)"
-                    if previous is not None and self._backup[slot] is not None and \
-                            (await restore(self._backup[slot]))[0]:
+                    if (
+                        previous is not None
+                        and self._backup[slot] is not None
+                        and (await restore(self._backup[slot]))[0]
+                    ):
                         note = f" (slot {slot} keeps serving version {previous})"
                     else:
                         self.version[slot], self._backup[slot] = None, None
-                    raise EngineError(f"SGLang refused the adapter for slot {slot}: {message}{note}")
+                    raise EngineError(
+                        f"SGLang refused the adapter for slot {slot}: {message}{note}"
+                    )
                 self._backup[slot] = backup
                 self.version[slot] = version
                 return written

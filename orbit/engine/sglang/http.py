@@ -1,15 +1,15 @@
 """The HTTP transport: an SGLang 0.5.23 server's own routes (`python -m sglang.launch_server`).
 
-| protocol call            | route                                                                      |
-|--------------------------|----------------------------------------------------------------------------|
-| generate / score         | POST /generate (GenerateReqInput as JSON, `lora_path` = the slot's name)  |
-| pause / continue         | POST /pause_generation {mode} / POST /continue_generation                  |
-| flush_cache              | POST /flush_cache (400 while requests run)                                 |
-| load_adapter             | the adapter written in peft's format, POST /load_lora_adapter {lora_path}  |
-| unload                   | POST /unload_lora_adapter                                                  |
-| update_weights           | the weights written as safetensors, POST /update_weights_from_disk         |
-| release / resume_memory  | POST /release_memory_occupation, /resume_memory_occupation                 |
-| liveness, start-up checks| GET /health, /model_info, /server_info; POST /get_weights_by_name          |
+| protocol call | route |
+|---|---|
+| generate / score | POST /generate (GenerateReqInput as JSON, `lora_path` = the slot's name) |
+| pause / continue | POST /pause_generation {mode} / POST /continue_generation |
+| flush_cache | POST /flush_cache (400 while requests run) |
+| load_adapter | the adapter written in peft's format, POST /load_lora_adapter {lora_path} |
+| unload | POST /unload_lora_adapter |
+| update_weights | the weights written as safetensors, POST /update_weights_from_disk |
+| release / resume_memory | POST /release_memory_occupation, /resume_memory_occupation |
+| liveness, start-up checks | GET /health, /model_info, /server_info; POST /get_weights_by_name |
 
 Every call has a timeout. Only idempotent reads (GET) are retried; a POST that fails is reported,
 never sent twice (a second `generate` would sample twice, a second load could load twice). The API
@@ -19,8 +19,8 @@ the log, and messages that quote the server are scrubbed of it.
 Adapters travel as files. To a server on this host they go through a directory of Orbit's own in
 /dev/shm (local.py); to servers elsewhere through `engine.adapter_dir`, a directory both sides read.
 Each load writes a fresh directory (atomically: written aside, then renamed), and the one a slot
-held before is deleted once the slot is rewritten. Full weights go the same way (one safetensors file
-of the weights to replace, deleted once the server has read it). No pickle and no shared-memory
+held before is deleted once the slot is rewritten. Full weights go the same way (one safetensors
+file of the weights to replace, deleted once the server has read it). No pickle and no shared-memory
 handle is ever sent to a server, on this host or elsewhere.
 """
 
@@ -46,10 +46,19 @@ PROBE_TIMEOUT_S = 5.0  # a server that does not answer /health this fast is hung
 class HttpTransport:
     kind = "http"
 
-    def __init__(self, url: str, api_key: str | None, adapter_dir: Path | None, timeout_s: float,
-                 memory_saver: bool = False, label: str = "", server=None, max_connections: int = 256) -> None:
-        """`adapter_dir`: a directory the server reads too (another host); None: a server on this host,
-        reached through a directory of Orbit's own (local.py), removed at close."""
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        adapter_dir: Path | None,
+        timeout_s: float,
+        memory_saver: bool = False,
+        label: str = "",
+        server=None,
+        max_connections: int = 256,
+    ) -> None:
+        """`adapter_dir`: a directory the server reads too (another host); None: a server on this
+        host, reached through a directory of Orbit's own (local.py), removed at close."""
         self.url = url.rstrip("/")
         self.label = label or f"SGLang server {self.url}"
         self._key = api_key
@@ -70,18 +79,27 @@ class HttpTransport:
         if self._client is None:  # created on the engine's loop, where it is used
             headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
             self._client = httpx.AsyncClient(
-                base_url=self.url, headers=headers, timeout=httpx.Timeout(self.timeout_s, connect=PROBE_TIMEOUT_S),
-                limits=httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=64))
+                base_url=self.url,
+                headers=headers,
+                timeout=httpx.Timeout(self.timeout_s, connect=PROBE_TIMEOUT_S),
+                limits=httpx.Limits(
+                    max_connections=self._max_connections, max_keepalive_connections=64
+                ),
+            )
         return self._client
 
     def scrub(self, text: str) -> str:
         return scrub(text, self._key)
 
-    async def _post(self, route: str, body: dict | None = None, timeout: float | None = None) -> httpx.Response:
+    async def _post(
+        self, route: str, body: dict | None = None, timeout: float | None = None
+    ) -> httpx.Response:
         """One POST, never retried. A broken connection is a dead server when the server says so
         (EngineDeadError: the pool moves its requests to the others), else this call's failure."""
         try:
-            return await self._http().post(route, json=body or {}, timeout=timeout or self.timeout_s)
+            return await self._http().post(
+                route, json=body or {}, timeout=timeout or self.timeout_s
+            )
         except httpx.TransportError as e:
             reason = await self.dead()
             if reason is not None:
@@ -108,7 +126,9 @@ class HttpTransport:
             except ValueError:
                 return True, ""
             if isinstance(body, dict) and body.get("success") is False:
-                return False, self.scrub(str(body.get("error_message") or body.get("message") or body))
+                return False, self.scrub(
+                    str(body.get("error_message") or body.get("message") or body)
+                )
             return True, ""
         return False, self.scrub(f"HTTP {res.status_code}: {res.text[:500]}")
 
@@ -137,12 +157,15 @@ class HttpTransport:
 
     async def load_adapter(self, name: str, tensors: dict, config: dict, version: int) -> Outcome:
         path = write_peft_dir(self.adapter_dir, f"{name}-v{version}", tensors, config)
-        ok, message = self._outcome(await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}))
+        ok, message = self._outcome(
+            await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        )
         if not ok:
             shutil.rmtree(path, ignore_errors=True)
             return ok, message
         old, self._dirs[name] = self._dirs.get(name), path
-        if old is not None and old != path:  # the version this slot held before: no slot uses it any more
+        # the version this slot held before: no slot uses it any more
+        if old is not None and old != path:
             shutil.rmtree(old, ignore_errors=True)
         return ok, message
 
@@ -152,15 +175,27 @@ class HttpTransport:
     async def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> Outcome:
         path = write_weights_dir(self.adapter_dir, f"weights-v{version}", named)
         try:
-            return self._outcome(await self._post("/update_weights_from_disk", {
-                "model_path": str(path), "load_format": "safetensors", "flush_cache": True,
-                "weight_version": str(version)}))
+            return self._outcome(
+                await self._post(
+                    "/update_weights_from_disk",
+                    {
+                        "model_path": str(path),
+                        "load_format": "safetensors",
+                        "flush_cache": True,
+                        "weight_version": str(version),
+                    },
+                )
+            )
         finally:
             shutil.rmtree(path, ignore_errors=True)  # answered: the server has read it (or refused)
 
     async def restore_weights(self, model_path: str) -> Outcome:
-        return self._outcome(await self._post("/update_weights_from_disk", {
-            "model_path": model_path, "flush_cache": True, "weight_version": "0"}))
+        return self._outcome(
+            await self._post(
+                "/update_weights_from_disk",
+                {"model_path": model_path, "flush_cache": True, "weight_version": "0"},
+            )
+        )
 
     async def release_memory(self) -> None:
         await self._must("/release_memory_occupation")
@@ -170,7 +205,10 @@ class HttpTransport:
 
     async def dead(self) -> str | None:
         if self.server is not None and self.server.exited() is not None:
-            return f"its process {self.server.pid} exited (code {self.server.exited()}); {self.server.log_tail()}"
+            return (
+                f"its process {self.server.pid} exited (code {self.server.exited()}); "
+                f"{self.server.log_tail()}"
+            )
         try:
             res = await self._http().get("/health", timeout=PROBE_TIMEOUT_S)
         except httpx.TimeoutException:

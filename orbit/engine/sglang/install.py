@@ -1,5 +1,6 @@
 """Whether SGLang can run in this Python environment: the one release the backend speaks, and how to
-install it. Looked up without importing sglang (that takes seconds and starts nothing useful here)."""
+install it. Looked up without importing sglang (that takes seconds and starts nothing useful
+here)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import importlib.metadata
 import importlib.util
 
 SGLANG_VERSION = "0.5.23"  # the one SGLang release the backend is written and tested against
-INSTALL_HINT = ("make sglang (installs it into .venv; or by hand: bash scripts/install_sglang.sh VENV && "
-                "VENV/bin/pip install -c constraints.txt -e .)")
+INSTALL_HINT = (
+    "make sglang (installs it into .venv; or by hand: bash scripts/install_sglang.sh VENV && "
+    "VENV/bin/pip install -c constraints.txt -e .)"
+)
 
 
 def sglang_problem() -> str | None:
@@ -24,5 +27,7 @@ def sglang_problem() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return "sglang is importable but has no package metadata (not a pip install)"
     if version != SGLANG_VERSION:
-        return f"sglang {version} is installed; Orbit's SGLang backend needs sglang {SGLANG_VERSION}"
+        return (
+            f"sglang {version} is installed; Orbit's SGLang backend needs sglang {SGLANG_VERSION}"
+        )
     return None

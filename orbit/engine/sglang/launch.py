@@ -1,6 +1,6 @@
-"""`python -P launch.py ARGS`: an SGLang server as Orbit starts it (run as a script: it imports nothing
-of Orbit's; -P keeps this directory, whose http.py would shadow the standard library's, off sys.path).
-Two things besides `python -m sglang.launch_server ARGS`:
+"""`python -P launch.py ARGS`: an SGLang server as Orbit starts it (run as a script: it imports
+nothing of Orbit's; -P keeps this directory, whose http.py would shadow the standard library's, off
+sys.path). Two things besides `python -m sglang.launch_server ARGS`:
 - the API key comes from the environment (ORBIT_SGLANG_API_KEY), so that it is on no process's
   command line;
 - the server watches Orbit (ORBIT_PARENT_PID): if Orbit is gone without stopping it (SIGKILL, the
@@ -25,9 +25,14 @@ def watch_parent(parent: int) -> None:
     import psutil
 
     # All but the resource tracker, which unlinks the semaphores of its clients once they are gone.
-    children = [c for c in psutil.Process().children(recursive=True)
-                if "resource_tracker" not in " ".join(c.cmdline())]
-    files = [f.path for c in children for f in _open_files(c) if f.path.startswith("/dev/shm/sglang_")]
+    children = [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    files = [
+        f.path for c in children for f in _open_files(c) if f.path.startswith("/dev/shm/sglang_")
+    ]
     for child in children:
         try:
             child.kill()
@@ -56,5 +61,7 @@ if __name__ == "__main__":
         sys.argv[1:1] = ["--api-key", key]
     parent = os.environ.pop(PARENT_ENV, None)
     if parent:
-        threading.Thread(target=watch_parent, args=(int(parent),), name="orbit-parent-watch", daemon=True).start()
+        threading.Thread(
+            target=watch_parent, args=(int(parent),), name="orbit-parent-watch", daemon=True
+        ).start()
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

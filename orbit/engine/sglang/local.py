@@ -25,21 +25,26 @@ PREFIX = "orbit-adapters-"
 
 
 def adapter_root() -> Path:
-    """A fresh directory of this process's for adapter files (in /dev/shm where it can be written); the
-    directories of Orbit processes that are gone are removed first."""
+    """A fresh directory of this process's for adapter files (in /dev/shm where it can be written);
+    the directories of Orbit processes that are gone are removed first."""
     base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
     return own_dir(PREFIX, base)
 
 
 def sglang_shm_files(pids: list[int]) -> list[Path]:
     """The /dev/shm files SGLang's processes `pids` hold open (each scheduler's load snapshot,
-    `sglang_loads_*.shm`, which SGLang never removes): to be removed once those processes are gone."""
+    `sglang_loads_*.shm`, which SGLang never removes): to be removed once those processes are
+    gone."""
     import psutil
 
     found = []
     for pid in pids:
         try:
-            found += [Path(f.path) for f in psutil.Process(pid).open_files() if f.path.startswith(f"{SHM}/sglang_")]
+            found += [
+                Path(f.path)
+                for f in psutil.Process(pid).open_files()
+                if f.path.startswith(f"{SHM}/sglang_")
+            ]
         except psutil.Error:
             pass
     return found
@@ -49,7 +54,7 @@ def ipc_files(port_args: object) -> list[Path]:
     """The socket files of an in-process engine's ZeroMQ channels (`ipc://` names SGLang makes with
     NamedTemporaryFile(delete=False) and never removes)."""
     names = [v for v in vars(port_args).values() if isinstance(v, str) and v.startswith("ipc://")]
-    return [Path(name[len("ipc://"):]) for name in names]
+    return [Path(name[len("ipc://") :]) for name in names]
 
 
 def remove(paths: list[Path]) -> None:

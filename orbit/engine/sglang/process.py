@@ -1,7 +1,8 @@
 """Start and stop SGLang's in-process engine for Orbit's SGLang backend (engine.py, transport.py).
 
 Process-level concerns of `sglang.Engine` 0.5.23 that the backend must handle:
-- CPU: Orbit's compatibility shims are turned on before sglang is imported (orbit.engine.sglang_cpu);
+- CPU: Orbit's compatibility shims are turned on before sglang is imported
+  (orbit.engine.sglang_cpu);
 - the engine gets its own asyncio loop (run later in a thread of its own by the backend), and its
   scheduler process is sized by OMP_NUM_THREADS (= engine.threads);
 - SGLang's children SIGQUIT their parent when they fail and SGLang's own handler then kills the
@@ -57,18 +58,22 @@ class SGLangOptions:
     max_running: int = 32  # SGLang's max_running_requests
     dtype: str = "float32"
     device: str = "cpu"
-    threads: int = 1  # CPU: torch threads of SGLang's scheduler process (OMP_NUM_THREADS at its start)
+    # CPU: torch threads of SGLang's scheduler process (OMP_NUM_THREADS at its start)
+    threads: int = 1
     seed: int = 0  # SGLang's random_seed
-    lora: bool = True  # False: no LoRA at all (OFT recipes push merged weights; slots stay unusable)
+    # False: no LoRA at all (OFT recipes push merged weights; slots stay unusable)
+    lora: bool = True
     slots: int = 2  # adapter slots: SGLang adapter names orbit-slot-0 .. orbit-slot-(slots-1)
     max_lora_rank: int = 8
     lora_target_modules: tuple[str, ...] = ALL_TARGETS  # completed to whole q/k/v, gate/up groups
     context_length: int | None = None  # None: min(max_position_embeddings, 4096)
-    max_total_tokens: int | None = None  # KV pool; None: max_running * context (<= 65536) on CPU, SGLang's on GPU
+    # KV pool; None: max_running * context (<= 65536) on CPU, SGLang's on GPU
+    max_total_tokens: int | None = None
     memory_saver: bool | None = None  # None: on with CUDA when torch_memory_saver is installed
     mem_fraction: float | None = None  # GPU: --mem-fraction-static (None: SGLang's default)
     tp: int = 1  # GPU: --tp-size, GPUs base_gpu_id .. base_gpu_id + tp - 1
-    extra: tuple[tuple[str, object], ...] = ()  # engine.sglang_args: further ServerArgs, checked at load (args.py)
+    # engine.sglang_args: further ServerArgs, checked at load (args.py)
+    extra: tuple[tuple[str, object], ...] = ()
 
 
 def launch(model_path: str | Path, opts: SGLangOptions):
@@ -88,15 +93,21 @@ def launch(model_path: str | Path, opts: SGLangOptions):
     try:
         from sglang.srt.entrypoints.engine import Engine as SGLEngine
     except ImportError as e:
-        raise EngineError(f"engine.backend 'sglang': cannot import sglang ({e}); "
-                          f"install it with: {INSTALL_HINT}") from e
+        raise EngineError(
+            f"engine.backend 'sglang': cannot import sglang ({e}); install it with: {INSTALL_HINT}"
+        ) from e
     import psutil
 
     context = opts.context_length or min(spec.max_position_embeddings, 4096)
     device, gpu = sglang_device(opts.device)  # SGLang takes 'cuda' and a GPU id, not 'cuda:1'
     kwargs: dict = dict(
-        model_path=str(path), device=device, dtype=opts.dtype, random_seed=opts.seed,
-        max_running_requests=opts.max_running, context_length=context, skip_tokenizer_init=True,
+        model_path=str(path),
+        device=device,
+        dtype=opts.dtype,
+        random_seed=opts.seed,
+        max_running_requests=opts.max_running,
+        context_length=context,
+        skip_tokenizer_init=True,
         log_level="error",
         # a top-k/top-p request returns its sampling support (truncated logprobs); SGLang aborts a
         # request whose support is larger than this, and no support is larger than the vocabulary
@@ -104,14 +115,19 @@ def launch(model_path: str | Path, opts: SGLangOptions):
     )
     if opts.lora:
         kwargs.update(
-            enable_lora=True, max_lora_rank=opts.max_lora_rank,
+            enable_lora=True,
+            max_lora_rank=opts.max_lora_rank,
             lora_target_modules=sglang_target_modules(opts.lora_target_modules),
-            max_loras_per_batch=opts.slots + 1,  # every slot and the base model in one batch (None counts)
+            # every slot and the base model in one batch (None counts)
+            max_loras_per_batch=opts.slots + 1,
         )
     if on_cpu:
         kwargs.update(
-            attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
-            mem_fraction_static=0.05, max_total_tokens=opts.max_total_tokens or min(opts.max_running * context, 65536),
+            attention_backend="torch_native",
+            sampling_backend="pytorch",
+            disable_cuda_graph=True,
+            mem_fraction_static=0.05,
+            max_total_tokens=opts.max_total_tokens or min(opts.max_running * context, 65536),
         )
         if opts.lora:
             kwargs["lora_backend"] = "torch_native"  # the default (csgmv) is a Triton GPU kernel
@@ -133,10 +149,12 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         kwargs["custom_sigquit_handler"] = on_sigquit
 
     before = {p.pid for p in psutil.Process().children()}
-    loop = asyncio.new_event_loop()  # the engine's own loop (Engine() picks up the thread's current loop)
+    # the engine's own loop (Engine() picks up the thread's current loop)
+    loop = asyncio.new_event_loop()
     saved_env = os.environ.get("OMP_NUM_THREADS")
     if on_cpu:
-        os.environ["OMP_NUM_THREADS"] = str(opts.threads)  # SGLang's spawned scheduler sizes torch's pool by it
+        # SGLang's spawned scheduler sizes torch's pool by it
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)
     asyncio.set_event_loop(loop)
     try:
         engine = SGLEngine(**kwargs)
@@ -175,14 +193,16 @@ def kill_sglang(pids: list[int], processes: list) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    for p in processes:  # multiprocessing.Process objects: join reaps them the way multiprocessing expects
+    # multiprocessing.Process objects: join reaps them the way multiprocessing expects
+    for p in processes:
         p.join(10)
     held = {p.pid for p in processes}
     psutil.wait_procs([v for v in victims if v.pid not in held], timeout=10)
 
 
 def close_zmq(*owners: object) -> None:
-    """Close every ZeroMQ context behind the sockets these objects (and their attributes) hold, linger 0."""
+    """Close every ZeroMQ context behind the sockets these objects (and their attributes) hold,
+    linger 0."""
     import zmq
 
     contexts, seen = [], set()
@@ -206,7 +226,8 @@ def close_zmq(*owners: object) -> None:
 
 
 def is_sglang(proc) -> bool:
-    """A child that SGLang started (not multiprocessing's resource tracker, which may start meanwhile)."""
+    """A child that SGLang started (not multiprocessing's resource tracker, which may start
+    meanwhile)."""
     try:
         return "resource_tracker" not in " ".join(proc.cmdline())
     except Exception:  # noqa: BLE001 - already gone

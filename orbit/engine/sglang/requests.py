@@ -29,37 +29,53 @@ class Request:
 
     def body(self, lora_path: str | None) -> dict:
         """The `GenerateReqInput` fields (JSON for `/generate`)."""
-        body = {"input_ids": self.prompt_ids, "sampling_params": self.sampling_params, "return_logprob": True,
-                "lora_path": lora_path}
+        body = {
+            "input_ids": self.prompt_ids,
+            "sampling_params": self.sampling_params,
+            "return_logprob": True,
+            "lora_path": lora_path,
+        }
         if self.truncated:
             body["return_sampling_mask"] = True
         return body
 
 
-def build_request(prompt_ids: list[int], sampling: SamplingParams, slot: Slot, vocab: int, max_context: int,
-                  num_slots: int) -> Request:
+def build_request(
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    slot: Slot,
+    vocab: int,
+    max_context: int,
+    num_slots: int,
+) -> Request:
     """Check and translate one `generate` call; EngineError names the first problem."""
     if not isinstance(sampling, SamplingParams):
         raise EngineError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
     sampling.check()
     if sampling.ignore_eos and sampling.stop_token_ids:
-        raise EngineError("SGLang 0.5.23 ignores stop_token_ids when ignore_eos is set; use one or the other")
+        raise EngineError(
+            "SGLang 0.5.23 ignores stop_token_ids when ignore_eos is set; use one or the other"
+        )
     prompt = check_prompt(prompt_ids, vocab, max_context)
     check_ids(list(sampling.stop_token_ids), vocab, "stop")
     check_request_slot(slot, num_slots)
     truncated = truncates(sampling.top_p, sampling.top_k) and sampling.temperature > 0
     params = {
         "max_new_tokens": min(sampling.max_new_tokens, max_context - len(prompt)),
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "ignore_eos": sampling.ignore_eos,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "ignore_eos": sampling.ignore_eos,
     }
     if sampling.top_k > 0:
         params["top_k"] = sampling.top_k
     elif truncated:
-        params["top_k"] = vocab  # return_sampling_mask needs a finite top_k: the whole vocabulary cuts nothing
+        # return_sampling_mask needs a finite top_k: the whole vocabulary cuts nothing
+        params["top_k"] = vocab
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.seed is not None:
-        params["sampling_seed"] = sampling.seed  # honoured by SGLang only with deterministic inference
+        # honoured by SGLang only with deterministic inference
+        params["sampling_seed"] = sampling.seed
     return Request(prompt, params, slot, truncated)
 
 
@@ -89,8 +105,10 @@ def finish_reason(info: object) -> tuple[FinishReason, str]:
     resubmitting a request SGLang ended for an unknown cause would hide it and could loop."""
     kind = info.get("type") if isinstance(info, dict) else info
     if kind not in ("stop", "length", "abort"):
-        raise EngineError(f"SGLang ended a request with a finish reason Orbit does not know: {info!r} "
-                          "(known: stop, length, abort)")
+        raise EngineError(
+            f"SGLang ended a request with a finish reason Orbit does not know: {info!r} "
+            "(known: stop, length, abort)"
+        )
     message = info.get("message") if isinstance(info, dict) else None
     return kind, str(message or "")
 
@@ -102,15 +120,22 @@ def _logprobs(meta: dict, truncated: bool, finish: str) -> list[float]:
     if values is None:
         if finish == "abort":  # aborted before its first token: no sampling mask was ever captured
             return [float(lp) for lp, _tok, _txt in meta.get("output_token_logprobs") or []]
-        raise EngineError("SGLang returned no sampling-mask logprobs for a top-k/top-p request "
-                          "(return_sampling_mask is needed for truncated sampling)")
+        raise EngineError(
+            "SGLang returned no sampling-mask logprobs for a top-k/top-p request "
+            "(return_sampling_mask is needed for truncated sampling)"
+        )
     return [float(v) for v in values]
 
 
 def weight_version(meta: dict, default: int) -> int:
-    """The weight version SGLang stamped on the last tokens (update_weights passes Orbit's version)."""
+    """The weight version SGLang stamped on the last tokens (update_weights passes Orbit's
+    version)."""
     spans = meta.get("weight_versions") or []
-    label = spans[-1].get("version") if spans and isinstance(spans[-1], dict) else meta.get("weight_version")
+    label = (
+        spans[-1].get("version")
+        if spans and isinstance(spans[-1], dict)
+        else meta.get("weight_version")
+    )
     try:
         return int(label)
     except (TypeError, ValueError):

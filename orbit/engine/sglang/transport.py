@@ -23,7 +23,8 @@ from orbit.engine.sglang.process import close_zmq, kill_sglang, proc_name, sigqu
 
 class Transport(Protocol):
     kind: str  # "in-process" | "http"
-    adapter_transport: str  # "in-process" | "local" (a server on this host) | "dir" (engine.adapter_dir)
+    # "in-process" | "local" (a server on this host) | "dir" (engine.adapter_dir)
+    adapter_transport: str
     memory_saver: bool  # release/resume_memory free something
     attached: bool  # a server Orbit did not start: it stays up, with Orbit's adapters taken off it
 
@@ -35,11 +36,15 @@ class Transport(Protocol):
 
     async def flush(self) -> Outcome: ...
 
-    async def load_adapter(self, name: str, tensors: dict, config: dict, version: int) -> Outcome: ...
+    async def load_adapter(
+        self, name: str, tensors: dict, config: dict, version: int
+    ) -> Outcome: ...
 
     async def unload_adapter(self, name: str) -> Outcome: ...
 
-    async def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> Outcome: ...
+    async def update_weights(
+        self, named: list[tuple[str, torch.Tensor]], version: int
+    ) -> Outcome: ...
 
     async def restore_weights(self, model_path: str) -> Outcome:
         """An attached server whose weights full pushes replaced: the checkpoint's again."""
@@ -82,10 +87,12 @@ class InProcessTransport:
         self._previous_sigquit = previous_sigquit
         self._sigquits_at_start = len(sigquits)
         watchdog = getattr(self._tm, "_subprocess_watchdog", None)
-        self._processes = list(getattr(watchdog, "_processes", []) or [])  # SGLang's mp.Process children
+        # SGLang's mp.Process children
+        self._processes = list(getattr(watchdog, "_processes", []) or [])
         self.child_pids = list(sgl_engine.get_all_child_pids())
         self._procs = [psutil.Process(pid) for pid in self.child_pids]
-        # Files SGLang leaves behind, noted now: a scheduler that dies takes the list of its own along.
+        # Files SGLang leaves behind, noted now: a scheduler that dies takes the list of its own
+        # along.
         self._files = sglang_shm_files(self.child_pids) + ipc_files(sgl_engine.port_args)
 
     async def generate(self, body: dict) -> dict:
@@ -111,11 +118,15 @@ class InProcessTransport:
     async def load_adapter(self, name: str, tensors: dict, config: dict, version: int) -> Outcome:
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
-        # Serialized here, once per load: the payload is file-descriptor handles that the receiver can
-        # fetch only once (sending the same bytes twice kills SGLang's scheduler).
+        # Serialized here, once per load: the payload is file-descriptor handles that the receiver
+        # can fetch only once (sending the same bytes twice kills SGLang's scheduler).
         payload = self._sgl._serialize_tensors_per_rank(tensors, None)
-        res = await self._tm.load_lora_adapter_from_tensors(LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=name, config_dict=config, serialized_named_tensors=payload), None)
+        res = await self._tm.load_lora_adapter_from_tensors(
+            LoadLoRAAdapterFromTensorsReqInput(
+                lora_name=name, config_dict=config, serialized_named_tensors=payload
+            ),
+            None,
+        )
         return bool(res.success), str(res.error_message or "")
 
     async def unload_adapter(self, name: str) -> Outcome:
@@ -136,9 +147,17 @@ class InProcessTransport:
         if not ok:
             return False, f"begin_weight_update: {msg}"
         try:
-            ok, msg = (await self._tm.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=payload, load_format=None, flush_cache=True, weight_version=str(version),
-            ), None))[:2]
+            ok, msg = (
+                await self._tm.update_weights_from_tensor(
+                    UpdateWeightsFromTensorReqInput(
+                        serialized_named_tensors=payload,
+                        load_format=None,
+                        flush_cache=True,
+                        weight_version=str(version),
+                    ),
+                    None,
+                )
+            )[:2]
         finally:
             end_ok, end_msg = await self._tm.end_weight_update(EndWeightUpdateReqInput(), None)
         return (ok and end_ok), str(msg if not ok else end_msg)
@@ -169,7 +188,11 @@ class InProcessTransport:
         if not gone:
             return None
         names = ", ".join(f"{proc_name(p)} (pid {p.pid})" for p in gone)
-        note = " after signalling a failure (SIGQUIT)" if len(sigquits) > self._sigquits_at_start else ""
+        note = (
+            " after signalling a failure (SIGQUIT)"
+            if len(sigquits) > self._sigquits_at_start
+            else ""
+        )
         return f"SGLang process {names} died{note}; the engine is dead"
 
     async def aclose(self) -> None:
@@ -179,7 +202,8 @@ class InProcessTransport:
         pass  # no server: close() kills SGLang's own processes
 
     def close(self) -> None:
-        """Kill SGLang's own process tree (not `Engine.shutdown()`: that kills every child of this process)."""
+        """Kill SGLang's own process tree (not `Engine.shutdown()`: that kills every child of this
+        process)."""
         watchdog = getattr(self._tm, "_subprocess_watchdog", None)
         if watchdog is not None:
             watchdog.stop()  # it would SIGQUIT this process when it sees the children go
@@ -193,5 +217,8 @@ class InProcessTransport:
             self._tm.cuda_vmm_feature_transport.shutdown()
         except Exception:  # noqa: BLE001 - optional cleanup of SGLang's own
             pass
-        if self._previous_sigquit is not None and threading.current_thread() is threading.main_thread():
+        if (
+            self._previous_sigquit is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
             signal.signal(signal.SIGQUIT, self._previous_sigquit)

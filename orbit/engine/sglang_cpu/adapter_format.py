@@ -32,7 +32,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
 _NAME = re.compile(r"^(?P<prefix>.*\.)(?P<module>[A-Za-z0-9_]+)\.(?P<ab>lora_[AB])\.weight$")
 
 
@@ -78,11 +81,15 @@ def to_sglang_lora(
     cfg = dict(config)
     peft_type = str(cfg.get("peft_type", "LORA")).rsplit(".", 1)[-1].upper()
     if peft_type != "LORA":
-        raise ValueError(f"SGLang serves LoRA adapters only, got peft_type {cfg.get('peft_type')!r}")
+        raise ValueError(
+            f"SGLang serves LoRA adapters only, got peft_type {cfg.get('peft_type')!r}"
+        )
     if cfg.get("use_dora"):
         raise ValueError("SGLang does not support DoRA adapters (use_dora=True)")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ValueError("SGLang ignores rank_pattern/alpha_pattern: export one r and lora_alpha for all modules")
+        raise ValueError(
+            "SGLang ignores rank_pattern/alpha_pattern: export one r and lora_alpha for all modules"
+        )
     if cfg.get("lora_bias"):
         raise ValueError("SGLang does not load LoRA bias terms (lora_bias=True)")
     r = int(cfg["r"])
@@ -110,7 +117,9 @@ def to_sglang_lora(
                 if mod in have:
                     continue
                 out[f"{prefix}{mod}.lora_A.weight"] = torch.zeros_like(a)
-                out[f"{prefix}{mod}.lora_B.weight"] = torch.zeros(widths[mod], r, dtype=a.dtype, device=a.device)
+                out[f"{prefix}{mod}.lora_B.weight"] = torch.zeros(
+                    widths[mod], r, dtype=a.dtype, device=a.device
+                )
     targets = cfg.get("target_modules")
     if targets is not None and not isinstance(targets, str):
         cfg["target_modules"] = sglang_target_modules(targets)

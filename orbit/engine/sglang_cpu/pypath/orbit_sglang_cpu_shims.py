@@ -25,11 +25,13 @@ import sys
 ENV_FLAG = "ORBIT_SGLANG_CPU_SHIMS"
 
 # Modules whose code hard-codes pinned host buffers on the LoRA path (sglang 0.5.23).
-PIN_MEMORY_MODULES = frozenset({
-    "sglang.srt.lora.layers",
-    "sglang.srt.lora.backend.torch_backend",
-    "sglang.srt.lora.mem_pool",
-})
+PIN_MEMORY_MODULES = frozenset(
+    {
+        "sglang.srt.lora.layers",
+        "sglang.srt.lora.backend.torch_backend",
+        "sglang.srt.lora.mem_pool",
+    }
+)
 
 
 def enabled() -> bool:
@@ -137,7 +139,9 @@ _tv_lib = None  # keep the Library alive: dropping it unregisters the schemas
 
 def fix_torchvision_op_schemas() -> None:
     global _tv_lib
-    if _tv_lib is not None or ("torchvision" in sys.modules and hasattr(sys.modules["torchvision"], "ops")):
+    if _tv_lib is not None or (
+        "torchvision" in sys.modules and hasattr(sys.modules["torchvision"], "ops")
+    ):
         return
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
@@ -173,8 +177,19 @@ def fix_torchvision_op_schemas() -> None:
 # modules the name `torch` becomes a proxy whose factory functions drop `pin_memory` (everything
 # else is torch itself), and `Tensor.pin_memory()` returns the tensor (it can only raise on a
 # CPU-only build). torch's own namespace is left alone (see the module docstring).
-_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_strided",
-              "empty_like", "zeros_like", "ones_like", "full_like")
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+)
 
 
 class _TorchWithoutPinMemory:
