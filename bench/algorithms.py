@@ -213,8 +213,7 @@ def picture(summary: dict, path: Path) -> None:
     fig.supylabel(f"reward, {WINDOW}-step mean")
     fig.suptitle(
         f"{Path(summary['recipe']).name}, seeds {', '.join(map(str, summary['seeds']))}: median "
-        "(line) "
-        "and range (band) over seeds; grey, the other presets' medians",
+        "(line) and range (band) over seeds; grey, the other presets' medians",
         fontsize=10,
     )
     fig.tight_layout()

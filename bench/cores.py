@@ -44,7 +44,7 @@ def matmul_peak(
         f"import time, torch; torch.set_num_threads({threads}); a = torch.randn({rows}, {hidden}); "
         f"b = torch.randn({hidden}, {inner}); [a @ b for _ in range(3)]; t = time.perf_counter(); "
         f"[a @ b for _ in range({reps})]; print(2 * {rows} * {hidden} * {inner} * {reps} / "
-        f"(time.perf_counter() - t) / 1e9)"
+        "(time.perf_counter() - t) / 1e9)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip())
@@ -100,19 +100,16 @@ def main() -> None:
             r = results["runs"][f"{engine}/{setting}"] = run(args, engine, setting)
             print(
                 f"{engine:9s} {setting:20s} step {r['step_s']:.2f} s (train {r['train_s']:.2f} s), "
-                "engine "
-                f"{r['engine_tok_per_busy_s']:.0f} tok/s while busy, borrowed {r['borrowed']:.0%}, "
-                "trainer "
-                f"{r['trainer_tflops'] * 1e3:.1f} GFLOP/s = "
-                f"{r['trainer_tflops'] * 1e3 / peak[2]:.0%} of the "
-                f"2-thread peak ({time.time() - t0:.0f} s)",
+                f"engine {r['engine_tok_per_busy_s']:.0f} tok/s while busy, borrowed "
+                f"{r['borrowed']:.0%}, trainer {r['trainer_tflops'] * 1e3:.1f} GFLOP/s = "
+                f"{r['trainer_tflops'] * 1e3 / peak[2]:.0%} of the 2-thread peak "
+                f"({time.time() - t0:.0f} s)",
                 flush=True,
             )
         off, on = results["runs"][f"{engine}/off"], results["runs"][f"{engine}/on"]
         print(
             f"{engine}: step on/off {on['step_s'] / off['step_s']:.3f}x, engine tok/s while busy "
-            "on/off "
-            f"{on['engine_tok_per_busy_s'] / off['engine_tok_per_busy_s']:.3f}x",
+            f"on/off {on['engine_tok_per_busy_s'] / off['engine_tok_per_busy_s']:.3f}x",
             flush=True,
         )
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))

@@ -190,19 +190,16 @@ def main() -> None:
     eng_rate, hf_rate = eng_tok / eng_s, hf_tok / hf_s
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} "
-        "torch "
-        f"thread(s) per side, torch {torch.__version__}"
+        f"torch thread(s) per side, torch {torch.__version__}"
     )
     print(
         f"decode step at batch {args.batch}: embedded engine {1000 * engine_step:.1f} ms, "
-        "transformers forward "
-        f"{1000 * hf_step:.1f} ms ({engine_step / hf_step:.2f}x)"
+        f"transformers forward {1000 * hf_step:.1f} ms ({engine_step / hf_step:.2f}x)"
     )
     print(
         f"workload: {args.requests} requests, {name}, output lengths "
-        f"{min(lengths)}..{max(lengths)} "
-        f"(mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} useful tokens, "
-        f"batch/max_running {args.batch}"
+        f"{min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} "
+        f"useful tokens, batch/max_running {args.batch}"
     )
     print(
         f"embedded engine (client + process): {eng_tok} tokens in {eng_s:.3f} s = {eng_rate:,.0f} "

@@ -144,15 +144,12 @@ def main() -> None:
 
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, CPU only, torch "
-        f"{torch.__version__}, "
-        f"sglang {sgl.__version__}, {args.threads} torch thread(s) per engine"
+        f"{torch.__version__}, sglang {sgl.__version__}, {args.threads} torch thread(s) per engine"
     )
     print(
         f"workload: {args.requests} requests, {args.arch} tiny model, output lengths "
-        f"{min(lengths)}..{max(lengths)} "
-        f"(mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} tokens, max_running "
-        f"{args.batch}, "
-        f"best of {args.repeat}"
+        f"{min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.0f}), {sum(lengths)} "
+        f"tokens, max_running {args.batch}, best of {args.repeat}"
     )
     names = list(engines)
     print(f"{'':28s}" + "".join(f"{n:>26s}" for n in names))

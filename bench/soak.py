@@ -410,8 +410,7 @@ def soak(backend: str, minutes: float, out: Path, model: Path) -> Report:
             orbit = restart_fault(orbit, out, fault, path, report)
         print(
             f"  {backend}: {fault.kind:9s} noticed {_s(fault.noticed_s)} recovered "
-            f"{_s(fault.recovered_s)} "
-            f"{fault.detail[:70]}",
+            f"{_s(fault.recovered_s)} {fault.detail[:70]}",
             flush=True,
         )
         i += 1
@@ -462,8 +461,8 @@ def _s(v: float | None) -> str:
 
 def table(r: Report) -> str:
     lines = [
-        f"soak on {r.backend}, {r.minutes:g} min: {r.steps} steps in {r.starts} Orbit starts; "
-        f"lost {r.steps_lost}, repeated {r.steps_repeated}, redone after a kill {r.steps_redone}",
+        f"soak on {r.backend}, {r.minutes:g} min: {r.steps} steps in {r.starts} Orbit starts; lost "
+        f"{r.steps_lost}, repeated {r.steps_repeated}, redone after a kill {r.steps_redone}",
         f"  {'fault':10s} {'injected':>8s} {'noticed':>8s} {'recovered':>9s} "
         f"{'notice (median/max)':>20s}",
     ]
@@ -476,8 +475,8 @@ def table(r: Report) -> str:
     growth = "-" if r.rss_growth is None else f"{100 * r.rss_growth:+.1f}%"
     lines += [
         f"  Orbit RSS after warm-up -> end (MB, per start): {r.rss_mb}, largest growth {growth}",
-        f"  fds {r.fds[0]}..{r.fds[1]}, threads {r.threads[0]}..{r.threads[1]}, "
-        f"descendants {r.descendants[0]}..{r.descendants[1]}",
+        f"  fds {r.fds[0]}..{r.fds[1]}, threads {r.threads[0]}..{r.threads[1]}, descendants "
+        f"{r.descendants[0]}..{r.descendants[1]}",
         f"  /dev/shm entries left: {len(r.shm_left)} {r.shm_left[:5]}; processes left: "
         f"{r.processes_left or 0}",
         f"  the final adapter loads with peft: {r.adapter_loads}",

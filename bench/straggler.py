@@ -18,7 +18,7 @@ import torch
 from orbit.config import EngineConfig, Recipe
 from orbit.engine import EngineStarter, start_engine
 from orbit.engine.base import Completion, Engine, EngineStats, PauseMode, SamplingParams, Slot
-from orbit.run.lifecycle import EnginesFor, StartedEngines
+from orbit.run.engines import EnginesFor, StartedEngines
 
 
 @dataclass(frozen=True)

@@ -158,13 +158,12 @@ def main() -> None:
     print(f"  sweep / one after another:           {sweep_s / alone_s:7.2f}x (goal <= 0.5x)")
     print(
         f"  floor: one start-up {startup_s:.1f} s + max(generating {work['engine']:.1f} s, "
-        "training "
-        f"{work['trainer']:.1f} s) = {floor_s:.1f} s, {floor_s / alone_s:.2f}x of one after another"
+        f"training {work['trainer']:.1f} s) = {floor_s:.1f} s, {floor_s / alone_s:.2f}x of one "
+        "after another"
     )
     print(
         f"\n  {'lr':>8} {'in the sweep':>13} {'alone':>8} {'alone, seed 1':>14} "
-        f"{'|sweep-alone|':>14} "
-        f"{'|seed 1-alone|':>15}"
+        f"{'|sweep-alone|':>14} {'|seed 1-alone|':>15}"
     )
     for r in rows:
         print(
@@ -172,8 +171,8 @@ def main() -> None:
             f"{abs(r['sweep'] - r['alone']):14.3f} {abs(r['alone_seed1'] - r['alone']):15.3f}"
         )
     print(
-        f"\n  mean |sweep - alone| {fmean(abs(r['sweep'] - r['alone']) for r in rows):.3f}, "
-        f"mean |seed 1 - alone| {fmean(abs(r['alone_seed1'] - r['alone']) for r in rows):.3f}"
+        f"\n  mean |sweep - alone| {fmean(abs(r['sweep'] - r['alone']) for r in rows):.3f}, mean "
+        f"|seed 1 - alone| {fmean(abs(r['alone_seed1'] - r['alone']) for r in rows):.3f}"
     )
 
 

@@ -146,9 +146,8 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(
         f"model {args.model.name}: {args.samples} samples in groups of {args.group}, prompts of "
-        f"{args.prompt} "
-        f"tokens, outputs {args.output // 2}..{args.output}; {rows[0]['tokens']} tokens a step, 1 "
-        "torch thread"
+        f"{args.prompt} tokens, outputs {args.output // 2}..{args.output}; {rows[0]['tokens']} "
+        "tokens a step, 1 torch thread"
     )
     print(f"{'way':12s} {'step s':>7s} {'tok/s':>7s} {'peak MB above the model':>24s}")
     for r in rows:

@@ -115,8 +115,7 @@ def main() -> None:
     tokens = sum(len(s.output_ids) for s in batch(args.samples, 8, args.prompt, args.output, vocab))
     print(
         f"model {args.model}, {args.samples} samples ({tokens} output tokens), device "
-        f"{args.device}, "
-        f"one thread per rank, median of {args.steps} steps"
+        f"{args.device}, one thread per rank, median of {args.steps} steps"
     )
     print(f"{'':16} {'step s':>8} {'out tok/s':>10} {'speed-up':>9}")
     for name, seconds in rows:

@@ -237,8 +237,7 @@ def report(args: argparse.Namespace, runs: dict) -> str:
     )
     lines = [
         f"`{args.recipe}`, {args.steps} steps, one after the other on this machine; base model "
-        "held-out "
-        f"accuracy {runs[seeds[0]]['orbit']['figures']['base_accuracy']:.1%}",
+        f"held-out accuracy {runs[seeds[0]]['orbit']['figures']['base_accuracy']:.1%}",
         "",
         head,
         "|---" * (2 * len(seeds) + 2) + "|",
@@ -254,8 +253,7 @@ def report(args: argparse.Namespace, runs: dict) -> str:
     lines += [
         "",
         "Held-out accuracy at equal wall-clock points (at each Orbit checkpoint's time, TRL's "
-        "newest "
-        "checkpoint by then):",
+        "newest checkpoint by then):",
         "",
         "| seed | wall clock (s) | Orbit step | Orbit | TRL |",
         "|---|---|---|---|---|",

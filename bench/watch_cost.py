@@ -74,8 +74,7 @@ def main() -> None:
         ratios.append(watched / plain)
         print(
             f"pair {pair}: median step {plain * 1e3:.1f} ms without the page, {watched * 1e3:.1f} "
-            "ms with it "
-            f"({ratios[-1]:.3f}x)",
+            f"ms with it ({ratios[-1]:.3f}x)",
             flush=True,
         )
     print(

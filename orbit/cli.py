@@ -188,7 +188,7 @@ def _train(
     if result.leader:
         console.print(
             f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
-            f"(metrics.jsonl, timeline.jsonl, adapter/)"
+            "(metrics.jsonl, timeline.jsonl, adapter/)"
         )
 
 
@@ -263,8 +263,8 @@ def _sweep(
             code=1,
         )
     console.print(
-        f"done: {len(result.statuses)} runs in {result.seconds:.1f}s → {result.out} "
-        f"(summary.json, reward.png, a run directory per run)"
+        f"done: {len(result.statuses)} runs in {result.seconds:.1f}s → {result.out} (summary.json, "
+        "reward.png, a run directory per run)"
     )
 
 

@@ -118,8 +118,7 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
     ratio = trained / fmean(generated)
     print(
         f"\n{admission}: trained mean length {trained:.1f}, generated {fmean(generated):.1f}, "
-        f"ratio {ratio:.2f}, "
-        f"dropped {sum(r['stale_dropped'] for r in rows)}, resubmitted "
+        f"ratio {ratio:.2f}, dropped {sum(r['stale_dropped'] for r in rows)}, resubmitted "
         f"{sum(r['resubmitted'] for r in rows)}"
     )
     assert ratio >= 0.95

@@ -255,9 +255,8 @@ def test_requests_the_endpoint_refuses_or_serves(chat_model, tiny_llama):
     # a template that refuses, as Llama's does out of turn
     strict = AutoTokenizer.from_pretrained(chat_model)
     strict.chat_template = (
-        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation roles must "
-        "alternate user/assistant') }}{% endif %}"
-        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation roles must alternate "
+        "user/assistant') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
     )
     with Endpoint(strict, Script([ids]), model="m") as endpoint:
         eid = endpoint.open(0, None, SamplingParams())

@@ -247,7 +247,7 @@ def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, mon
     code."""
     from typer.testing import CliRunner
 
-    import orbit.run.lifecycle
+    import orbit.run.engines
     from orbit.cli import app
 
     recipe = tmp_path / "r.yaml"
@@ -270,7 +270,7 @@ def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, mon
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(orbit.run.lifecycle, "start_pool", interrupted)
+    monkeypatch.setattr(orbit.run.engines, "start_pool", interrupted)
     data["task"] = {"name": "pattern"}
     recipe.write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(

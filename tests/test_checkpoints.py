@@ -90,8 +90,8 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_the_run_resumes(
     def full_from_step_3(run_dir, version, write, keep_last):
         if version >= 3:
             raise checkpoint.CheckpointError(
-                f"could not write the checkpoint of step {version} to ... "
-                "(No space left on device); the checkpoint of step 2 is kept"
+                f"could not write the checkpoint of step {version} to ... (No space left on "
+                "device); the checkpoint of step 2 is kept"
             )
         return real(run_dir, version, write, keep_last)
 

@@ -51,8 +51,8 @@ def test_rl_raises_held_out_accuracy_over_the_warm_start(arith_run):
     base, trained = report["results"]["base"], report["results"]["trained"]
     print(
         f"held-out accuracy: warm start {base['accuracy']:.1%} -> trained "
-        f"{trained['accuracy']:.1%} "
-        f"(format {base['format_rate']:.1%} -> {trained['format_rate']:.1%})"
+        f"{trained['accuracy']:.1%} (format {base['format_rate']:.1%} -> "
+        f"{trained['format_rate']:.1%})"
     )
     assert 0.2 <= base["accuracy"] <= 0.6  # partial competence: RL has room
     assert trained["accuracy"] >= base["accuracy"] + MIN_GAIN

@@ -223,9 +223,8 @@ def test_embedded_engine_tokens_per_second_against_generate(model, capsys):
     with capsys.disabled():
         print(
             f"\n{torch.cuda.get_device_name()}, bf16, {len(ps)} requests, {sum(lengths)} useful "
-            "tokens: embedded "
-            f"{eng_tok / eng_s:,.0f} tok/s, transformers generate {hf_tok / hf_s:,.0f} tok/s "
-            f"({(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x)"
+            f"tokens: embedded {eng_tok / eng_s:,.0f} tok/s, transformers generate "
+            f"{hf_tok / hf_s:,.0f} tok/s ({(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x)"
         )
     assert eng_tok == hf_tok == sum(lengths)
 

@@ -19,6 +19,7 @@ import yaml
 from run_helpers import checked, recipe_dict, run_metrics
 from safetensors.torch import load_file
 
+import orbit.run.engines
 import orbit.run.lifecycle
 from orbit.config import RecipeError
 from orbit.engine.base import EngineDeadError
@@ -44,14 +45,14 @@ def _saved_version(run_dir: Path) -> int | None:
 def _capture_engine(monkeypatch) -> list:
     """The engines `train` starts (to kill or stop one from the test)."""
     started: list = []
-    real = orbit.run.lifecycle.start_pool
+    real = orbit.run.engines.start_pool
 
     def start(*args, **kwargs):
         engine = real(*args, **kwargs)
         started.append(engine)
         return engine
 
-    monkeypatch.setattr(orbit.run.lifecycle, "start_pool", start)
+    monkeypatch.setattr(orbit.run.engines, "start_pool", start)
     return started
 
 
@@ -112,7 +113,7 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so(tmp_path, tiny_llama,
     def interrupted_start(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(orbit.run.lifecycle, "start_pool", interrupted_start)
+    monkeypatch.setattr(orbit.run.engines, "start_pool", interrupted_start)
     with pytest.raises(Interrupted, match="during start-up: nothing was trained"):
         train(checked(_recipe(tiny_llama, tmp_path / "run")), live=False)
     assert not (tmp_path / "run").exists()
@@ -364,7 +365,7 @@ def test_a_failed_start_leaves_nothing_in_the_way(tmp_path, tiny_llama, monkeypa
         raise EngineDeadError("engine process failed to start (exit code 1)")
 
     with monkeypatch.context() as m:
-        m.setattr(orbit.run.lifecycle, "start_pool", broken)
+        m.setattr(orbit.run.engines, "start_pool", broken)
         with pytest.raises(EngineDeadError):
             train(recipe, live=False)
     assert not run_dir.exists()

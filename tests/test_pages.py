@@ -56,8 +56,8 @@ def test_the_panels_page_opens_offline_has_five_panels_and_plays(bench_dir):
             page.evaluate(f"Object.keys({layout}).filter(k => k.startsWith('yaxis')).length") == 5
         )
         hover = page.evaluate(
-            "document.getElementById('orbit-panels').data.find(t => t.name.startsWith('version'))"
-            ".hovertemplate"
+            "document.getElementById('orbit-panels').data.find(t => "
+            "t.name.startsWith('version')).hovertemplate"
         )
         assert (
             "group" in hover
@@ -111,9 +111,9 @@ def test_a_live_page_follows_a_run(tiny_llama, tmp_path):
                 if lines > seen:  # a new line: how long until the page says so
                     t0, seen = time.time(), lines
                     page.wait_for_function(
-                        f"document.getElementById('step').textContent.startsWith('step {seen} ')"
-                        f" || Number(document.getElementById('step').textContent.split(' ')[1]) "
-                        f">= {seen}",
+                        f"document.getElementById('step').textContent.startsWith('step {seen} ') "
+                        "|| Number(document.getElementById('step').textContent.split(' ')[1]) >= "
+                        f"{seen}",
                         timeout=10_000,
                     )
                     delays.append(time.time() - t0)

@@ -178,8 +178,7 @@ def test_trainer_adapter_in_a_slot_matches_peft(engine, policy_a):
             )
     print(
         f"\nLoRA (trainer export, q/k/v/o r=8) vs peft: greedy {worst_tf:.2e}, sampled "
-        f"{worst_sampled:.2e}"
-        f" (adapter effect {effect:.2f})"
+        f"{worst_sampled:.2e} (adapter effect {effect:.2f})"
     )
     assert effect > 0.1, "the adapter must change the logprobs, else the comparison proves nothing"
     assert worst_tf < LORA_TOL and worst_sampled < LORA_TOL

@@ -90,8 +90,8 @@ def test_mode_runs_on_sglang(tmp_path, tiny_llama, mode):
     assert result.steps_done == STEPS
     rows = _check_run(tmp_path / "run", mode)
     print(
-        f"\n{mode}: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "
-        f"push {_fmt(r['update_weights_s'] for r in rows)} s"
+        f"\n{mode}: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, push "
+        f"{_fmt(r['update_weights_s'] for r in rows)} s"
     )
 
 
@@ -126,8 +126,8 @@ def test_double_buffer_through_the_cli_with_two_fsdp_trainer_ranks(tmp_path, tin
     )
     print(
         "\ndouble-buffer (CLI, 2 FSDP ranks): logprob_diff "
-        f"{_fmt(r['logprob_diff'] for r in rows)}, "
-        f"push {_fmt(r['update_weights_s'] for r in rows)} s"
+        f"{_fmt(r['logprob_diff'] for r in rows)}, push "
+        f"{_fmt(r['update_weights_s'] for r in rows)} s"
     )
 
 
@@ -152,8 +152,8 @@ def test_oft_on_sglang_is_pushed_as_merged_weights(tmp_path, tiny_llama):
         "OFT must not go into a slot on SGLang"
     )
     print(
-        f"\nOFT merged push: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, "
-        f"push {_fmt(r['update_weights_s'] for r in rows)} s"
+        f"\nOFT merged push: logprob_diff {_fmt(r['logprob_diff'] for r in rows)}, push "
+        f"{_fmt(r['update_weights_s'] for r in rows)} s"
     )
 
 
@@ -192,12 +192,12 @@ def test_an_in_process_engine_whose_scheduler_dies_is_restarted_and_rejoins(
     import threading
     import time
 
-    import orbit.run.lifecycle
+    import orbit.run.engines
 
     pools: list = []
-    real = orbit.run.lifecycle.start_pool
+    real = orbit.run.engines.start_pool
     monkeypatch.setattr(
-        orbit.run.lifecycle, "start_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1]
+        orbit.run.engines, "start_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1]
     )
     # 10 steps: a kill seen late (the run ahead by up to max_staleness + 1 batches) must still leave
     # batches that only the new engine can make; with 6, a late kill once left none (CI: rejoined 0)

@@ -231,10 +231,8 @@ def test_two_started_servers_one_killed_mid_run_through_a_pipe(tmp_path, tiny_ll
     assert {e["engine"] for e in events if e["kind"] == "request"} == {0, 1}
     print(
         f"\nstarted server killed: noticed in {lost['t0'] - killed['at']:.1f} s, serving again "
-        "after "
-        f"{back['t0'] - killed['at']:.1f} s; end-of-file {run.eof_after_exit_s:.2f} s after exit, "
-        "listening on "
-        f"{run.listening}"
+        f"after {back['t0'] - killed['at']:.1f} s; end-of-file {run.eof_after_exit_s:.2f} s after "
+        f"exit, listening on {run.listening}"
     )
 
 
@@ -283,8 +281,7 @@ def test_start_up_checks_fail_before_training_with_the_fix(
         (
             _recipe(tiny_llama, tmp_path / "c", engine={"servers": [plain_qwen2]}),
             f"engine.servers: {plain_qwen2}: the server serves a 'qwen2' model "
-            "['Qwen2ForCausalLM']; the recipe's is "
-            "'llama'",
+            "['Qwen2ForCausalLM']; the recipe's is 'llama'",
         ),
     ]
     for data, message in cases:

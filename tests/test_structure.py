@@ -7,8 +7,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "orbit"
-# a warning, naming the file: a module longer than this is worth a look, not a failure
-MAX_LINES = 400
+# a warning, naming the file: a module longer than this is worth a look, not a failure (lines are at
+# most 100 columns, as ruff format leaves them)
+MAX_LINES = 500
 # Packages by layer, lowest first: a package imports from its own layer or below, never above
 # (docs/design.md, CONTRIBUTING.md). The RL math, tasks and engines know nothing of runs; runs know
 # nothing of the command line. Every module lives in a package but the command line (cli.py) and the

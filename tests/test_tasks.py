@@ -159,8 +159,8 @@ def test_chat_model_style_tool_calls(tiny_task_tokens, tmp_path):
     chat_tok = AutoTokenizer.from_pretrained(tiny_task_tokens)
     chat_tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
     chat_tok.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if "
+        "add_generation_prompt %}<|assistant|>{% endif %}"
     )
     cfg = TaskConfig(
         name="zorplex",

@@ -117,8 +117,7 @@ def app_for(endpoint: Episodes) -> FastAPI:
         if record is None:
             raise _NoEpisode(
                 f"no open episode {eid!r}: this endpoint serves the run's episodes, each at the "
-                "base "
-                "URL Orbit gives its agent (.../e/EPISODE/v1)"
+                "base URL Orbit gives its agent (.../e/EPISODE/v1)"
             )
         return record
 

@@ -161,8 +161,8 @@ class Episodes:
             # (the n choices of one call share their prompt: they are not forks of each other)
             if parent is None and any(t.call != call for t in record.turns):
                 record.forks.append(
-                    f"call {call}: its prompt continues no earlier turn (the history was "
-                    "edited, or the conversation started over)"
+                    f"call {call}: its prompt continues no earlier turn (the history was edited, "
+                    "or the conversation started over)"
                 )
             record.turns.append(
                 Turn(call, list(prompt_ids), completion, parent, reply, messages, text)

@@ -131,8 +131,8 @@ class AgentRunner:
         _settle(
             fut,
             error=EpisodeFailed(
-                f"the agent ran past rollout.episode_timeout_s ({self.timeout_s:g} s) and "
-                "did not stop when cancelled (it blocks instead of awaiting)"
+                f"the agent ran past rollout.episode_timeout_s ({self.timeout_s:g} s) and did not "
+                "stop when cancelled (it blocks instead of awaiting)"
             ),
         )
 

@@ -69,8 +69,8 @@ def render() -> str:
         "",
         "## `task:`",
         "",
-        "Each built-in task has its own options; an option it does not have fails at load, "
-        "naming it. Options left unset take the task's defaults.",
+        "Each built-in task has its own options; an option it does not have fails at load, naming "
+        "it. Options left unset take the task's defaults.",
         "",
     ]
     for task, model in BUILTINS.items():

@@ -165,8 +165,7 @@ class EngineConfig(_Section):
             if self.devices is not None:
                 raise ValueError(
                     "engine.devices: attached servers run where they run; set devices only for "
-                    "servers "
-                    "Orbit starts (leave engine.servers unset)"
+                    "servers Orbit starts (leave engine.servers unset)"
                 )
             if self.replicas is not None and self.replicas != len(self.servers):
                 raise ValueError(
@@ -182,8 +181,7 @@ class EngineConfig(_Section):
         ):
             raise ValueError(
                 f"engine.devices: {len(self.devices)} device(s) for engine.replicas "
-                f"{self.replicas}; "
-                "give one device per engine (or leave replicas unset)"
+                f"{self.replicas}; give one device per engine (or leave replicas unset)"
             )
         if self.devices is not None and not self.devices:
             raise ValueError("engine.devices: empty; give one device per engine, or leave it unset")
@@ -324,8 +322,7 @@ class TrainerConfig(_Section):
         if "device" in self.model_fields_set:
             raise ValueError(
                 "trainer.devices: set trainer.device (one rank) or trainer.devices (one rank "
-                "each), "
-                "not both"
+                "each), not both"
             )
         if len({d == "cpu" for d in self.devices}) > 1:
             raise ValueError(
@@ -389,14 +386,12 @@ class Recipe(_Section):
         ):
             raise ValueError(
                 f"algorithm.overlong_buffer: {algo.buffer(rollout.max_new_tokens)} tokens leaves "
-                "no "
-                f"length unpunished under rollout.max_new_tokens {rollout.max_new_tokens}"
+                f"no length unpunished under rollout.max_new_tokens {rollout.max_new_tokens}"
             )
         if algo.minibatches > rollout.prompts_per_step:  # each mini-batch holds whole groups
             raise ValueError(
                 f"algorithm.minibatches: {algo.minibatches} mini-batches of "
-                f"{rollout.prompts_per_step} "
-                "groups (rollout.prompts_per_step); each needs a group"
+                f"{rollout.prompts_per_step} groups (rollout.prompts_per_step); each needs a group"
             )
         return self
 
@@ -405,8 +400,7 @@ class Recipe(_Section):
         if self.trainer.shard == "fsdp" and MODES[self.mode].push == "full":
             raise ValueError(
                 f"trainer.shard: fsdp spreads the base over the ranks, but mode {self.mode!r} "
-                "pushes "
-                "the whole model (the base merged with the adapter); use an adapter mode "
+                "pushes the whole model (the base merged with the adapter); use an adapter mode "
                 "(sync-adapter, async-adapter, double-buffer) or trainer.shard: none"
             )
         return self
@@ -428,10 +422,8 @@ class Recipe(_Section):
             # forever. (Serial modes never drop: their batches are always fresh.)
             raise ValueError(
                 "rollout.replenish: false with max_staleness set would, in the overlapped mode "
-                f"{self.mode!r}, drop "
-                "stale groups without replacing them and hang the trainer; set rollout.replenish: "
-                "true or "
-                "max_staleness: null"
+                f"{self.mode!r}, drop stale groups without replacing them and hang the trainer; "
+                "set rollout.replenish: true or max_staleness: null"
             )
         return self
 

@@ -49,8 +49,8 @@ def check_prompt(prompt_ids: object, vocab: int, max_context: int) -> list[int]:
         raise EngineError("prompt_ids is empty")
     if len(prompt) >= max_context:
         raise EngineError(
-            f"prompt has {len(prompt)} tokens; the engine context is {max_context} "
-            f"(the prompt must leave room for at least one generated token)"
+            f"prompt has {len(prompt)} tokens; the engine context is {max_context} (the prompt "
+            "must leave room for at least one generated token)"
         )
     return prompt
 
@@ -201,8 +201,8 @@ def check_adapter(
         if m is None or int(m.group(1)) >= spec.num_layers:
             raise EngineError(
                 f"unknown adapter tensor name {name!r} (expected peft names like "
-                f"'base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight', "
-                f"layer < {spec.num_layers})"
+                "'base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight', layer < "
+                f"{spec.num_layers})"
             )
         part = m.group(3)
         if (part == "oft_R") != (kind == "oft"):

@@ -60,7 +60,7 @@ class EnginePool:
             raise ValueError("an engine pool needs at least one engine")
         if any(e.capabilities != engines[0].capabilities for e in engines):
             raise ValueError(
-                f"the engines of a pool must have the same capabilities, got "
+                "the engines of a pool must have the same capabilities, got "
                 f"{[e.capabilities for e in engines]}"
             )
         self.members = [
@@ -269,8 +269,8 @@ class EnginePool:
             parked, self._parked = self._parked, []
             self._changed.notify_all()
         self.on_warning(
-            f"engine {member.index} rejoined the pool at v{version}; "
-            f"{len(self.alive())} engine(s) serving"
+            f"engine {member.index} rejoined the pool at v{version}; {len(self.alive())} engine(s) "
+            "serving"
         )
         if self.timeline is not None:
             now = time.time()

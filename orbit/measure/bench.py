@@ -27,7 +27,7 @@ from orbit.run.preflight import Checked, preflight
 from orbit.run.trackers import log_images
 
 if TYPE_CHECKING:
-    from orbit.run.lifecycle import EnginesFor
+    from orbit.run.engines import EnginesFor
 
 TIMED = (
     "step_s",

@@ -208,8 +208,7 @@ def held_out_prompts(task: Task, n: int, seed: int = 0) -> list[Prompt]:
     if not has_eval_split(task):
         raise RecipeError(
             f"task {getattr(task, 'name', '?')!r} has no held-out split: its prompts(seed, split) "
-            "must "
-            "accept split='eval'"
+            "must accept split='eval'"
         )
     seen: set[tuple[str, str]] = set()
     prompts: list[Prompt] = []
@@ -284,8 +283,8 @@ def resolve_target(
         )
     else:
         raise RecipeError(
-            f"{path}: not a run directory (with adapter/), an adapter directory "
-            "(with adapter_config.json) or a model directory (with config.json)"
+            f"{path}: not a run directory (with adapter/), an adapter directory (with "
+            "adapter_config.json) or a model directory (with config.json)"
         )
     if model is None:
         if kind == "model":

@@ -34,8 +34,7 @@ class Imported:
     def line(self) -> str:
         return (
             f"wrote {self.out}: {self.model_type}, {self.params / 1e6:.1f} M parameters, "
-            f"{self.dtype}, "
-            f"from {self.source}"
+            f"{self.dtype}, from {self.source}"
         )
 
 

@@ -103,10 +103,9 @@ def panel_traces(events: list[dict], t0: float, t1: float, show_legend: bool) ->
                 ],
                 hovertemplate=(
                     "request of group %{customdata[0]}<br>versions %{customdata[1]} → "
-                    "%{customdata[2]}<br>"
-                    "%{customdata[3]} tokens, %{x:.3f} s<br>spanned a flip: %{customdata[4]}<br>"
-                    "aborted: %{customdata[5]}<br>engine %{customdata[6]}, slot %{customdata[7]}"
-                    "<extra></extra>"
+                    "%{customdata[2]}<br>%{customdata[3]} tokens, %{x:.3f} s<br>spanned a flip: "
+                    "%{customdata[4]}<br>aborted: %{customdata[5]}<br>engine %{customdata[6]}, "
+                    "slot %{customdata[7]}<extra></extra>"
                 ),
             )
         )

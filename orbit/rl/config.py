@@ -166,19 +166,17 @@ class AlgorithmConfig(_Section):
         if self.ratio_level == "sequence" and self.ratio in ("cispo", "decoupled"):
             raise ValueError(
                 "algorithm.ratio_level: sequence (GSPO) puts one ratio per sequence in a clip "
-                "(ratio: "
-                f"clip) or a truncated weight (ratio: truncate); {self.ratio} weighs each token on "
-                "its "
-                "own"
+                f"(ratio: clip) or a truncated weight (ratio: truncate); {self.ratio} weighs each "
+                "token on its own"
             )
         if self.norm_length is not None and self.aggregation != "seq-mean-token-sum-norm":
             raise ValueError(
-                f"algorithm.norm_length: the constant of seq-mean-token-sum-norm; aggregation is "
+                "algorithm.norm_length: the constant of seq-mean-token-sum-norm; aggregation is "
                 f"{self.aggregation!r}"
             )
         if self.overlong_buffer is not None and self.overlong != "penalty":
             raise ValueError(
-                f"algorithm.overlong_buffer: the buffer of overlong: penalty; overlong is "
+                "algorithm.overlong_buffer: the buffer of overlong: penalty; overlong is "
                 f"{self.overlong!r}"
             )
         return self

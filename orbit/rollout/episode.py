@@ -74,8 +74,7 @@ def continue_episode(task: Task, prompt: Prompt, episode: Episode, max_context: 
     except Exception as err:  # noqa: BLE001 - a failing tool stops the run, named
         raise TaskError(
             f"task {getattr(task, 'name', '?')!r}: next_turn (the tool) failed on prompt "
-            f"{prompt.id!r} "
-            f"after turn {episode.turns}: {type(err).__name__}: {err}"
+            f"{prompt.id!r} after turn {episode.turns}: {type(err).__name__}: {err}"
         ) from err
     if injected is None:
         return False

@@ -49,8 +49,8 @@ def score(task: Task, prompt: Prompt, output_ids: list[int]):
         ) from err
     if not hasattr(result, "reward") or not isinstance(result.reward, int | float):
         raise TaskError(
-            f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), "
-            f"got {type(result).__name__}"
+            f"task {getattr(task, 'name', '?')!r}: score must return a Score(reward, info), got "
+            f"{type(result).__name__}"
         )
     return result
 

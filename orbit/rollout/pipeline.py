@@ -231,10 +231,9 @@ class Pipeline:
         ):
             self._verdict = RolloutError(
                 f"dynamic sampling dropped {self._filtered_since_take} groups in a row whose "
-                "rewards were all equal "
-                f"(algorithm.filter_limit: {self.filter_limit} batches of {self.admission.batch}); "
-                "the task gives "
-                "this model no signal: every answer right or every answer wrong"
+                f"rewards were all equal (algorithm.filter_limit: {self.filter_limit} batches of "
+                f"{self.admission.batch}); the task gives this model no signal: every answer right "
+                "or every answer wrong"
             )
 
     def count(
@@ -266,8 +265,7 @@ class Pipeline:
         if enough and lost / ended > self.max_lost_frac and self._verdict is None:
             self._verdict = RolloutError(
                 f"{lost} of the last {ended} agent episodes were lost (more than "
-                "rollout.max_lost_frac "
-                f"{self.max_lost_frac:g}); the last: {self._last_loss}"
+                f"rollout.max_lost_frac {self.max_lost_frac:g}); the last: {self._last_loss}"
             )
             self._cond.notify_all()
 
@@ -338,8 +336,8 @@ class Pipeline:
                 elif stall_s is not None and quiet > stall_s:
                     stalled = (
                         f"no rollout arrived for {quiet:.0f} s (rollout.stall_timeout_s: "
-                        f"{stall_s:g}) while "
-                        f"the trainer waited for {n} groups at version {version}; {self._seen()}"
+                        f"{stall_s:g}) while the trainer waited for {n} groups at version "
+                        f"{version}; {self._seen()}"
                     )
                 else:
                     self._cond.wait(timeout=_POLL_S)
@@ -377,11 +375,9 @@ class Pipeline:
     def _seen(self) -> str:
         return (
             f"{len(self._complete)} complete group(s) buffered; {len(self.in_flight)} group(s) in "
-            "flight "
-            f"({self._requests} request(s)); {self._granted} grant(s) left; {self._started} "
-            "group(s) started "
-            f"(max_staleness {self.admission.max_staleness}, engine "
-            f"versions {self.pool.versions()})"
+            f"flight ({self._requests} request(s)); {self._granted} grant(s) left; {self._started} "
+            f"group(s) started (max_staleness {self.admission.max_staleness}, engine versions "
+            f"{self.pool.versions()})"
         )
 
     def _engines(self) -> str:
@@ -396,6 +392,5 @@ def _describe_member(i: int, s: EngineStats | BaseException) -> str:
         return f"engine {i}: no answer within {_DESCRIBE_WAIT_S:g} s ({type(s).__name__}: {s})"
     return (
         f"engine {i}: {s.running} running, {s.waiting} waiting, "
-        f"{'paused' if s.paused else 'not paused'}, "
-        f"active slot {s.active_slot}"
+        f"{'paused' if s.paused else 'not paused'}, active slot {s.active_slot}"
     )

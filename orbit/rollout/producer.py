@@ -202,9 +202,8 @@ class Producer:
             detail = f" ({completion.detail})" if completion.detail else ""
             raise RolloutError(
                 f"prompt {group.prompt.id!r}: sample {idx} of group {gid} was aborted "
-                f"{group.attempts[idx]} "
-                f"times (rollout.max_attempts: {self.max_attempts}); last finish reason "
-                f"{completion.finish_reason!r}{detail}"
+                f"{group.attempts[idx]} times (rollout.max_attempts: {self.max_attempts}); last "
+                f"finish reason {completion.finish_reason!r}{detail}"
             )
         self.pipeline.count(resubmitted=1)
         self._submit(gid, idx, group)

@@ -1,7 +1,7 @@
 """One training run, from the recipe to its last step: checks before any compute (preflight.py),
 where things run (placement.py), the run's directory (directory.py), its start and stop
-(lifecycle.py), the loop (loop.py), engines that come back (revive.py), samples.jsonl, TensorBoard
-and W&B (trackers.py), and how a run ends (ends.py).
+(lifecycle.py), its engines (engines.py), the loop (loop.py), engines that come back (revive.py),
+samples.jsonl, TensorBoard and W&B (trackers.py), and how a run ends (ends.py).
 
 `from orbit.run import train` is the entry point for code that runs a recipe."""
 

@@ -38,7 +38,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
             if run_dir.is_dir():
                 raise RecipeError(
                     f"--resume: {run_dir} never completed a step, so there is nothing to resume; "
-                    f"start it again without --resume"
+                    "start it again without --resume"
                 )
             raise RecipeError(
                 f"--resume: {run_dir} has no checkpoint (expected {run_dir}/checkpoints/step-N/)"
@@ -74,9 +74,7 @@ def warner(console: Console, run_dir: Path, prefix: str = "") -> Callable[[str],
 def saved_line(run_dir: Path, version: int) -> str:
     return (
         f"the adapter of step {version} is saved in {run_dir / checkpoint.LATEST}, metrics.jsonl "
-        "ends at that "
-        f"step; "
-        f"continue with `orbit train RECIPE --resume {run_dir}`"
+        f"ends at that step; continue with `orbit train RECIPE --resume {run_dir}`"
     )
 
 

@@ -16,23 +16,19 @@ from __future__ import annotations
 import _thread
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from rich.console import Console
 
 from orbit.agents import AgentRunner, Endpoint
-from orbit.config import EngineConfig, Recipe, dump_recipe
+from orbit.config import Recipe, dump_recipe
 from orbit.config.modes import MODES
-from orbit.engine import EngineStarter, start_pool
 from orbit.engine.pool import EnginePool
 from orbit.host import interrupts
 from orbit.host.interrupts import Interrupted
 from orbit.metrics.steps import JsonlWriter, Timeline
 from orbit.push.fleet import FleetPush
-from orbit.rl.truncation import truncates
 from orbit.rollout.groups import Signal
 from orbit.rollout.pipeline import Pipeline, sampling_params
 from orbit.rollout.producer import Producer
@@ -45,6 +41,7 @@ from orbit.run.directory import (
     warner,
 )
 from orbit.run.ends import RunStopped, judge, sentence
+from orbit.run.engines import Engines, EnginesFor, StartedEngines, lendable_cores
 from orbit.run.loop import LoopParts, run_steps, save_checkpoint
 from orbit.run.placement import colocate
 from orbit.run.preflight import Checked, stop_token_ids
@@ -52,7 +49,6 @@ from orbit.run.revive import Revival
 from orbit.run.trackers import Trackers, open_trackers
 from orbit.tasks import close_task, is_agent, make_task
 from orbit.train import checkpoint
-from orbit.train.cores import Cores
 from orbit.train.launcher import launched
 from orbit.train.ranks import Ranks
 from orbit.train.trainer import Trainer, recipe_trainer
@@ -199,51 +195,6 @@ def _lead(
     return RunResult(run_dir, run.trainer.version - run.start_version, time.time() - t0)
 
 
-class Engines(Protocol):
-    """Where a run's engines come from: started for it (`StartedEngines`), or shared with the other
-    runs of a sweep (orbit/sweep/lanes.py)."""
-
-    def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool: ...
-
-    def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None: ...
-
-
-# a run's engines, from its recipe and placed engine section
-EnginesFor = Callable[[Recipe, EngineConfig], Engines]
-
-
-class StartedEngines:
-    """A run's own engines: `engine.replicas` of them, started now, brought back when they die
-    (revive.py)."""
-
-    def __init__(self, recipe: Recipe, engine_cfg: EngineConfig) -> None:
-        self.recipe = recipe
-        self.starter = EngineStarter(
-            engine_cfg,
-            recipe.model,
-            recipe.seed,
-            recipe.adapter,
-            call_timeout_s=recipe.rollout.stall_timeout_s,
-            truncated=truncates(recipe.rollout.top_p, recipe.rollout.top_k)
-            and recipe.rollout.temperature > 0,
-        )
-
-    def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool:
-        return start_pool(self.starter, timeline=timeline, on_warning=warn)
-
-    def revival(self, pool: EnginePool, push: FleetPush) -> Revival | None:
-        if not self.recipe.engine.restarts:
-            return None
-        return Revival(
-            pool,
-            push,
-            self.starter.start,
-            attached=self.starter.attached,
-            tries=self.recipe.engine.restarts,
-            wait_s=self.recipe.rollout.stall_timeout_s,
-        )
-
-
 def start(
     recipe: Recipe,
     run_dir: Path,
@@ -375,17 +326,6 @@ def start(
     return run
 
 
-def lendable_cores(recipe: Recipe) -> Cores | None:
-    """The engines' threads the trainer may borrow while they are idle: with the trainer and every
-    engine on this machine's CPU (one trainer rank; servers Orbit started, not attached ones),
-    `trainer.borrow_cores` on."""
-    t, e = recipe.trainer, recipe.engine
-    local = e.servers is None and all(d == "cpu" for d in e.engine_devices())
-    if not t.borrow_cores or not local or t.rank_devices() != ["cpu"]:
-        return None
-    return Cores(own=t.threads, lend=e.threads * e.engines)
-
-
 def agent_endpoint(recipe: Recipe, tokenizer, pool: EnginePool, pipeline: Pipeline) -> Endpoint:
     """The OpenAI-compatible endpoint an agent task's episodes call, in front of the run's pool."""
 
@@ -415,8 +355,7 @@ def _resume(trainer: Trainer, run_dir: Path, console: Console) -> dict:
         run_state = trainer.load(source)
         console.print(
             f"resuming {run_dir} from its newest complete checkpoint, "
-            f"{source.relative_to(run_dir)} "
-            f"(step {trainer.version})",
+            f"{source.relative_to(run_dir)} (step {trainer.version})",
             highlight=False,
         )
     drop_lines_after(run_dir / "metrics.jsonl", trainer.version)
@@ -457,8 +396,7 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
             shut_down(run)
             raise RunStopped(
                 f"{sentence(verdict.reason)}\ncontinue with `orbit train RECIPE --resume "
-                f"{run_dir}` "
-                "once the directory can be written",
+                f"{run_dir}` once the directory can be written",
                 "save-failed",
             ) from err
         saved = _stop_and_save(run, run_dir, created, resume)

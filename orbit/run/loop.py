@@ -81,8 +81,7 @@ def run_steps(p: LoopParts) -> None:
             if m.logprob_diff is not None and m.logprob_diff > LOGPROB_WARN:
                 p.console.print(
                     f"[bold red]WARNING[/] {p.label}step {m.step}: engine and trainer logprobs "
-                    "differ by "
-                    f"{m.logprob_diff:.3g} (> {LOGPROB_WARN}) on the same tokens"
+                    f"differ by {m.logprob_diff:.3g} (> {LOGPROB_WARN}) on the same tokens"
                 )
 
 

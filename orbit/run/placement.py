@@ -67,8 +67,7 @@ def device_problems(
             if first + tp > gpu_count:
                 problems.append(
                     f"engine.tp: engine {i} needs cuda:{first}..cuda:{first + tp - 1}; this "
-                    "machine has "
-                    f"{gpu_count} GPU(s)"
+                    f"machine has {gpu_count} GPU(s)"
                 )
             for trainer in trainers:
                 t = gpu_index(trainer)
@@ -155,10 +154,8 @@ class ColocatedPlan:
 
         return (
             f"model {g(self.engine_weights)} in the engine + {g(self.trainer_weights)} in the "
-            "trainer, "
-            f"trainer step {g(self.trainer_step)}, engine KV {g(self.kv)}; the GPU has "
-            f"{g(self.total)}, "
-            f"{g(self.free)} free"
+            f"trainer, trainer step {g(self.trainer_step)}, engine KV {g(self.kv)}; the GPU has "
+            f"{g(self.total)}, {g(self.free)} free"
         )
 
 

@@ -55,9 +55,9 @@ def check_sglang_args(recipe: Recipe) -> None:
         return
     if recipe.engine.backend not in ("sglang", "sglang-server") or recipe.engine.servers:
         raise RecipeError(
-            f"engine.sglang_args: for the SGLang engines Orbit starts (engine.backend sglang or "
-            f"sglang-server without engine.servers), not {recipe.engine.backend!r}"
-            f"{' with attached servers' if recipe.engine.servers else ''}"
+            "engine.sglang_args: for the SGLang engines Orbit starts (engine.backend sglang or "
+            "sglang-server without engine.servers), not "
+            f"{recipe.engine.backend!r}{' with attached servers' if recipe.engine.servers else ''}"
         )
     from orbit.engine.sglang.args import check
 
@@ -143,8 +143,7 @@ def check_model(recipe: Recipe) -> None:
     if spec.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise RecipeError(
             f"model: {str(model)!r} is a {spec.model_type!r} model, which the trainer "
-            "(transformers' "
-            f"AutoModelForCausalLM) cannot load"
+            "(transformers' AutoModelForCausalLM) cannot load"
         )
 
 
@@ -160,8 +159,8 @@ def check_oft_block_size(recipe: Recipe) -> None:
     allowed = [b for b in range(2, min(sizes) + 1) if all(n % b == 0 for n in sizes)]
     raise RecipeError(
         f"adapter.oft_block_size: {adapter.oft_block_size} does not divide the input width of "
-        "every "
-        f"target ({dict(zip(adapter.target_modules, sizes, strict=True))}); allowed: {allowed}"
+        f"every target ({dict(zip(adapter.target_modules, sizes, strict=True))}); allowed: "
+        f"{allowed}"
     )
 
 

@@ -251,8 +251,7 @@ class Trackers:
                 self._warned.add(what)
                 self.warn(
                     f"{what}: {type(err).__name__}: {err} (training goes on; metrics.jsonl has "
-                    "every step; "
-                    "further errors of this tracker are not reported)"
+                    "every step; further errors of this tracker are not reported)"
                 )
             return None
 

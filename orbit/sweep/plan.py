@@ -125,7 +125,7 @@ def _planned(data: dict, shared: Recipe, entry: Any, i: int) -> PlannedRun:
             raise RecipeError(
                 f"{where}: {key}: the runs of a sweep share the base model, the engines and the "
                 f"trainer's device, so {key} cannot vary; vary trainer, rollout, task, adapter or "
-                f"seed settings"
+                "seed settings"
             )
     run = yaml.safe_load(yaml.safe_dump(data))  # a deep copy of plain data
     run["out"] = str(shared.out / _dir_name(name))
@@ -180,8 +180,7 @@ def _check(recipe: Recipe, runs: list[PlannedRun]) -> None:
     if recipe.mode != "double-buffer":
         raise RecipeError(
             "mode: a sweep trains each adapter double-buffered (its own slots, flipped on its "
-            "own); "
-            f"got {recipe.mode!r}: set mode: double-buffer"
+            f"own); got {recipe.mode!r}: set mode: double-buffer"
         )
     if len(recipe.trainer.rank_devices()) > 1:
         raise RecipeError(
@@ -201,8 +200,7 @@ def _check(recipe: Recipe, runs: list[PlannedRun]) -> None:
     if total > MAX_ENGINE_SLOTS:
         raise RecipeError(
             f"engine.slots: {len(runs)} runs × {recipe.engine.slots} slots each = {total} adapter "
-            "slots "
-            f"per engine, more than {MAX_ENGINE_SLOTS}; sweep fewer runs at once or lower "
+            f"slots per engine, more than {MAX_ENGINE_SLOTS}; sweep fewer runs at once or lower "
             "engine.slots"
         )
 

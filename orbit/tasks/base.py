@@ -111,9 +111,8 @@ def check_task(task: object, where: str) -> None:
     if missing:
         raise TypeError(
             f"{where} returned {type(task).__name__}, which is not a task: it lacks "
-            f"{sorted(set(missing))} "
-            "(a task has name, prompts(seed, split), score(prompt, output_ids); see "
-            "orbit/tasks/base.py)"
+            f"{sorted(set(missing))} (a task has name, prompts(seed, split), score(prompt, "
+            "output_ids); see orbit/tasks/base.py)"
         )
     if is_multi_turn(task):
         turns = getattr(task, "max_turns", None)

@@ -45,8 +45,8 @@ CHUNK = 500  # training problems generated at a time
 MAKE_TIMEOUT_S = 60.0
 SCORE_TIMEOUT_S = 5.0
 TAG_SYSTEM = (
-    "Answer the question. Give the final answer, and only it, inside <answer></answer> tags, "
-    "for example <answer>42</answer>."
+    "Answer the question. Give the final answer, and only it, inside <answer></answer> tags, for "
+    "example <answer>42</answer>."
 )
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -107,10 +107,8 @@ class GymTask:
         if kind == "timeout":
             raise ValueError(
                 f"task.config: reasoning-gym's {self.dataset} generator did not return {size} "
-                "problems "
-                f"within {MAKE_TIMEOUT_S:g} s (a config with no valid problem, e.g. "
-                "base_conversion "
-                "with min_base == max_base, never returns)"
+                f"problems within {MAKE_TIMEOUT_S:g} s (a config with no valid problem, e.g. "
+                "base_conversion with min_base == max_base, never returns)"
             )
         if kind == "error":
             raise ValueError(f"task.config: reasoning-gym's {self.dataset} refused it: {value}")

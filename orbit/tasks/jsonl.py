@@ -50,8 +50,8 @@ def load_rows(path: str | Path) -> list[Row]:
                 raise DatasetError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
                 raise DatasetError(
-                    f"{where}: a row must be an object with 'prompt' and 'answer', "
-                    f"got {type(row).__name__}"
+                    f"{where}: a row must be an object with 'prompt' and 'answer', got "
+                    f"{type(row).__name__}"
                 )
             missing = [k for k in ("prompt", "answer") if k not in row]
             if missing:

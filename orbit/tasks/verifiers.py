@@ -85,8 +85,7 @@ class Bridge:
             self.close()
             raise ValueError(
                 f"task.python: the verifiers bridge said {box[0].strip()[:200]!r} where its task "
-                "list "
-                f"was due: {self.stderr()}"
+                f"list was due: {self.stderr()}"
             ) from None
 
     def _drain(self) -> None:

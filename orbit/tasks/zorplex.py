@@ -65,16 +65,16 @@ class ZorplexTask:
     ) -> None:
         if not 1 <= min_hops <= max_hops <= len(KEYS) - 1:
             raise ValueError(
-                f"task.min_hops/max_hops: need 1 <= min_hops <= max_hops <= 25, "
-                f"got {min_hops}, {max_hops}"
+                f"task.min_hops/max_hops: need 1 <= min_hops <= max_hops <= 25, got {min_hops}, "
+                f"{max_hops}"
             )
         self.tokenizer = tokenizer
         self.min_hops, self.max_hops = min_hops, max_hops
         self.max_turns = max_turns if max_turns is not None else max_hops + 3
         if self.max_turns < max_hops + 1:
             raise ValueError(
-                f"task.max_turns: {self.max_turns} turns cannot finish a {max_hops}-hop chain "
-                f"(it needs {max_hops} calls and an answer: at least {max_hops + 1})"
+                f"task.max_turns: {self.max_turns} turns cannot finish a {max_hops}-hop chain (it "
+                f"needs {max_hops} calls and an answer: at least {max_hops + 1})"
             )
         self.template = template or DEFAULT_TEMPLATE
         if "{key}" not in self.template:

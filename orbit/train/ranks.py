@@ -139,9 +139,8 @@ class Ranks:
 
             raise RecipeError(
                 f"trainer.devices: {len(devices)} device(s) {devices}, but {info.local_world} "
-                "ranks were "
-                f"started on this host; start one rank per device (torchrun --nproc-per-node "
-                f"{len(devices)})"
+                "ranks were started on this host; start one rank per device (torchrun "
+                f"--nproc-per-node {len(devices)})"
             )
         self.rank, self.world = info.rank, info.world
         self.device = torch.device(devices[info.local_rank])
@@ -306,8 +305,7 @@ class Ranks:
                 elif now - seen[r][1] > self.timeout_s:
                     self._lose(
                         f"{self.where(r)} stopped answering (no heartbeat for "
-                        f"{now - seen[r][1]:.0f} s, "
-                        f"trainer.rank_timeout_s {self.timeout_s:g})"
+                        f"{now - seen[r][1]:.0f} s, trainer.rank_timeout_s {self.timeout_s:g})"
                     )
                     return
 

@@ -56,8 +56,8 @@ def read(directory: Path, model: peft.PeftModel, name: str) -> SavedState:
     expected = set(peft.get_peft_model_state_dict(model, adapter_name=name))
     if set(weights) != expected:
         raise ValueError(
-            f"{directory}: adapter does not match this trainer's adapter config "
-            f"(missing {sorted(expected - set(weights))[:3]}, unexpected "
+            f"{directory}: adapter does not match this trainer's adapter config (missing "
+            f"{sorted(expected - set(weights))[:3]}, unexpected "
             f"{sorted(set(weights) - expected)[:3]})"
         )
     return SavedState(

@@ -176,8 +176,8 @@ class EmbeddedClient:
         except TimeoutError:
             fut.cancel()
             raise EngineDeadError(
-                f"engine process {self.pid} did not answer {method} within {timeout:g} s "
-                f"(alive: {self._process.is_alive()}); it is hung"
+                f"engine process {self.pid} did not answer {method} within {timeout:g} s (alive: "
+                f"{self._process.is_alive()}); it is hung"
             ) from None
 
     def _read(self) -> None:

@@ -70,14 +70,12 @@ def check(args: dict[str, object]) -> list[str]:
         if name in ORBITS:
             problems.append(
                 f"engine.sglang_args.{name}: Orbit sets this one itself (from its engine and "
-                "adapter "
-                "settings); leave it out"
+                "adapter settings); leave it out"
             )
         elif name not in known:
             problems.append(
                 f"engine.sglang_args.{name}: not an argument of SGLang's server "
-                "(sglang.launch_server "
-                "--help lists them, with dashes for underscores)"
+                "(sglang.launch_server --help lists them, with dashes for underscores)"
             )
         else:
             with contextlib.redirect_stderr(io.StringIO()) as err:

@@ -87,10 +87,9 @@ class SlotGate:
             if previous is not None and paused:
                 raise EngineError(
                     f"load_adapter({slot}) while paused: replacing the adapter means unloading "
-                    f"'{name}', which "
-                    "waits for the requests using it, and paused requests never finish. Load "
-                    "while generation "
-                    f"runs (the requests on the slot finish first) or pause with 'abort'"
+                    f"'{name}', which waits for the requests using it, and paused requests never "
+                    "finish. Load while generation runs (the requests on the slot finish first) or "
+                    "pause with 'abort'"
                 )
             ready = self._ready[slot]
             # new requests for this slot wait for the new adapter (they count as held)

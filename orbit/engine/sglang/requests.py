@@ -106,8 +106,8 @@ def finish_reason(info: object) -> tuple[FinishReason, str]:
     kind = info.get("type") if isinstance(info, dict) else info
     if kind not in ("stop", "length", "abort"):
         raise EngineError(
-            f"SGLang ended a request with a finish reason Orbit does not know: {info!r} "
-            "(known: stop, length, abort)"
+            f"SGLang ended a request with a finish reason Orbit does not know: {info!r} (known: "
+            "stop, length, abort)"
         )
     message = info.get("message") if isinstance(info, dict) else None
     return kind, str(message or "")

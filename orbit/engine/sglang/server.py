@@ -256,8 +256,8 @@ def launch_server(
             tail = server.log_tail()
             server.stop()
             raise EngineStartError(
-                f"engine.backend 'sglang-server': the server Orbit started for {url} exited "
-                f"(code {server.exited()}) before answering; {tail}"
+                f"engine.backend 'sglang-server': the server Orbit started for {url} exited (code "
+                f"{server.exited()}) before answering; {tail}"
             )
         try:
             if httpx.get(f"{url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200:
@@ -313,8 +313,7 @@ def check_server(
                 )
                 raise RecipeError(
                     f"{where}: the server refused {how} (HTTP 401); set engine.api_key_env to the "
-                    "name "
-                    "of an environment variable holding its --api-key"
+                    "name of an environment variable holding its --api-key"
                 )
             if res.status_code != 200:
                 raise RecipeError(f"{where}: {route} answered HTTP {res.status_code}")
@@ -366,8 +365,8 @@ def _check_model(
     ):
         raise RecipeError(
             f"{where}: the server serves a {info.get('model_type')!r} model "
-            f"{info.get('architectures')}; "
-            f"the recipe's is {local.get('model_type')!r} {local.get('architectures')}: {fix}"
+            f"{info.get('architectures')}; the recipe's is {local.get('model_type')!r} "
+            f"{local.get('architectures')}: {fix}"
         )
     res = http.post(
         "/get_weights_by_name",
@@ -398,16 +397,14 @@ def _check_lora(where: str, server: dict, opts: SGLangOptions) -> None:
     targets = sglang_target_modules(opts.lora_target_modules)
     flags = (
         f"--enable-lora --max-lora-rank {opts.max_lora_rank} --lora-target-modules "
-        f"{' '.join(targets)} "
-        f"--max-loras-per-batch {opts.slots + 1}"
+        f"{' '.join(targets)} --max-loras-per-batch {opts.slots + 1}"
     )
     if not server.get("enable_lora"):
         raise RecipeError(f"{where}: LoRA is off on the server; start it with {flags}")
     if int(server.get("max_lora_rank") or 0) < opts.max_lora_rank:
         raise RecipeError(
             f"{where}: the server's max_lora_rank is {server.get('max_lora_rank')}, the adapter's "
-            "r is "
-            f"{opts.max_lora_rank}; start it with --max-lora-rank {opts.max_lora_rank}"
+            f"r is {opts.max_lora_rank}; start it with --max-lora-rank {opts.max_lora_rank}"
         )
     served = set(server.get("lora_target_modules") or [])
     if "all" not in served and not set(targets) <= served:

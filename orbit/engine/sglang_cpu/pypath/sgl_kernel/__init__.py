@@ -35,8 +35,8 @@ _KNOWN = (
 def _stub(qualname: str):
     def not_implemented(*args, **kwargs):
         raise NotImplementedError(
-            f"{qualname} is not available: Orbit runs SGLang on CPU with a stub sgl_kernel "
-            "(no CPU build of sgl-kernel exists on PyPI); this code path needs the real kernel"
+            f"{qualname} is not available: Orbit runs SGLang on CPU with a stub sgl_kernel (no CPU "
+            "build of sgl-kernel exists on PyPI); this code path needs the real kernel"
         )
 
     not_implemented.__name__ = qualname.rsplit(".", 1)[-1]
