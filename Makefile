@@ -23,7 +23,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 VF_VENV := .venv-verifiers
 VERIFIERS := verifiers==0.4.0
 
-.PHONY: install sglang smollm2 browser verifiers demo test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
+.PHONY: install sglang smollm2 browser verifiers demo lint test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -83,16 +83,24 @@ browser:
 			apt-get install -y -q chromium; } || \
 		{ echo "make browser: install Debian's chromium package (apt-get install chromium) for the page tests"; exit 1; }
 
-test: install sglang smollm2 browser verifiers
-	$(BIN)/ruff check orbit tests bench scripts
-	$(BIN)/pytest -q
+# The three checks a contributor runs before a commit (.pre-commit-config.yaml runs them too): ruff's lint,
+# ruff's formatter (check only) and mypy over orbit/ (pyproject's [tool.mypy]: strict on the engine protocol,
+# the RL math and the recipe).
+LINTED := orbit tests bench scripts
+lint: install
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+# --durations: the slowest tests of every run, printed, to keep the suite inside its budget
+test: install sglang smollm2 browser verifiers lint
+	$(BIN)/pytest -q --durations=25
 
 # The developer's loop (under a minute here): unit tests of the pipeline, the push, the slot gate,
 # interrupts and episodes, the in-process engine numerics, the trainer and the recipe checks. No
 # SGLang, no engine processes, no end-to-end runs (those are marked `slow`).
-test-fast: install
-	$(BIN)/ruff check orbit tests bench scripts
-	$(BIN)/pytest -q -m "not slow and not sglang and not gpu"
+test-fast: install lint
+	$(BIN)/pytest -q --durations=10 -m "not slow and not sglang and not gpu"
 
 # The tests marked `gpu` (tests/test_gpu.py: engine and trainer on CUDA in bf16, SGLang on CUDA);
 # `make test` deselects them. No CUDA GPU: one line and success, nothing installed; with

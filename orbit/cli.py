@@ -40,8 +40,9 @@ def _before_every_command() -> None:
     interrupts.catch_ctrl_c()
 
 
-ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)
-EngineChoice = Enum(
+# typer takes choices as an Enum; these two are built from the names their owners list
+ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)  # type: ignore[misc]
+EngineChoice = Enum(  # type: ignore[misc]
     "EngineChoice", {b: b for b in ("embedded", "sglang", "sglang-server")}, type=str
 )
 SizeChoice = Enum("SizeChoice", {"tiny": "tiny", "small": "small"}, type=str)

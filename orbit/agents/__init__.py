@@ -1,5 +1,5 @@
 """Agents and environments as users bring them: an OpenAI-compatible endpoint in front of the
-engines that records every token of every episode (endpoint.py, routes.py), token in and token out
+engines that records every token of every episode (endpoint.py, episodes.py), token in and token out
 across turns (chat.py), the trajectory an episode trains on (record.py), and agent episodes run
 against it (runner.py)."""
 

@@ -112,7 +112,8 @@ def trajectory(record: EpisodeRecord) -> Trajectory | None:
     """The chain ending at the episode's last turn, or None when the episode made no call."""
     if not record.turns:
         return None
-    chain, i = [], len(record.turns) - 1
+    chain = []
+    i: int | None = len(record.turns) - 1
     while i is not None:
         chain.append(record.turns[i])
         i = record.turns[i].parent

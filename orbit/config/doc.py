@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from orbit.config import Recipe
 from orbit.config.task import BUILTINS, UserTaskConfig
@@ -23,10 +24,10 @@ A recipe that breaks any of this fails at load, before any compute, naming the f
 """
 
 
-def _default(field) -> str:
+def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.get_default(call_default_factory=True, validated_data={})
     if isinstance(value, BaseModel):
         return "(section)"
     if isinstance(value, Path):
@@ -34,7 +35,7 @@ def _default(field) -> str:
     return "`" + json.dumps(value) + "`" if value is not None else "unset"
 
 
-def _type(field) -> str:
+def _type(field: FieldInfo) -> str:
     text = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
     for prefix in ("orbit.rl.config.", "orbit.config.", "orbit.config.task.", "pathlib.", "orbit."):
         text = text.replace(prefix, "")
@@ -53,16 +54,14 @@ def _table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> l
 
 def render() -> str:
     out = [HEAD, "## Top level", ""]
-    sections = {
-        n: f
-        for n, f in Recipe.model_fields.items()
-        if n not in ("task",)
-        and isinstance(f.default_factory, type)
-        and issubclass(f.default_factory, BaseModel)
-    }
+    sections: dict[str, type[BaseModel]] = {}
+    for n, f in Recipe.model_fields.items():
+        make = f.default_factory
+        if n != "task" and isinstance(make, type) and issubclass(make, BaseModel):
+            sections[n] = make
     out += _table(Recipe, "", skip=(*sections, "task"))
-    for name, field in sections.items():
-        out += ["", f"## `{name}:`", ""] + _table(field.default_factory, f"{name}.")
+    for name, section in sections.items():
+        out += ["", f"## `{name}:`", ""] + _table(section, f"{name}.")
         if name == "algorithm":
             out += ["", "### `algorithm.mask:`", ""] + _table(MaskBand, "algorithm.mask.")
     out += [

@@ -350,10 +350,9 @@ class Recipe(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     task: TaskSection = Field(default_factory=PatternTaskConfig)
-    mode: Literal[MODE_NAMES] = Field(
+    mode: Literal[MODE_NAMES] = Field(  # type: ignore[valid-type]  # the names from modes.py
         "double-buffer",
-        description="the loop and the push "  # type: ignore[valid-type]
-        "(docs/design.md §1)",
+        description="the loop and the push (docs/design.md §1)",
     )
     max_staleness: int | None = Field(
         1, ge=0, description="drop groups older than this many steps and replenish; null = keep all"
@@ -428,11 +427,11 @@ class Recipe(_Section):
         return self
 
 
-def _fmt_loc(loc: tuple) -> str:
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
-def _task_loc(loc: tuple) -> tuple[tuple, str | None]:
+def _task_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], str | None]:
     """A task option's location without the union's tag (`task.arith.colour` → `task.colour`), and
     the task."""
     if len(loc) >= 2 and loc[0] == "task" and (loc[1] in BUILTINS or loc[1] == "user"):
@@ -503,7 +502,7 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     return parse_recipe(data)
 
 
-def set_dotted(data: dict, dotted: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     """`data[a][b] = value` for `dotted` "a.b", creating sections on the way."""
     *parents, leaf = dotted.split(".")
     node = data
@@ -515,4 +514,4 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    return str(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))

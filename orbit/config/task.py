@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     TypeAdapter,
     field_validator,
@@ -34,7 +35,7 @@ class TaskConfig(BaseModel):
         description="a built-in task (BUILTINS below) or your own, 'module:factory'",
     )
 
-    def __new__(cls, *args, **data):
+    def __new__(cls, *args: Any, **data: Any) -> Any:
         # the model for this name, validated (its own __init__ then runs again: idempotent)
         if cls is TaskConfig:
             return TASK_ADAPTER.validate_python(data)
@@ -51,7 +52,7 @@ class TaskConfig(BaseModel):
         return {k: v for k, v in {**fields, **extra}.items() if v is not None}
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None or k == "name"}
 
     @field_validator("*", mode="before")
@@ -278,4 +279,4 @@ else:
         ],
         Discriminator(_kind),
     ]
-TASK_ADAPTER: TypeAdapter = TypeAdapter(TaskSection)
+TASK_ADAPTER: TypeAdapter[TaskConfig] = TypeAdapter(TaskSection)

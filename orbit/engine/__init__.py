@@ -35,6 +35,7 @@ def start_engine(
     device = device or cfg.device
     if cfg.backend == "embedded":
         from orbit.engine.embedded import start_embedded_engine
+        from orbit.engine.embedded.process import CALL_TIMEOUT_S
 
         return start_embedded_engine(
             model,
@@ -45,7 +46,7 @@ def start_engine(
             threads=cfg.threads,
             seed=seed,
             slots=cfg.slots,
-            **({"call_timeout_s": call_timeout_s} if call_timeout_s else {}),
+            call_timeout_s=call_timeout_s or CALL_TIMEOUT_S,
         )
     if adapter is None:
         lora: dict = {}
@@ -122,7 +123,7 @@ class EngineStarter:
     ) -> None:
         self.cfg, self.model, self.seed, self.adapter = cfg, model, seed, adapter
         self.call_timeout_s, self.truncated = call_timeout_s, truncated
-        self.servers = cfg.servers or [None] * cfg.engines
+        self.servers: list[str | None] = [*cfg.servers] if cfg.servers else [None] * cfg.engines
         self.devices = cfg.engine_devices()
         self.attached = bool(cfg.servers)  # servers someone else runs: re-attached, never restarted
 
@@ -161,7 +162,7 @@ def start_engines(starter: EngineStarter) -> list[Engine]:
     If one fails to start, the ones already started are stopped and the error goes on."""
     engines: list[Engine] = []
     count = starter.count
-    futures: list[Future] = []
+    futures: list[Future[Engine]] = []
     try:
         if starter.cfg.backend == "sglang-server" and count > 1:
             # Servers start (or are checked) side by side: N servers take one server's start-up
@@ -169,7 +170,7 @@ def start_engines(starter: EngineStarter) -> list[Engine]:
             with ThreadPoolExecutor(count) as pool:
                 futures = [pool.submit(starter.start, i) for i in range(count)]
             engines.extend(f.result() for f in futures if f.exception() is None)
-            if errors := [f.exception() for f in futures if f.exception() is not None]:
+            if errors := [e for f in futures if (e := f.exception()) is not None]:
                 raise errors[0]
         else:
             for i in range(count):

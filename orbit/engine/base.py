@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ FinishReason = Literal["stop", "length", "abort"]
 # `slot` argument of `generate`: an adapter slot (0 .. slots - 1), None for the base model without
 # any adapter, or ACTIVE for whatever slot `activate` chose last (the base model before any
 # activate).
-ACTIVE = "active"
+ACTIVE: Final = "active"
 Slot = int | None | Literal["active"]
 
 
@@ -85,7 +85,7 @@ class Completion:
     # version_start only when those weights changed under it (a push while it was paused)
     t_start: float = 0.0  # time.time() when the engine admitted it
     t_end: float = 0.0  # time.time() when it finished
-    meta: dict = field(default_factory=dict)  # caller's tag, returned unchanged
+    meta: dict[str, Any] = field(default_factory=dict)  # caller's tag, returned unchanged
     # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
     detail: str = ""
     engine: int = 0  # which engine of the pool ran it (the pool sets it)
@@ -160,11 +160,15 @@ class Engine(Protocol):
         prompt_ids: list[int],
         sampling: SamplingParams,
         slot: Slot = ACTIVE,
-        meta: dict | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> Future[Completion]: ...
 
     def load_adapter(
-        self, slot: int, tensors: dict[str, torch.Tensor], adapter_config: dict, version: int
+        self,
+        slot: int,
+        tensors: dict[str, torch.Tensor],
+        adapter_config: dict[str, Any],
+        version: int,
     ) -> float:
         """Returns the engine's wall-clock time (time.time()) at which the slot was written: later
         than the call's start by the transfer and by any wait for the requests on the slot."""
@@ -196,7 +200,7 @@ class Engine(Protocol):
         ...
 
 
-def resolve(fut: Future, result: object = None, exc: BaseException | None = None) -> None:
+def resolve(fut: Future[Any], result: object = None, exc: BaseException | None = None) -> None:
     """Answer a caller's future once: a future already answered (a dead engine failed it) or
     cancelled by its caller keeps what it has."""
     try:

@@ -63,13 +63,13 @@ def check_request_slot(slot: object, num_slots: int) -> Slot:
         or (isinstance(slot, int) and not isinstance(slot, bool) and 0 <= slot < num_slots)
     ):
         raise EngineError(f"slot must be 'active', None or one of 0..{num_slots - 1}, got {slot!r}")
-    return slot  # type: ignore[return-value]
+    return slot
 
 
 def check_pause_mode(mode: object) -> str:
     if mode not in PAUSE_MODES:
         raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 _NAME = re.compile(

@@ -251,7 +251,7 @@ class EnginePool:
         reaper.start()
         self._reapers.append(reaper)
         self._redispatch(orphans)
-        if member.reviving:
+        if member.reviving and self._reviver is not None:
             self._reviver(member)
         self._notify()
 
@@ -385,7 +385,7 @@ class EnginePool:
         out = []
         for m in self.members:
             answer = bounded(m.engine.stats, seconds) if m.alive else None
-            if not m.alive:
+            if answer is None or not m.alive:  # it left, maybe while asked: the pool says why
                 answer = EngineDeadError(
                     f"left the pool: {m.reason}" + ("; coming back" if m.reviving else "")
                 )

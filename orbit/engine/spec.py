@@ -101,7 +101,7 @@ def read_spec(path: str | Path) -> tuple[ModelSpec, dict]:
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim")
-            or _DEFAULT_HEAD_DIM.get(raw.get("model_type"))
+            or _DEFAULT_HEAD_DIM.get(raw.get("model_type", ""))
             or raw["hidden_size"] // heads,
             rms_eps=raw.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),

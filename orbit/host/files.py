@@ -23,7 +23,7 @@ def fsync(path: Path) -> None:
 
 
 def write_dir(
-    target: Path, fill: Callable[[Path], None], durable: bool = False, replace: bool = False
+    target: Path, fill: Callable[[Path], object], durable: bool = False, replace: bool = False
 ) -> Path:
     """`fill(tmp)` writes the files; `tmp` then becomes `target` by one rename. `replace`: an
     existing target is removed first (else the rename fails on it). On any failure the temporary

@@ -20,8 +20,10 @@ import ctypes
 import os
 import signal
 import sys
+from typing import Any
 
 _seen = False
+_previous_hook = sys.unraisablehook  # the hook _quiet_about_ctrl_c hands the rest on to
 
 
 class Interrupted(Exception):
@@ -54,11 +56,11 @@ def catch_ctrl_c() -> None:
     """Ctrl-C raises KeyboardInterrupt (even when started with SIGINT ignored) and is remembered;
     Python's "Exception ignored" report of a dropped one is left out (it is raised again
     instead)."""
-    global _seen
+    global _seen, _previous_hook
     _seen = False
     signal.signal(signal.SIGINT, _remember)
     if sys.unraisablehook is not _quiet_about_ctrl_c:
-        _quiet_about_ctrl_c.previous = sys.unraisablehook
+        _previous_hook = sys.unraisablehook
         sys.unraisablehook = _quiet_about_ctrl_c
 
 
@@ -73,9 +75,9 @@ def stops_the_run(signum: int) -> bool:
     return signum == signal.SIGINT or signal.getsignal(signum) is _remember
 
 
-def _quiet_about_ctrl_c(unraisable) -> None:
+def _quiet_about_ctrl_c(unraisable: Any) -> None:
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _quiet_about_ctrl_c.previous(unraisable)
+        _previous_hook(unraisable)
 
 
 def raise_if_dropped() -> None:
@@ -92,7 +94,7 @@ def handled() -> None:
     _forget_cpython_mark()
 
 
-def caused_by_ctrl_c(err: BaseException) -> bool:
+def caused_by_ctrl_c(err: BaseException | None) -> bool:
     """An error that a Ctrl-C caused: one with KeyboardInterrupt down its chain, or any error after
     a Ctrl-C was seen (an import cut short can fail later with an unrelated-looking error, e.g. a
     RecursionError or a partially initialised module)."""

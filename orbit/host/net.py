@@ -4,6 +4,8 @@ the live page) and the trainer ranks' rendezvous listen on."""
 from __future__ import annotations
 
 import socket
+import threading
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,11 +26,10 @@ class ThreadServer:
     ) -> None:
         self.app, self.host, self.name = app, host, name
         self.port = port or free_port(host)
-        self._server = None
-        self._thread = None
+        self._server: Any = None  # uvicorn.Server, once started
+        self._thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 30.0) -> ThreadServer:
-        import threading
         import time
 
         import uvicorn
@@ -54,21 +55,21 @@ class ThreadServer:
             lifespan="off",
             timeout_graceful_shutdown=1,
         )
-        self._server = uvicorn.Server(config)
+        server = self._server = uvicorn.Server(config)
         failed: list[BaseException] = []
 
         def run() -> None:
             try:
-                self._server.run()
+                server.run()
             # said by start(), not printed from a thread
             except BaseException as err:  # noqa: BLE001
                 failed.append(err)
 
-        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
-        self._thread.start()
+        thread = self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        thread.start()
         deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
+        while not server.started:
+            if not thread.is_alive():
                 why = f": {failed[0]}" if failed else " (is the port taken?)"
                 raise OSError(f"{self.name} could not listen on {self.host}:{self.port}{why}")
             if time.monotonic() > deadline:

@@ -300,9 +300,10 @@ def run_bench(
     for note in checked.notes if not engines else ():
         console.print(note, highlight=False)
     for backend in engines or [recipe.engine.backend]:
-        r = recipe.model_copy(deep=True)
-        r.engine.backend = backend
-        r = preflight(r).recipe  # this backend's own checks (installed, model it runs)
+        engine = recipe.engine.model_copy(update={"backend": backend})
+        r = preflight(
+            recipe.model_copy(deep=True, update={"engine": engine})
+        ).recipe  # this backend's own checks (installed, model it runs)
         summary["engines"][backend] = section = _bench_engine(
             r, out / backend, steps, warmup, console, live
         )

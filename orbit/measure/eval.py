@@ -19,6 +19,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from rich.console import Console
@@ -127,7 +128,8 @@ def run_agents(
         return engine.generate(ids, s, slot=episode_slot, meta=meta)
 
     results: list = [None] * len(prompts)
-    with Endpoint(task.tokenizer, submit, model="orbit-eval", max_context=max_context) as endpoint:
+    tokenizer = task.tokenizer  # type: ignore[attr-defined]  # an agent task has one
+    with Endpoint(tokenizer, submit, model="orbit-eval", max_context=max_context) as endpoint:
         runner = AgentRunner(endpoint, task, sampling, timeout_s)
         todo = iter(enumerate(prompts))
         running = {runner.start(p, None, slot): i for i, p in itertools.islice(todo, concurrent)}
@@ -292,6 +294,7 @@ def resolve_target(
         elif recipe and recipe.get("model"):
             model = Path(recipe["model"])
         else:
+            assert adapter is not None  # a run's or an adapter's directory
             base = json.loads((adapter / "adapter_config.json").read_text()).get(
                 "base_model_name_or_path"
             )
@@ -371,7 +374,7 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
     results, samples = {}, {}
     version = None
     try:
-        bounds = {
+        bounds: dict[str, Any] = {
             "max_context": engine.info.max_context,
             "timeout_s": target.episode_timeout_s,
             "concurrent": running,

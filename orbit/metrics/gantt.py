@@ -52,17 +52,18 @@ def engine_bands(
 ) -> tuple[list[int], list[tuple[int, float, float]]]:
     """Lanes for requests with each engine in a band of its own: (lane per request, and per engine
     (index, first lane, last lane + 1)). `engines`: every engine to show, idle ones included."""
-    engines = sorted({r.get("engine", 0) for r in requests} | (engines or set()))
+    shown = sorted({r.get("engine", 0) for r in requests} | (engines or set()))
     lanes = [0] * len(requests)
-    bands, base = [], 0
-    for engine in engines:
+    bands: list[tuple[int, float, float]] = []
+    base = 0
+    for engine in shown:
         idx = [i for i, r in enumerate(requests) if r.get("engine", 0) == engine]
         packed = pack_lanes([requests[i] for i in idx])
         for i, lane in zip(idx, packed, strict=True):
             lanes[i] = base + lane
         height = max(packed, default=0) + 1  # an idle engine keeps a visible (empty) lane
         bands.append((engine, base, base + height))
-        base += height + (1 if len(engines) > 1 else 0)  # a gap between bands
+        base += height + (1 if len(shown) > 1 else 0)  # a gap between bands
     return lanes, bands
 
 

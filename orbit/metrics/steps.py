@@ -93,7 +93,7 @@ class StepMetrics:
     rejoined: int = 0
     pushes_refused: int = 0  # pushes an engine refused so far (it kept serving what it had)
     # per engine: how adapters reach it
-    adapter_transport: list[str | None] = field(default_factory=list)
+    adapter_transport: list[str] = field(default_factory=list)
     # mean entropy of the sampling distribution over the trained tokens
     entropy: float | None = None
     # share of the step's groups (trained and filtered) whose rewards were all equal

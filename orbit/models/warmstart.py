@@ -23,6 +23,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def _code_version() -> str:
         orbit.tasks.arith,
         orbit.tasks.zorplex,
     ):
-        h.update(Path(module.__file__).read_bytes())
+        h.update(Path(str(module.__file__)).read_bytes())
     h.update(Path(__file__).read_bytes())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:12]
@@ -181,7 +182,8 @@ def build_warm_model(
     try:
         orbit.models.tiny.build_tiny_model(out, arch=arch, seed=seed, size=size, task_tokens=True)
         tokenizer = AutoTokenizer.from_pretrained(out)
-        the_task = make_task(TaskConfig(name=task), tokenizer)
+        # the warm start's tasks (WARM_TASKS) show a demonstration of each prompt
+        the_task: Any = make_task(TaskConfig(name=task), tokenizer)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         model.train()

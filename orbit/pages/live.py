@@ -92,9 +92,10 @@ def _about(run_dir: Path) -> dict:
 def _state(run_dir: Path, offsets: dict[str, int | None]) -> dict:
     out: dict = {"now": time.time(), "run": _about(run_dir)}
     for name in FILES:
-        if offsets[name] is None:
+        offset = offsets[name]
+        if offset is None:
             continue
-        rows, end = read_from(run_dir / name, offsets[name])
+        rows, end = read_from(run_dir / name, offset)
         out[name.removesuffix(".jsonl")] = {"rows": rows, "offset": end}
     report = run_dir / "eval.json"
     out["eval"] = json.loads(report.read_text()) if report.is_file() else None

@@ -40,8 +40,8 @@ class Snapshot:
     """One policy version, frozen: what the pushes read, while the trainer moves on."""
 
     version: int
-    tensors: dict | None = None
-    config: dict | None = None
+    tensors: dict = field(default_factory=dict)  # an adapter push's
+    config: dict = field(default_factory=dict)
     merged: dict[bool, dict] = field(default_factory=dict)  # only_adapted -> weights
 
     @classmethod
@@ -137,6 +137,7 @@ class Updater:
                 if self._stop:
                     return
                 snapshot, self._next, self._busy = self._next, None, True
+            assert snapshot is not None  # the wait above ends on a snapshot or the stop
             engine = self.member.engine
             try:
                 # One that came back may already hold it (brought up to the newest snapshot).
@@ -232,14 +233,18 @@ class FleetPush:
         version."""
         if self.updaters:
             self.updaters[member.index].wait_idle(self.wait_s)  # done with the engine that left
-        snapshot = self.latest
+        snapshot = self._newest()
         self.pushes[member.index].initial(engine, snapshot, self.timeline)
         return snapshot.version
 
     def rejoined(self, member: Member) -> None:
         """`member` is back: a version pushed while it was brought up follows at once."""
-        if self.updaters and self.latest.version > member.version:
-            self.updaters[member.index].offer(self.latest)
+        if self.updaters and self._newest().version > member.version:
+            self.updaters[member.index].offer(self._newest())
+
+    def _newest(self) -> Snapshot:
+        assert self.latest is not None, "FleetPush.initial comes before any other push"
+        return self.latest
 
     def push(self, policy: PolicySource) -> PushResult:
         t0 = time.time()
@@ -263,12 +268,9 @@ class FleetPush:
         while late := [m for m in self.pool.alive() if m.version < version]:
             # on-policy needs every engine on the new version: a refusal stops the run
             for m in late:
-                if (
-                    self.updaters
-                    and self.updaters[m.index].idle()
-                    and self.updaters[m.index].error is not None
-                ):
-                    err, self.updaters[m.index].error = self.updaters[m.index].error, None
+                updater = self.updaters[m.index] if self.updaters else None
+                if updater is not None and updater.idle() and (err := updater.error) is not None:
+                    updater.error = None
                     raise err
             if time.monotonic() > deadline:
                 names = ", ".join(f"engine {m.index} at v{m.version}" for m in late)

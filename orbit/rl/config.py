@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from orbit.rl.presets import PRESET_NAMES, PRESETS
 
@@ -144,7 +151,8 @@ class AlgorithmConfig(_Section):
     def _apply_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        ratio = data.get("ratio", PRESETS.get(data.get("preset"), {}).get("ratio", "truncate"))
+        preset = PRESETS.get(str(data.get("preset")), {})
+        ratio = data.get("ratio", preset.get("ratio", "truncate"))
         for name, ratios in _ONLY_WITH.items():
             if name in data and ratio not in ratios:
                 raise ValueError(
@@ -182,7 +190,7 @@ class AlgorithmConfig(_Section):
         return self
 
     @model_serializer(mode="wrap")
-    def _applicable(self, handler):
+    def _applicable(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """What a recipe.yaml shows and loads again: the fields that apply to this ratio, unset ones
         left out."""
         return {

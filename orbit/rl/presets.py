@@ -7,7 +7,9 @@ importance weight against the engine's policy.
 
 from __future__ import annotations
 
-PRESETS: dict[str, dict] = {
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (Shao et al. 2024): group-normalised advantages, each sequence's token mean, PPO
     # clip, KL to the reference (beta 0.04)
     "grpo": {

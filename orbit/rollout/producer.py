@@ -15,6 +15,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from orbit.agents.runner import AgentRunner, EpisodeFailed
 from orbit.engine.base import ACTIVE, Completion, SamplingParams
@@ -117,26 +118,29 @@ class Producer:
         if that engine is gone."""
         if self.agents is not None:
             name = f"s{self.seed}-g{gid}-{idx}-{group.attempts[idx]}"
-            fut = self.agents.start(group.prompt, group.engine, ACTIVE, name, meta={"group": gid})
-            self.pipeline.submitted()
-            fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
+            episode_fut = self.agents.start(
+                group.prompt, group.engine, ACTIVE, name, meta={"group": gid}
+            )
+            self._post_when_done(episode_fut, gid, idx)
             return
+        key: tuple[int, ...] = (self.seed, gid, idx, group.attempts[idx])
         if group.episodes is None:
-            context, key = list(group.prompt.prompt_ids), (self.seed, gid, idx, group.attempts[idx])
+            context = list(group.prompt.prompt_ids)
         else:  # the next turn of a multi-turn episode: prompt + everything so far
             episode = group.episodes[idx]
-            context, key = (
-                episode.context(),
-                (self.seed, gid, idx, group.attempts[idx], episode.turns),
-            )
+            context, key = episode.context(), (*key, episode.turns)
         # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every
         # run.
         sampling = dataclasses.replace(self.sampling, seed=hash(key) & 0x7FFFFFFF)
-        fut: Future = self.pool.generate(
+        fut = self.pool.generate(
             context, sampling, slot=ACTIVE, engine=group.engine, meta={"group": gid}
         )
+        self._post_when_done(fut, gid, idx)
+
+    def _post_when_done(self, fut: Future[Any], gid: int, idx: int) -> None:
+        """The request is in flight; its answer goes to the producer's queue."""
         self.pipeline.submitted()
-        fut.add_done_callback(lambda f, g=gid, i=idx: self.pipeline.post((g, i, f)))
+        fut.add_done_callback(lambda f: self.pipeline.post((gid, idx, f)))
 
     def _on_done(self, gid: int, idx: int, fut: Future) -> None:
         self.pipeline.answered()
@@ -165,7 +169,8 @@ class Producer:
             ):
                 self._submit(gid, idx, group)
                 return
-            completion = episode
+            self._done(gid, idx, group, episode)
+            return
         self._done(gid, idx, group, completion)
 
     def _done(self, gid: int, idx: int, group: InFlight, completion, why: str = "") -> None:

@@ -106,7 +106,8 @@ def drop_lines_after(path: Path, version: int, by_step: bool = False) -> None:
     samples.discarded.jsonl."""
     if not path.exists():
         return
-    keep, drop = [], []
+    keep: list[str] = []
+    drop: list[str] = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
         kept = row["step"] < version if by_step else row.get("version", 0) <= version

@@ -78,6 +78,12 @@ class StartedRun:
     start_version: int = 0
     trackers: Trackers | None = None
 
+    @property
+    def loop(self) -> LoopParts:
+        """The loop's parts: `start` sets them last, and nothing runs the loop before it returns."""
+        assert self.parts is not None, "start() has not finished"
+        return self.parts
+
     def close_files(self) -> None:
         """metrics.jsonl, timeline.jsonl and the trackers, flushed and closed (each is
         idempotent)."""
@@ -370,9 +376,9 @@ def finish(run: StartedRun, recipe: Recipe, run_dir: Path, created: bool, resume
     Interrupted."""
     trainer = run.trainer
     try:
-        run_steps(run.parts)
+        run_steps(run.loop)
         # the last version reaches the engines; refusals surface
-        run.push.finish(recipe.rollout.stall_timeout_s)
+        run.loop.push.finish(recipe.rollout.stall_timeout_s)
     except KeyboardInterrupt:
         interrupts.handled()
         lost = trainer.ranks.lost

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 from rich.console import Console
 
@@ -277,7 +278,7 @@ class HeldInterrupt:
 
     def __enter__(self) -> HeldInterrupt:
         self.pending = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 if interrupts.stops_the_run(signum):

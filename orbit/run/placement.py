@@ -11,8 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from orbit.engine.devices import gpu_index
+
+if TYPE_CHECKING:
+    from orbit.config import EngineConfig, Recipe
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -21,7 +25,9 @@ HEADROOM = 0.05  # of the card, for the CUDA context, allocator fragmentation an
 MAX_ENGINE_SHARE = 0.85
 
 
-def choose_backend(devices: list[str], sglang_installed: bool) -> tuple[str, str]:
+def choose_backend(
+    devices: list[str], sglang_installed: bool
+) -> tuple[Literal["embedded", "sglang"], str]:
     """`engine.backend: auto`: (backend, why, in words). SGLang where it can serve: installed and
     every engine on a GPU; the embedded engine otherwise."""
     on_gpu = all(gpu_index(d) is not None for d in devices)
@@ -227,7 +233,7 @@ def plan_colocated(
 PROMPT_ALLOWANCE = 512  # tokens assumed for a prompt when sizing a step or a request's KV
 
 
-def colocate(recipe, shards: int = 1) -> tuple[object, str | None]:
+def colocate(recipe: Recipe, shards: int = 1) -> tuple[EngineConfig, str | None]:
     """The engine settings for a trainer (rank) that shares its GPU with an engine: SGLang's
     mem_fraction and the embedded engine's context (its KV budget), from the model's size and the
     GPU's free memory. Returns (the engine config to start, a line saying what was planned);

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orbit.config import EngineConfig, Recipe, RecipeError, TaskConfig
+from orbit.config.task import JsonlTaskConfig, MathTaskConfig, VerifiersTaskConfig
 from orbit.engine.sglang.install import INSTALL_HINT, sglang_problem
 from orbit.engine.spec import SpecError, read_spec
 from orbit.run.placement import check_devices, choose_backend
@@ -202,14 +203,14 @@ def check_task(task: TaskConfig) -> None:
                 raise
             except ValueError as err:
                 raise RecipeError(str(err)) from None
-        if task.name == "verifiers":
+        if isinstance(task, VerifiersTaskConfig):
             check_verifiers(task.python, task.taskset)
-        if task.name in ("jsonl", "math"):
+        if isinstance(task, JsonlTaskConfig | MathTaskConfig):
             for key in ("path", "eval_path"):
                 path = task.path if key == "path" else task.eval_path
                 if path is None:
                     continue
-                if task.name == "jsonl":
+                if isinstance(task, JsonlTaskConfig):
                     load_rows(path)
                     continue
                 checker = MathChecker()

@@ -52,9 +52,7 @@ class LaneEngine:
         self._tokens = 0  # generated for this run: its finished requests' output tokens
         self._lock = threading.Lock()
 
-    def _engine_slot(self, slot: int | None) -> int | None:
-        if slot is None:
-            return None
+    def _engine_slot(self, slot: int) -> int:
         if not 0 <= slot < self.slots:
             raise EngineError(f"slot {slot} is not one of this run's {self.slots} slots")
         return self.first + slot
@@ -67,7 +65,8 @@ class LaneEngine:
         meta: dict | None = None,
     ) -> Future[Completion]:
         bound = self.active.bind(slot)  # at submission, as an engine binds ACTIVE
-        future = self.engine.generate(prompt_ids, sampling, self._engine_slot(bound), meta)
+        on = None if bound is None else self._engine_slot(bound)
+        future = self.engine.generate(prompt_ids, sampling, on, meta)
         future.add_done_callback(self._count)
         return future
 
@@ -82,7 +81,8 @@ class LaneEngine:
         return self.engine.load_adapter(self._engine_slot(slot), tensors, adapter_config, version)
 
     def activate(self, slot: int | None) -> None:
-        self._engine_slot(slot)  # checks it
+        if slot is not None:
+            self._engine_slot(slot)  # checks it
         self.active.set(slot)
 
     # The flip of one run pauses and flushes nothing (module docstring).
@@ -144,7 +144,9 @@ class SharedEngines:
         self.engines, self.capacities, self.lane, self.slots = engines, capacities, lane, slots
 
     def pool(self, timeline: Timeline, warn: Callable[[str], None]) -> EnginePool:
-        views = [LaneEngine(e, self.lane * self.slots, self.slots) for e in self.engines]
+        views: list[Engine] = [
+            LaneEngine(e, self.lane * self.slots, self.slots) for e in self.engines
+        ]
         return EnginePool(views, self.capacities, timeline=timeline, on_warning=warn)
 
     # protocol

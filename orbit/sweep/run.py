@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -102,9 +103,9 @@ def sweep(
     try:
         # every task first: a bad one fails before any compute, naming its run
         for run in plan.runs:
-            tasks.append(_named(run.name, lambda r=run: make_task(r.recipe.task, tokenizer)))
+            tasks.append(_named(run.name, partial(make_task, run.recipe.task, tokenizer)))
         stops = [
-            _named(r.name, lambda r=r: stop_token_ids(tokenizer, r.recipe.rollout.stop))
+            _named(r.name, partial(stop_token_ids, tokenizer, r.recipe.rollout.stop))
             for r in plan.runs
         ]
         interrupts.raise_if_dropped()
@@ -210,7 +211,7 @@ def _start(
                 group=plan.out.name,
             )
             status = RunStatus(planned.name, planned.run_dir, r.trainer.steps)
-            run.parts.on_step = status.stepped
+            run.loop.on_step = status.stepped
             lanes.append(_Lane(status, r, run, created[i], resumes[i]))
     except BaseException:
         for lane in lanes:
@@ -250,7 +251,7 @@ def _run_lanes(lanes: list[_Lane], live: bool, console: Console) -> bool:
             sys.stderr.write("\nCtrl-C: every run finishes its step and saves\n")
         stop.set()
         for lane in lanes:
-            lane.run.parts.pipeline.interrupt()
+            lane.run.loop.pipeline.interrupt()
 
     # Held as a flag for the whole phase, not raised: a KeyboardInterrupt between two statements
     # here would stop the engines under runs still training.

@@ -54,6 +54,13 @@ class Bridge:
                 f"task.python: cannot run {python!r} ({err}); make verifiers sets up "
                 ".venv-verifiers"
             ) from None
+        # the three pipes opened above
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
+        self.to_bridge, self.from_bridge, self.bridge_errors = (
+            self.proc.stdin,
+            self.proc.stdout,
+            self.proc.stderr,
+        )
         self._stderr: deque[str] = deque(maxlen=20)
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -71,7 +78,7 @@ class Bridge:
     def _first_line(self) -> dict:
         box: list[str] = []
         reader = threading.Thread(
-            target=lambda: box.append(self.proc.stdout.readline()), daemon=True
+            target=lambda: box.append(self.from_bridge.readline()), daemon=True
         )
         reader.start()
         reader.join(START_TIMEOUT_S)
@@ -89,14 +96,14 @@ class Bridge:
             ) from None
 
     def _drain(self) -> None:
-        for line in self.proc.stderr:
+        for line in self.bridge_errors:
             self._stderr.append(line.rstrip())
 
     def stderr(self) -> str:
         return " | ".join(self._stderr) or "(nothing on stderr)"
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.from_bridge:
             try:
                 answer = json.loads(line)
                 with self._lock:
@@ -122,7 +129,7 @@ class Bridge:
             self._pending[self._next] = fut
             request = {"id": self._next, "task": task, "base_url": base_url, "model": model}
             try:
-                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.to_bridge.write(json.dumps(request) + "\n")
             except OSError:
                 self._pending.pop(self._next)
                 raise TaskError(f"the verifiers bridge exited: {self.stderr()}") from None
@@ -131,7 +138,7 @@ class Bridge:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.close()  # the bridge ends its episodes and exits
+                self.to_bridge.close()  # the bridge ends its episodes and exits
                 self.proc.wait(10)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()

@@ -28,6 +28,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 KEY_VAR = "ORBIT_VERIFIERS_KEY"  # verifiers reads a client's API key from a named variable
 # main() gives the protocol a stdout of its own; user code's print() goes to stderr
@@ -67,7 +68,7 @@ def _orbit_chat(vf) -> str:
                 await client.close()
             return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
-    module = types.ModuleType("orbit_chat")
+    module: Any = types.ModuleType("orbit_chat")
     module.OrbitChatHarness, module.OrbitChatConfig = OrbitChatHarness, OrbitChatConfig
     module.__all__ = ["OrbitChatHarness", "OrbitChatConfig"]
     sys.modules["orbit_chat"] = module

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 PARENT_POLL_S = 1.0
 START_TIMEOUT_S = 120.0  # importing sympy on a loaded 2-core machine
@@ -29,42 +30,42 @@ class Worker:
         self._proc: mp.process.BaseProcess | None = None
         self._conn: Connection | None = None
 
-    def ask(self, request: object, timeout_s: float | None = None) -> tuple[str, object]:
-        """The worker's answer to `request`; ("timeout", None) when none came in time, ("error",
-        why) when the process died."""
+    def ask(self, request: object, timeout_s: float | None = None) -> tuple[str, Any]:
+        """The worker's answer to `request` (whatever its serve function sends); ("timeout", None)
+        when none came in time, ("error", why) when the process died."""
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
-            self._conn.send(request)
-            if self._conn.poll(timeout_s or self.timeout_s):
+            if self._proc is None or self._conn is None or not self._proc.is_alive():
+                self._proc, self._conn = self._start()
+            proc, conn = self._proc, self._conn
+            conn.send(request)
+            if conn.poll(timeout_s or self.timeout_s):
                 try:
-                    return self._conn.recv()
+                    return conn.recv()
                 # it died (killed for memory, a crash in the code it runs): not a timeout
                 except EOFError:
-                    self._proc.join(5)
-                    code = self._proc.exitcode
+                    proc.join(5)
+                    code = proc.exitcode
                     self._stop()
                     return "error", f"the {self.name} process exited (exit code {code})"
             self._stop()  # stuck: the next request gets a fresh process
             return "timeout", None
 
-    def _start(self) -> None:
+    def _start(self) -> tuple[mp.process.BaseProcess, Connection]:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=self.serve, args=(child, *self.args), name=self.name, daemon=True
-        )
-        self._proc.start()
+        proc = ctx.Process(target=self.serve, args=(child, *self.args), name=self.name, daemon=True)
+        proc.start()
         child.close()
-        self._conn = parent
+        self._proc, self._conn = proc, parent
         try:
             ready = parent.poll(START_TIMEOUT_S) and parent.recv() == "ready"
         except EOFError:
             ready = False
         if not ready:
-            code = self._proc.exitcode
+            code = proc.exitcode
             self._stop()
             raise RuntimeError(f"the {self.name} process did not start (exit code {code})")
+        return proc, parent
 
     def _stop(self) -> None:
         if self._proc is not None:
@@ -79,7 +80,7 @@ class Worker:
             self._stop()
 
 
-def serve_requests(conn: Connection, answer: Callable[[object], object]) -> None:
+def serve_requests(conn: Connection, answer: Callable[[Any], object]) -> None:
     """The worker's loop: Ctrl-C ignored (the trainer's to handle), "ready" sent, then `answer` for
     each request until the connection closes or the parent process is gone."""
     import signal

@@ -178,7 +178,8 @@ class ZorplexTask:
 
     def demonstration(self, prompt: Prompt) -> list[Segment]:
         """The correct episode: one call per hop, the tool's results, the answer."""
-        segments, transcript = [], []
+        segments: list[Segment] = []
+        transcript: list[int] = []
         for key in prompt.meta["chain"]:
             call = self.tokenizer.encode(self.call_format.format(key=key), add_special_tokens=False)
             result = self.next_turn(prompt, transcript + call)

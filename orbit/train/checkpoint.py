@@ -64,7 +64,7 @@ def latest(run_dir: Path) -> Path | None:
     )
 
 
-def save(run_dir: Path, version: int, write: Callable[[Path], None], keep_last: int) -> Path:
+def save(run_dir: Path, version: int, write: Callable[[Path], object], keep_last: int) -> Path:
     """Write the checkpoint of `version` (`write(directory)` puts the files there) and make it
     current."""
     final = step_dir(run_dir, version)

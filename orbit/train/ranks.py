@@ -31,8 +31,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -114,16 +115,16 @@ class Alone:
     ) -> list[tuple[list[Sample], bool]]:  # noqa: ARG002
         return [(chunk, True) for chunk in micro_batches(samples, budget)]
 
-    def sum_grads(self, params: list[Tensor]) -> None:
+    def sum_grads(self, params: Sequence[Tensor]) -> None:
         pass
 
-    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         pass
 
-    def broadcast_params(self, params: list[Tensor]) -> None:
+    def broadcast_params(self, params: Sequence[Tensor]) -> None:
         pass
 
-    def shard_base(self, decoder: torch.nn.Module, keep: list[Tensor]) -> None:
+    def shard_base(self, decoder: torch.nn.Module, keep: Sequence[torch.nn.Parameter]) -> None:
         raise ValueError(
             "trainer.shard: fsdp shards the base over several ranks; this trainer is alone"
         )
@@ -211,7 +212,7 @@ class Ranks:
         (`padded_micro_batches`)."""
         return padded_micro_batches(samples, self.world, self.rank, budget, pad)
 
-    def sum_grads(self, params: list[Tensor]) -> None:
+    def sum_grads(self, params: Sequence[Tensor]) -> None:
         """Sum the adapter's gradients over the ranks, in one flat buffer (a rank with nothing to
         train has zeros). Not DDP's reducer: DDP wraps the module and reduces buckets during a
         backward that every rank runs alike; here ranks run different numbers of micro-batches and
@@ -225,7 +226,7 @@ class Ranks:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
-    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """In place, on this rank's device (NCCL reduces GPU tensors only)."""
         on_device = tensor.to(self.device)
         try:
@@ -235,12 +236,12 @@ class Ranks:
         if on_device is not tensor:
             tensor.copy_(on_device)
 
-    def broadcast_params(self, params: list[Tensor]) -> None:
+    def broadcast_params(self, params: Sequence[Tensor]) -> None:
         """Rank 0's values on every rank (one adapter init, whatever each rank's random state)."""
         for p in params:
             dist.broadcast(p.data, src=0)
 
-    def shard_base(self, decoder: torch.nn.Module, keep: list[Tensor]) -> None:
+    def shard_base(self, decoder: torch.nn.Module, keep: Sequence[torch.nn.Parameter]) -> None:
         """FSDP2 over the frozen base: each decoder layer, then the decoder (its embedding and final
         norm); `keep` (the adapter) stays whole on every rank."""
         from torch.distributed.device_mesh import init_device_mesh
@@ -248,7 +249,7 @@ class Ranks:
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         ignored = set(keep)
-        for layer in decoder.layers:
+        for layer in cast(torch.nn.ModuleList, decoder.layers):
             fully_shard(layer, mesh=mesh, ignored_params=ignored)
         fully_shard(decoder, mesh=mesh, ignored_params=ignored)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import peft
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
 class FirstComeLock:
@@ -55,7 +55,7 @@ class SharedBase:
     it."""
 
     def __init__(self, model_path: str | Path, dtype: str) -> None:
-        self.base: nn.Module = AutoModelForCausalLM.from_pretrained(
+        self.base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype)
         )
         self.model: peft.PeftModel | None = None

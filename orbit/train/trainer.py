@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 import peft
 import torch
@@ -119,6 +121,7 @@ class Trainer:
         # python, numpy, torch: the adapter's init is random (LoRA A), the same in a sweep or alone
         set_seed(seed)
         self.params = self.shared.add(name, adapters.peft_config(adapter, base))
+        assert self.shared.model is not None  # it holds this adapter now
         self.model: peft.PeftModel = self.shared.model
         # The decoder stack (with its final norm) and the output projection, run apart (batch.py).
         self._decoder = base.model
@@ -476,7 +479,12 @@ class Trainer:
 
     def follow(self) -> None:
         """Do what rank 0's trainer does, on this rank, until it says stop."""
-        actions = {"step": self._step, "logprobs": self._sample_logprobs, "load": self._restore}
+        assert isinstance(self.ranks, Ranks), "a rank other than 0 follows rank 0"
+        actions: dict[str, Callable[[Any], object]] = {
+            "step": self._step,
+            "logprobs": self._sample_logprobs,
+            "load": self._restore,
+        }
         while True:
             what, payload = self.ranks.receive()
             if what == "stop":

@@ -222,7 +222,9 @@ class EngineCore:
                     torch.tensor(rows, device=device)[:, None] * tokens_per_row
                     + torch.arange(tokens_per_row, device=device)
                 ).reshape(-1)
-            entries.append((self.slots[s], idx))
+            weights = self.slots[s]
+            assert weights is not None  # a request is bound only to a loaded slot (serving.py)
+            entries.append((weights, idx))
         return SlotBatch(entries).project
 
     def _prefix_key(self, seq: Sequence) -> PrefixKey:
@@ -449,7 +451,7 @@ class EngineCore:
         c = self.counters
         paused_s = c["paused_s"] + (time.perf_counter() - self._pause_t0 if self.paused else 0.0)
         return EngineStats(
-            tokens_generated=c["tokens_generated"],
+            tokens_generated=int(c["tokens_generated"]),
             busy_s=c["busy_s"],
             paused_s=paused_s,
             running=len(self.scheduler.running),
@@ -464,10 +466,10 @@ class EngineCore:
             ),
             base_version=self.base_version,
             paused=self.paused,
-            prefill_tokens=c["prefill_tokens"],
-            aborted=c["aborted"],
-            aborted_on_load=c["aborted_on_load"],
-            retracted=c["retracted"],
+            prefill_tokens=int(c["prefill_tokens"]),
+            aborted=int(c["aborted"]),
+            aborted_on_load=int(c["aborted_on_load"]),
+            retracted=int(c["retracted"]),
         )
 
     def shutdown(self) -> None:

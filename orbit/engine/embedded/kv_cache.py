@@ -34,23 +34,22 @@ class KVPool:
     ) -> None:
         self.shape = (layers, rows, kv_heads, context, head_dim)
         self.dtype, self.device = dtype, device
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k = self.v = torch.empty(0)  # released: no memory held (release_memory)
         self.allocate()
 
     def allocate(self) -> None:
-        if self.k is None:
+        if not self.allocated:
             # zeros, not empty: masked-out positions still meet V in probs @ V, and 0 * NaN
             # garbage would poison the row
             self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def free(self) -> None:
-        self.k = self.v = None
+        self.k = self.v = torch.empty(0)
 
     @property
     def allocated(self) -> bool:
-        return self.k is not None
+        return self.k.numel() > 0
 
     def store_prefill(
         self, rows: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor

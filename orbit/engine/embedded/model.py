@@ -239,14 +239,14 @@ class Decoder:
             p = f"model.layers.{i}"
             out[f"{p}.input_layernorm.weight"] = layer.attn_norm
             out[f"{p}.post_attention_layernorm.weight"] = layer.mlp_norm
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 out[f"{p}.self_attn.q_norm.weight"] = layer.q_norm
                 out[f"{p}.self_attn.k_norm.weight"] = layer.k_norm
             for g in GROUPS:
                 lin = layer.group(g)
                 for m, a, b in lin.parts:
                     out[f"{p}.{m}.weight"] = lin.weight[a:b]
-                    if f"{p}.{m}" in self._bias_members:
+                    if f"{p}.{m}" in self._bias_members and lin.bias is not None:
                         out[f"{p}.{m}.bias"] = lin.bias[a:b]
         return out
 
@@ -279,6 +279,7 @@ class Decoder:
         is expanded per call, from the tensors that params() exposes, so a push takes effect.
         """
         s = self.spec
+        assert layer.q_norm is not None and layer.k_norm is not None  # a Qwen3 layer's
         weight = torch.cat(
             (layer.q_norm.expand(s.num_heads, -1), layer.k_norm.expand(s.num_kv_heads, -1))
         )
@@ -346,8 +347,8 @@ class Decoder:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        k_cache: list[torch.Tensor],
-        v_cache: list[torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         kv_len: int,
         project: Project = plain_linear,
     ) -> torch.Tensor:

@@ -188,7 +188,7 @@ def _build(
                     members, {m: found[(layer, m)] for m in present}, config, spec, dtype, device
                 )
             else:
-                rots = []
+                rots: list[torch.Tensor | None] = []
                 for m in members:
                     if (layer, m) not in found:
                         rots.append(None)

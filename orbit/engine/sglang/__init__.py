@@ -40,7 +40,9 @@ def start_sglang_engine(model_path: str | Path, **options) -> SGLangEngine:
     opts = SGLangOptions(**options)
     sgl, loop, spec, hf_config, memory_saver, previous_sigquit = launch(model_path, opts)
     transport = InProcessTransport(sgl, memory_saver, previous_sigquit)
-    max_context = sgl.server_args.context_length or opts.context_length
+    max_context = int(
+        sgl.server_args.context_length or opts.context_length or spec.max_position_embeddings
+    )
     return SGLangEngine(
         transport,
         loop,

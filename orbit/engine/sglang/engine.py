@@ -340,20 +340,20 @@ class SGLangEngine:
         paused = c["paused_s"] + (now - self._pause_t0 if self._paused else 0.0)
         gate = self.gate
         return EngineStats(
-            tokens_generated=c["tokens_generated"],
+            tokens_generated=int(c["tokens_generated"]),
             busy_s=busy,
             paused_s=paused,
             running=self._inflight,
             waiting=sum(gate.held),
-            prefix_cache_hits=c["prefix_cache_hits"],
+            prefix_cache_hits=int(c["prefix_cache_hits"]),
             active_slot=self.active.get(),
             slot_versions=tuple(gate.version),
             slot_requests=gate.requests(),
             base_version=self._base_version,
             paused=self._paused,
-            prefill_tokens=c["prefill_tokens"],
-            aborted=c["aborted"],
-            retracted=c["retracted"],
+            prefill_tokens=int(c["prefill_tokens"]),
+            aborted=int(c["aborted"]),
+            retracted=int(c["retracted"]),
         )
 
     # ---- lifetime ------------------------------------------------------------------------------

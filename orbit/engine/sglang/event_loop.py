@@ -12,8 +12,9 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
+from typing import Any
 
 from orbit.engine.base import EngineDeadError, EngineError, resolve
 
@@ -24,7 +25,7 @@ class EngineLoop:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        dead: Callable[[], Awaitable[str | None]],
+        dead: Callable[[], Coroutine[Any, Any, str | None]],
         label: str,
         liveness_s: float = POLL_S,
     ) -> None:

@@ -111,11 +111,8 @@ class SlotGate:
                     ok, message = False, f"{type(e).__name__}: {e}"
                 if not ok:
                     note = f" (slot {slot} is now empty)"
-                    if (
-                        previous is not None
-                        and self._backup[slot] is not None
-                        and (await restore(self._backup[slot]))[0]
-                    ):
+                    kept = self._backup[slot]
+                    if previous is not None and kept is not None and (await restore(kept))[0]:
                         note = f" (slot {slot} keeps serving version {previous})"
                     else:
                         self.version[slot], self._backup[slot] = None, None

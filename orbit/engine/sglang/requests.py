@@ -14,6 +14,7 @@ with them, `output_token_sampling_logprobs`, SGLang's truncated and renormalised
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from orbit.engine.base import EngineError, FinishReason, SamplingParams, Slot
 from orbit.engine.checks import check_ids, check_prompt, check_request_slot
@@ -60,7 +61,7 @@ def build_request(
     check_ids(list(sampling.stop_token_ids), vocab, "stop")
     check_request_slot(slot, num_slots)
     truncated = truncates(sampling.top_p, sampling.top_k) and sampling.temperature > 0
-    params = {
+    params: dict[str, Any] = {
         "max_new_tokens": min(sampling.max_new_tokens, max_context - len(prompt)),
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -137,6 +138,6 @@ def weight_version(meta: dict, default: int) -> int:
         else meta.get("weight_version")
     )
     try:
-        return int(label)
+        return int(label)  # type: ignore[arg-type]  # whatever SGLang stamped; not a number: below
     except (TypeError, ValueError):
         return default  # "default": no push yet

@@ -476,7 +476,7 @@ def start_server_engine(
         transport = HttpTransport(
             url,
             api_key,
-            Path(adapter_dir) / f"server-{urlparse(url).port}" if use_dir else None,
+            Path(adapter_dir) / f"server-{urlparse(url).port}" if use_dir and adapter_dir else None,
             timeout_s,
             facts.memory_saver,
             server=server,
