@@ -83,8 +83,7 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
     oldest-first batches and the deadline rule (a group due this step is waited for, not overtaken),
     the mean length of the trained samples is within 5% of the mean length of every sample generated
     in the run."""
-    admission = "version"
-    run_dir = tmp_path / admission
+    run_dir = tmp_path / "run"
     recipe = checked(
         _recipe(
             tiny_llama,
@@ -96,7 +95,6 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
             rollout={
                 "max_new_tokens": 96,
                 "stop": [" 4", ",", " m", "war", "vv", "odel", "'", "f"],
-                "admission": admission,
                 "prompts_per_step": 2,
             },
             engine={"max_inflight": 24, "max_running": 24, "slots": 3},
@@ -117,7 +115,7 @@ def test_trained_samples_are_not_biased_toward_short_ones(tmp_path, tiny_llama):
     assert lengths[-1] >= 3 * lengths[len(lengths) // 2], "outputs are not long-tailed"
     ratio = trained / fmean(generated)
     print(
-        f"\n{admission}: trained mean length {trained:.1f}, generated {fmean(generated):.1f}, "
+        f"\ntrained mean length {trained:.1f}, generated {fmean(generated):.1f}, "
         f"ratio {ratio:.2f}, dropped {sum(r['stale_dropped'] for r in rows)}, resubmitted "
         f"{sum(r['resubmitted'] for r in rows)}"
     )

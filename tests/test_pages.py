@@ -66,7 +66,7 @@ def test_the_panels_page_opens_offline_has_five_panels_and_plays(bench_dir):
             and "aborted" in hover
         )
         before = page.evaluate(f"{layout}.shapes[0].x0")
-        clock = "document.querySelector('.slider-current-value').textContent"
+        clock = "document.querySelector('.slider-container .slider-label').textContent"
         page.get_by_text("▶ play").click()
         page.wait_for_function(f"{layout}.shapes[0].x0 !== {before}", timeout=10_000)
         shown = []
