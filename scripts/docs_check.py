@@ -11,6 +11,7 @@ no longer runs is a failing test.
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import subprocess
@@ -138,17 +139,24 @@ def check_bench(words: list[str]) -> str | None:
     script = ROOT / words[0]
     if not script.is_file():
         return f"no script {words[0]}"
+    code, out, err = _usage(words[0])
+    if code != 0:
+        return f"{words[0]} --help fails: {err.strip().splitlines()[-1:]}"
+    missing = [o for o in _options(words[1:]) if o not in out]
+    return f"{words[0]} has no option {missing[0]}" if missing else None
+
+
+@functools.cache
+def _usage(script: str) -> tuple[int, str, str]:
+    """A bench script's --help, run once however many lines show it (each run imports torch)."""
     usage = subprocess.run(
-        [sys.executable, str(script), "--help"],
+        [sys.executable, str(ROOT / script), "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,
     )
-    if usage.returncode != 0:
-        return f"{words[0]} --help fails: {usage.stderr.strip().splitlines()[-1:]}"
-    missing = [o for o in _options(words[1:]) if o not in usage.stdout]
-    return f"{words[0]} has no option {missing[0]}" if missing else None
+    return usage.returncode, usage.stdout, usage.stderr
 
 
 def problems() -> list[str]:

@@ -72,6 +72,7 @@ def _start_server(
         "--context-length",
         "512",
         "--skip-tokenizer-init",
+        "--sleep-on-idle",
         "--dtype",
         "float32",
         "--max-running-requests",

@@ -34,6 +34,7 @@ ORBITS = {
     "enable_memory_saver",
     "log_level",
     "custom_sigquit_handler",
+    "sleep_on_idle",
 }
 
 

@@ -109,6 +109,9 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         context_length=context,
         skip_tokenizer_init=True,
         log_level="error",
+        # an idle scheduler waits on its sockets instead of polling: otherwise it holds a core (a
+        # CPU's, or a GPU host's) whenever it has nothing to run, slowing the trainer beside it
+        sleep_on_idle=True,
         # a top-k/top-p request returns its sampling support (truncated logprobs); SGLang aborts a
         # request whose support is larger than this, and no support is larger than the vocabulary
         sampling_mask_max_tokens=spec.vocab_size,

@@ -165,6 +165,7 @@ def launch_args(
         "--port",
         str(port),
         "--skip-tokenizer-init",
+        "--sleep-on-idle",  # as the in-process engine (process.py): no core held while idle
         "--dtype",
         opts.dtype,
         "--context-length",
