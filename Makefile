@@ -23,7 +23,15 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 VF_VENV := .venv-verifiers
 VERIFIERS := verifiers==0.4.0
 
-.PHONY: install sglang smollm2 browser verifiers demo lint test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
+# The tinker SDK and tinker-cookbook (what talks to `orbit serve`) run in a virtualenv of their own: the SDK
+# wants a newer transformers than SGLang's pin, and the cookbook asks for tml-renderers, which the package
+# index does not have: it goes in with --no-deps beside its other requirements (requirements/). torch is
+# the CPU build through constraints.txt, as everywhere.
+TK_VENV := .venv-tinker
+TINKER_STAMP := $(TK_VENV)/.orbit-tinker-stamp
+COOKBOOK := tinker-cookbook==0.6.1
+
+.PHONY: install sglang smollm2 browser verifiers tinker proto demo lint test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -64,6 +72,23 @@ $(VF_VENV)/bin/vf-eval:
 
 verifiers: $(VF_VENV)/bin/vf-eval
 
+$(TINKER_STAMP): requirements/tinker-cookbook.txt constraints.txt
+	$(PY) -m venv $(TK_VENV)
+	$(TK_VENV)/bin/pip install -q --upgrade pip
+	$(TK_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(TK_VENV)/bin/pip install -q -c constraints.txt -r requirements/tinker-cookbook.txt
+	$(TK_VENV)/bin/pip install -q --no-deps $(COOKBOOK)
+	touch $@
+
+tinker: $(TINKER_STAMP)
+
+# orbit/serve/tinker_pb2.py(i) from tinker.proto, after an edit: protoc 25 (grpcio-tools), whose code runs on
+# protobuf 4.25 and later, in a throwaway virtualenv
+proto:
+	$(PY) -m venv .venv-proto
+	.venv-proto/bin/pip install -q grpcio-tools==1.62.3
+	.venv-proto/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. orbit/serve/tinker.proto
+
 demo: install $(TINY)/model.safetensors
 	rm -rf runs/tiny
 	$(BIN)/orbit train recipes/tiny.yaml --mode double-buffer
@@ -93,7 +118,7 @@ lint: install
 	$(BIN)/mypy
 
 # --durations: the slowest tests of every run, printed, to keep the suite inside its budget
-test: install sglang smollm2 browser verifiers lint
+test: install sglang smollm2 browser verifiers tinker lint
 	$(BIN)/pytest -q --durations=25
 
 # The developer's loop (under a minute here): unit tests of the pipeline, the push, the slot gate,
@@ -134,4 +159,4 @@ bench-sglang: install sglang
 	$(BIN)/python bench/sglang_vs_embedded.py
 
 clean:
-	rm -rf $(VENV) $(VF_VENV) .cache runs
+	rm -rf $(VENV) $(VF_VENV) $(TK_VENV) .venv-proto .cache runs

@@ -13,6 +13,7 @@ from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import typer  # noqa: E402
+import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from orbit.config import RecipeError, load_recipe  # noqa: E402
@@ -191,6 +192,31 @@ def _train(
             f"done: {result.steps_done} steps in {result.seconds:.1f}s → {result.run_dir} "
             "(metrics.jsonl, timeline.jsonl, adapter/)"
         )
+
+
+@app.command()
+def serve(
+    recipe: Path = typer.Argument(
+        ..., help="recipe YAML: its model: and engine: sections are enough"
+    ),
+    port: int | None = typer.Option(None, help="the port to listen on (default: a free one)"),
+    host: str = typer.Option(
+        "127.0.0.1", help="the address to listen on (this machine only unless set)"
+    ),
+    dir: Path = typer.Option(Path("runs/serve"), help="where the service keeps its checkpoints"),
+) -> None:
+    """Serve the Tinker API (the `tinker` SDK, tinker-cookbook) on the recipe's base model and
+    engines: `orbit serve recipes/smollm2-serve.yaml`, then TINKER_BASE_URL=<the address it
+    prints>."""
+    with _run_errors("the service", on_ctrl_c="stopped"):
+        try:
+            checked = preflight(load_recipe(recipe))
+        except RecipeError as err:
+            _fail(f"bad recipe {recipe}:\n{err}")
+        from orbit.serve.command import serve as run_serve
+
+        written = str((yaml.safe_load(recipe.read_text()) or {}).get("model", checked.recipe.model))
+        run_serve(checked.recipe, written, host, port, dir, console)
 
 
 @app.command()

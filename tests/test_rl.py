@@ -347,6 +347,16 @@ def test_a_dropped_token_adds_no_kl_and_no_entropy_either():
     assert stats.masked == 6 - len(kept)
 
 
+def test_importance_is_the_plain_ratio_times_the_advantage():
+    """Plain importance sampling (Tinker's importance_sampling): -r A per token, its gradient
+    -r A through the ratio, no cap, over the step's 6 tokens."""
+    loss, grad, stats = _loss(AlgorithmConfig(ratio="importance"))
+    kept = [(i, t) for i in range(3) for t in TOKENS[i]]
+    assert loss == pytest.approx(-sum(_r(i, t) * ADV[i] for i, t in kept) / 6, abs=1e-6)
+    _check_grad(grad, {(i, t): -_r(i, t) * ADV[i] / 6 for i, t in kept})
+    assert stats.clip_frac == 0.0
+
+
 def test_the_default_is_the_truncated_weight_over_the_token_mean():
     """Orbit's loss before presets, unchanged: -min(r, truncate_max) A log pi per token, over every
     trained token."""

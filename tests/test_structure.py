@@ -20,7 +20,7 @@ LAYERS = (
     ("engine", "tasks", "metrics"),
     ("agents", "rollout", "push", "train", "models", "pages"),
     ("run",),  # one training run, from the recipe to its last step
-    ("sweep", "measure"),
+    ("sweep", "measure", "serve"),
     ("cli",),
 )
 LOOSE = {"cli"}  # the only module at the top level

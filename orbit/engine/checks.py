@@ -12,7 +12,7 @@ import re
 import torch
 
 from orbit.engine.base import ACTIVE, PAUSE_MODES, EngineError, Slot
-from orbit.engine.spec import MODULES, ModelSpec
+from orbit.engine.spec import HEAD, HEAD_LAYER, MODULES, ModelSpec
 
 
 def check_tensor(name: str, t: object, shape: tuple[int, ...]) -> None:
@@ -76,6 +76,7 @@ _NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)"
     r"\.(lora_A|lora_B|oft_R)\.weight$"
 )
+_HEAD_NAME = re.compile(r"^base_model\.model\.lm_head\.(lora_A|lora_B)\.weight$")
 # Config options that change the math; anything but the default is refused, not ignored.
 _LORA_MUST_BE_OFF = (
     "use_dora",
@@ -171,7 +172,8 @@ def _expected_modules(config: dict, spec: ModelSpec) -> set[tuple[int, str]] | N
         if (m.split(".")[-1] in targets or m in targets)
         and not (m.split(".")[-1] in excluded or m in excluded)
     ]
-    return {(i, m) for i in layer_ids for m in wanted}
+    head = {(HEAD_LAYER, HEAD)} if HEAD in targets and HEAD not in excluded else set()
+    return {(i, m) for i in layer_ids for m in wanted} | head
 
 
 def check_adapter(
@@ -197,6 +199,10 @@ def check_adapter(
         raise EngineError("adapter has no tensors")
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
+        head = _HEAD_NAME.match(name) if isinstance(name, str) and kind == "lora" else None
+        if head is not None:  # a LoRA on the output projection (Tinker's train_unembed)
+            found.setdefault((HEAD_LAYER, HEAD), {})[head.group(1)] = t
+            continue
         m = _NAME.match(name) if isinstance(name, str) else None
         if m is None or int(m.group(1)) >= spec.num_layers:
             raise EngineError(
@@ -217,7 +223,7 @@ def check_adapter(
     prefix = "base_model.model.model.layers"
     for (layer, module), parts in found.items():
         out_f, in_f = spec.module_shape(module)
-        name = f"{prefix}.{layer}.{module}"
+        name = "base_model.model.lm_head" if module == HEAD else f"{prefix}.{layer}.{module}"
         if kind == "lora":
             r = int(config["r"])
             for part, shape in (("lora_A", (r, in_f)), ("lora_B", (out_f, r))):

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The output projection: a LoRA on it (Tinker's train_unembed) is keyed (HEAD_LAYER, HEAD)
+HEAD, HEAD_LAYER = "lm_head", -1
 # The projections an adapter may target, by their names inside a decoder layer.
 MODULES: tuple[str, ...] = (
     "self_attn.q_proj",
@@ -66,6 +68,7 @@ class ModelSpec:
             "mlp.gate_proj": (i, h),
             "mlp.up_proj": (i, h),
             "mlp.down_proj": (h, i),
+            HEAD: (self.vocab_size, h),
         }[module]
 
     def in_features(self, target: str) -> int:

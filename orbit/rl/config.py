@@ -23,7 +23,7 @@ from orbit.rl.presets import PRESET_NAMES, PRESETS
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "batch")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-RATIOS = ("truncate", "clip", "decoupled", "cispo")
+RATIOS = ("truncate", "clip", "decoupled", "cispo", "importance")
 
 # Fields that mean something only with some ratios: set with another, they are refused.
 _ONLY_WITH = {
@@ -86,7 +86,8 @@ class AlgorithmConfig(_Section):
         "against the engine's policy; decoupled: PPO's clip against the trainer's policy before "
         "the step, times "
         "min(p_prox / p_engine, truncate_max) (AReaL); cispo: the clipped ratio, its gradient "
-        "stopped, times log p",
+        "stopped, times log p; importance: -(p / p_engine) A, the ratio itself, untruncated "
+        "(Tinker's importance_sampling)",
     )
     ratio_level: Literal["token", "sequence"] = Field(
         "token",

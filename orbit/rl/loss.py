@@ -8,7 +8,8 @@ says how it enters the loss:
 - clip: PPO's -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); a clipped token has no gradient;
 - decoupled (AReaL): the clip against the proximal policy p_prox (the trainer's before this batch's
   first optimizer step), times the weight min(p_prox / p_engine, truncate_max);
-- cispo (MiniMax-M1): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log p; no token loses its gradient.
+- cispo (MiniMax-M1): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log p; no token loses its gradient;
+- importance: -r A, the ratio's own gradient (r A ∇log p), untruncated: plain importance sampling.
 `ratio_level: sequence` (GSPO) replaces every token's r by its sequence's geometric mean
 exp(mean_t log r_t), the gradient flowing through every token of the sequence.
 
@@ -145,6 +146,8 @@ def _surrogate(
         return -weight * adv * logp, ratio.detach() > cfg.truncate_max
     if cfg.ratio == "clip":
         return _clipped_surrogate(ratio, adv, low, high)
+    if cfg.ratio == "importance":  # plain importance sampling: -r A, the gradient through r
+        return -ratio * adv, torch.zeros_like(ratio, dtype=torch.bool)
     if cfg.ratio == "cispo":
         weight = ratio.detach().clamp(low, high)
         return -weight * adv * logp, (ratio.detach() < low) | (ratio.detach() > high)

@@ -19,6 +19,7 @@ Micro-batches hold whole prompts with their samples, of similar lengths, as many
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,23 +156,30 @@ def output_hidden(decoder, batch: Batch) -> Tensor:
     return torch.cat([last[:, None], out.last_hidden_state[:, : width_c - 1]], dim=1)
 
 
+Head = (
+    Tensor | Callable[[Tensor], Tensor]
+)  # the output projection: its weight [V, H], or the module
+
+
 def token_logprobs(
     hidden: Tensor,
-    head: Tensor,
-    batch: Batch,
+    head: Head,
+    token_ids: Tensor,
+    scored: Tensor,
     temperature: float,
     top_p: float,
     top_k: int,
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """[N, C] logprob of each output token under the sampling distribution, from the hidden states
-    that predict them (`output_hidden`) and the output projection `head` [V, H]: log_softmax(hidden
-    @ head.T / T), truncated to top-k/top-p (orbit/rl/truncation.py); and [N, C] that distribution's
-    entropy at each position (differentiable only with `entropy_grad`: an entropy bonus). Zero at
-    padding. Computed (and recomputed for the backward) a chunk of positions at a time: no [N, C, V]
-    tensor is ever whole."""
-    rows = batch.outputs.nonzero(as_tuple=True)
-    picked_hidden, targets = hidden[rows], batch.output_ids[rows]
+    """[N, C] logprob of each token of `token_ids` where `scored` [N, C] is true, from the hidden
+    states that predict them (`output_hidden`) and the output projection `head` (its weight [V, H],
+    or a module, a LoRA on the head included): log_softmax(head(hidden) / T), truncated to
+    top-k/top-p (orbit/rl/truncation.py); and [N, C] that distribution's entropy at each position
+    (differentiable only with `entropy_grad`: an entropy bonus). Zero elsewhere. Computed (and
+    recomputed for the backward) a chunk of positions at a time: no [N, C, V] tensor is ever
+    whole."""
+    rows = scored.nonzero(as_tuple=True)
+    picked_hidden, targets = hidden[rows], token_ids[rows]
     parts = []
     for i in range(0, targets.shape[0], CHUNK_ROWS):
         h, t = picked_hidden[i : i + CHUNK_ROWS], targets[i : i + CHUNK_ROWS]
@@ -180,7 +188,7 @@ def token_logprobs(
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(*args))
-    logp = torch.zeros(batch.output_ids.shape, dtype=torch.float32, device=hidden.device)
+    logp = torch.zeros(token_ids.shape, dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros_like(logp)
     if not parts:
         return logp, entropy
@@ -192,14 +200,14 @@ def token_logprobs(
 
 def _chunk_logprobs(
     h: Tensor,
-    head: Tensor,
+    head: Head,
     targets: Tensor,
     temperature: float,
     top_p: float,
     top_k: int,
     entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    logits = torch.nn.functional.linear(h, head).float()
+    logits = (head(h) if callable(head) else torch.nn.functional.linear(h, head)).float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = truncated_entropy(logp, top_p, top_k)

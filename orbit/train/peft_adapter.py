@@ -141,8 +141,11 @@ def _merged_weight(layer: BaseTunerLayer) -> torch.Tensor:
 
 def adapter_tensors(peft_model: peft.PeftModel, name: str = "default") -> dict[str, torch.Tensor]:
     """Adapter `name`'s weights under peft's names (as for a model's one adapter), as detached
-    contiguous CPU copies."""
-    state = peft.get_peft_model_state_dict(peft_model, adapter_name=name)
+    contiguous CPU copies. Only the adapter's own: with a LoRA on the output projection peft would
+    add the whole projection (its "embedding layers"), which is the base's."""
+    state = peft.get_peft_model_state_dict(
+        peft_model, adapter_name=name, save_embedding_layers=False
+    )
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
 
 

@@ -33,7 +33,8 @@ def write(directory: Path, model: peft.PeftModel, name: str, optimizer: dict, st
     """The adapter `name` of `model` in peft's format, the optimizer's state, then `state` (with the
     RNG's)."""
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, selected_adapters=[name])
+    # the adapter's own weights only (adapter_tensors in peft_adapter.py says why)
+    model.save_pretrained(directory, selected_adapters=[name], save_embedding_layers=False)
     # peft puts any other adapter in a directory of its name: one format
     if name != DEFAULT_ADAPTER:
         for path in (directory / name).iterdir():
@@ -53,7 +54,9 @@ def write(directory: Path, model: peft.PeftModel, name: str, optimizer: dict, st
 def read(directory: Path, model: peft.PeftModel, name: str) -> SavedState:
     """What `write` wrote, checked against the adapter `name` of `model`."""
     weights = peft.utils.load_peft_weights(str(directory), device="cpu")
-    expected = set(peft.get_peft_model_state_dict(model, adapter_name=name))
+    expected = set(
+        peft.get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
+    )
     if set(weights) != expected:
         raise ValueError(
             f"{directory}: adapter does not match this trainer's adapter config (missing "

@@ -393,7 +393,14 @@ class Trainer:
         self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens
         hidden = output_hidden(self._decoder, batch)
         return token_logprobs(
-            hidden, self._head, batch, self.temperature, self.top_p, self.top_k, entropy_grad
+            hidden,
+            self._head,
+            batch.output_ids,
+            batch.outputs,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            entropy_grad,
         )
 
     @torch.no_grad()

@@ -34,7 +34,13 @@ from orbit.engine.base import (
 )
 from orbit.engine.checks import check_pause_mode, check_prompt, check_slot, check_version
 from orbit.engine.embedded.kv_cache import KVPool, PrefixCache, PrefixEntry, PrefixKey
-from orbit.engine.embedded.model import Decoder, Project, plain_linear, validate_weights
+from orbit.engine.embedded.model import (
+    Decoder,
+    HeadDelta,
+    Project,
+    plain_linear,
+    validate_weights,
+)
 from orbit.engine.embedded.sampler import sample
 from orbit.engine.embedded.scheduler import Scheduler, Sequence
 from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
@@ -209,9 +215,18 @@ class EngineCore:
 
     def _project(self, slots: list[int | None], tokens_per_row: int) -> Project:
         """The adapter application for a batch whose row i is bound to slots[i]."""
+        batch = self._slot_batch(slots, tokens_per_row)
+        return plain_linear if batch is None else batch.project
+
+    def _head(self, slots: list[int | None]) -> HeadDelta | None:
+        """What a LoRA on the output projection adds to the logits of row i (slot slots[i])."""
+        batch = self._slot_batch(slots, 1)
+        return None if batch is None else batch.head()
+
+    def _slot_batch(self, slots: list[int | None], tokens_per_row: int) -> SlotBatch | None:
         present = sorted({s for s in slots if s is not None})
         if not present:
-            return plain_linear
+            return None
         entries = []
         device = self.decoder.device
         for s in present:
@@ -225,7 +240,7 @@ class EngineCore:
             weights = self.slots[s]
             assert weights is not None  # a request is bound only to a loaded slot (serving.py)
             entries.append((weights, idx))
-        return SlotBatch(entries).project
+        return SlotBatch(entries)
 
     def _prefix_key(self, seq: Sequence) -> PrefixKey:
         return (seq.slot, self._version(seq.slot), self.base_version, tuple(seq.prompt_ids))
@@ -290,7 +305,7 @@ class EngineCore:
         last = hidden[
             torch.arange(len(seqs), device=device), torch.tensor(lengths, device=device) - 1
         ]
-        logits = self.decoder.logits(last)
+        logits = self.decoder.logits(last, self._head([s.slot for s in seqs]))
         rate = sum(lengths) / max(time.perf_counter() - t0, 1e-6)
         self._prefill_rate = (
             rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
@@ -312,7 +327,7 @@ class EngineCore:
             kv_len,
             self._project([s.slot for s in running], 1),
         )
-        self._advance(running, self.decoder.logits(hidden))
+        self._advance(running, self.decoder.logits(hidden, self._head([s.slot for s in running])))
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, retire the rows that finished."""

@@ -139,6 +139,7 @@ class Layer:
 
 # How a forward reaches the adapters: (layer index, group name, linear, input) -> output.
 Project = Callable[[int, str, Linear, torch.Tensor], torch.Tensor]
+HeadDelta = Callable[[torch.Tensor, torch.Tensor], None]  # (normed hidden, logits): adds in place
 # How a forward attends: (layer index, q [n,H,T,D], k [n,Hkv,T,D], v) -> [n,H,T,D].
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -317,9 +318,14 @@ class Decoder:
             h = h + project(i, "down", layer.down, F.silu(gate) * up)
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head, in float32 for the sampler."""
-        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+    def logits(self, h: torch.Tensor, delta: HeadDelta | None = None) -> torch.Tensor:
+        """Final norm + lm_head, in float32 for the sampler; `delta` adds an adapter's share (a LoRA
+        on the output projection) to the logits, from the normed hidden states."""
+        x = self._norm(h, self.final_norm)
+        logits = F.linear(x, self.lm_head)
+        if delta is not None:
+            delta(x, logits)
+        return logits.float()
 
     def prefill(
         self,

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from orbit.engine.checks import check_adapter, oft_layout
-from orbit.engine.embedded.model import GROUPS, Linear
-from orbit.engine.spec import ModelSpec
+from orbit.engine.embedded.model import GROUPS, HeadDelta, Linear
+from orbit.engine.spec import HEAD, HEAD_LAYER, ModelSpec
 
 NUM_SLOTS = 2  # the default: the classic double buffer (engine.slots)
 
@@ -78,6 +78,7 @@ class SlotWeights:
     version: int
     # group name -> adapter
     layers: list[dict[str, LoraGroup | OftGroup]] = field(default_factory=list)
+    head: LoraGroup | None = None  # a LoRA on the output projection
 
     def to(self, device: torch.device) -> SlotWeights:
         def move(g: LoraGroup | OftGroup) -> LoraGroup | OftGroup:
@@ -85,8 +86,14 @@ class SlotWeights:
                 return LoraGroup(g.a.to(device), g.b.to(device))
             return OftGroup(tuple(None if r is None else r.to(device) for r in g.rotations))
 
+        head = (
+            None if self.head is None else LoraGroup(self.head.a.to(device), self.head.b.to(device))
+        )
         return SlotWeights(
-            self.kind, self.version, [{k: move(g) for k, g in lay.items()} for lay in self.layers]
+            self.kind,
+            self.version,
+            [{k: move(g) for k, g in lay.items()} for lay in self.layers],
+            head,
         )
 
 
@@ -99,6 +106,25 @@ class SlotBatch:
 
     def __init__(self, entries: list[tuple[SlotWeights, torch.Tensor | None]]) -> None:
         self.entries = entries
+
+    def head(self) -> HeadDelta | None:
+        """What the output projection adds to the logits of the rows whose slot has a LoRA on it
+        (None: no such slot in the batch): called with the normed hidden states and the logits."""
+        todo = [(w.head, idx) for w, idx in self.entries if w.head is not None]
+        if not todo:
+            return None
+
+        def add(x: torch.Tensor, logits: torch.Tensor) -> None:
+            for adapter, idx in todo:
+                delta = F.linear(
+                    F.linear(x if idx is None else x.index_select(0, idx), adapter.a), adapter.b
+                )
+                if idx is None:
+                    logits.add_(delta)
+                else:
+                    logits.index_add_(0, idx, delta)
+
+        return add
 
     def project(self, layer: int, group: str, lin: Linear, x: torch.Tensor) -> torch.Tensor:
         todo = [
@@ -201,7 +227,10 @@ def _build(
                         rot = rot.repeat(blocks, 1, 1)
                     rots.append(rot.to(device=device).contiguous())  # float32, as peft keeps it
                 layers[layer][group] = OftGroup(tuple(rots))
-    return SlotWeights(kind, version, layers)  # type: ignore[arg-type]
+    head = None
+    if (HEAD_LAYER, HEAD) in found:  # LoRA only (check_adapter): B [vocab, r] scaled, as a group's
+        head = _lora_group((HEAD,), {HEAD: found[(HEAD_LAYER, HEAD)]}, config, spec, dtype, device)
+    return SlotWeights(kind, version, layers, head)  # type: ignore[arg-type]
 
 
 def _lora_group(

@@ -1,0 +1,231 @@
+"""Training clients: each a LoRA adapter on the one base the service holds (orbit/train/shared.py,
+as a sweep's runs share theirs), with its own AdamW. `forward_backward` adds gradients until
+`optim_step` applies them with the request's Adam parameters and clears them; `forward_only` changes
+nothing.
+
+A client's adapter: rank from the request, alpha ALPHA (the SDK cannot send one), targets from its
+train_attn (q, k, v, o), train_mlp (gate, up, down) and train_unembed (the output projection), B = 0
+at the start so that it is the base model until its first step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import peft
+import torch
+from torch import Tensor
+
+from orbit.serve import losses
+from orbit.serve.futures import Refused
+from orbit.serve.wire import Datum
+from orbit.train import peft_adapter, state
+from orbit.train.sequences import micro_batches, target_logprobs
+from orbit.train.shared import SharedBase
+
+ALPHA = 32  # LoRA alpha of every client (docs/tinker.md): Tinker's, which the SDK cannot set
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED = ["lm_head"]
+MICRO_BATCH_TOKENS = 4096  # padded tokens per forward/backward: memory bounded whatever the batch
+
+
+class ClientError(Refused):
+    """What a client asked that Orbit will not do (a refusal: nothing changed)."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A client's LoRA, as `create_model`'s lora_config asks for it."""
+
+    rank: int
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def targets(self) -> list[str]:
+        return (
+            (ATTN if self.train_attn else [])
+            + (MLP if self.train_mlp else [])
+            + (UNEMBED if self.train_unembed else [])
+        )
+
+    def config(self) -> peft.LoraConfig:
+        return peft.LoraConfig(
+            r=self.rank,
+            lora_alpha=ALPHA,
+            lora_dropout=0.0,
+            target_modules=self.targets(),
+            task_type="CAUSAL_LM",
+        )
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+    def check(self) -> None:
+        values = (self.learning_rate, self.beta1, self.beta2, self.eps, self.weight_decay)
+        if not all(math.isfinite(v) for v in (*values, self.grad_clip_norm)):
+            raise ClientError(f"adam_params: a value is not finite ({self})")
+        if self.learning_rate < 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ClientError(
+                f"adam_params: learning_rate, eps, weight_decay out of range ({self})"
+            )
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.grad_clip_norm < 0:
+            raise ClientError(
+                f"adam_params: betas must lie in [0, 1), grad_clip_norm >= 0 ({self})"
+            )
+
+
+@dataclass
+class Scored:
+    """What forward_backward gives back: each datum's target logprobs, and the summed loss."""
+
+    logprobs: list[Tensor]
+    loss: float
+
+
+class TrainingClient:
+    """One adapter (`name`, peft's) on `base`, and its optimizer."""
+
+    def __init__(self, model_id: str, name: str, base: SharedBase, spec: LoraSpec) -> None:
+        self.model_id, self.name, self.base, self.spec = model_id, name, base, spec
+        missing = [t for t in spec.targets() if not _present(base, t)]
+        if missing:
+            raise ClientError(f"lora_config: the base model has no {missing[0]} to adapt")
+        generator_state = torch.get_rng_state()
+        torch.manual_seed(spec.seed if spec.seed is not None else torch.seed())
+        self.params = base.add(name, spec.config())  # LoRA A random, B zero (peft's init)
+        torch.set_rng_state(generator_state)
+        self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+        self.steps = 0  # optimizer steps taken
+        self.vocab = base.base.config.vocab_size
+
+    # -- training --------------------------------------------------------------------------
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: str, config: dict[str, float | str], forward_only: bool
+    ) -> Scored:
+        """Every datum's target logprobs and loss; unless `forward_only`, the loss's gradient added
+        to the adapter's. A bad request is refused (ClientError) before anything is computed."""
+        targets = self._check(data, loss_fn)
+        cfg = None if loss_fn == "cross_entropy" else losses.algorithm(loss_fn, config)
+        out: list[Tensor] = [torch.empty(0)] * len(data)
+        total = 0.0
+        model = self.base.base
+        with self.base.turn(self.name), torch.set_grad_enabled(not forward_only):
+            for chunk in micro_batches([len(d.tokens) for d in data], MICRO_BATCH_TOKENS):
+                logp = target_logprobs(
+                    model.model,
+                    model.get_output_embeddings(),
+                    [data[i].tokens for i in chunk],
+                    [targets[i] for i in chunk],
+                )
+                loss = logp.new_zeros(())
+                for row, i in enumerate(chunk):
+                    n = len(data[i].tokens)
+                    loss = loss + losses.datum_loss(loss_fn, logp[row, :n], data[i].inputs, cfg)
+                    out[i] = logp[row, :n].detach().cpu()
+                if not forward_only:
+                    loss.backward()
+                total += float(loss.detach())
+        return Scored(out, total)
+
+    def _check(self, data: list[Datum], loss_fn: str) -> list[list[int]]:
+        if not data:
+            raise ClientError("forward_backward: no datums (an empty batch)")
+        targets = []
+        for i, d in enumerate(data):
+            where = f"datum {i}"
+            if not d.tokens:
+                raise ClientError(f"{where}: model_input has no tokens")
+            losses.check(loss_fn, d.inputs, len(d.tokens), where)
+            t = d.inputs["target_tokens"].to(torch.int64).tolist()
+            for what, ids in (("model_input", d.tokens), ("target_tokens", t)):
+                bad = [x for x in ids if not 0 <= x < self.vocab]
+                if bad:
+                    raise ClientError(
+                        f"{where}: {what} has token id {bad[0]}, outside the vocabulary "
+                        f"(0..{self.vocab - 1})"
+                    )
+            targets.append(t)
+        return targets
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Apply the gradients added since the last step with `adam`'s parameters, then clear them.
+        A non-finite gradient norm is refused: the adapter and the optimizer stay as they were."""
+        adam.check()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            if grads
+            else 0.0
+        )
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise ClientError(f"optim_step: the gradient norm is {norm}; the step is not made")
+        if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
+            for g in grads:
+                g.mul_(adam.grad_clip_norm / (norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": norm}
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def adapter(self) -> tuple[dict[str, Tensor], dict]:
+        """A copy of the adapter as the engines take it: peft's tensors and config (a snapshot:
+        later steps do not change it)."""
+        model = self._peft()
+        tensors = peft_adapter.adapter_tensors(model, self.name)
+        return {k: v.clone() for k, v in tensors.items()}, peft_adapter.adapter_config_dict(
+            model, self.name
+        )
+
+    def save(self, directory: Path, optimizer: bool) -> None:
+        """The adapter in peft's format (what `orbit eval` and peft load), and with `optimizer` its
+        state too, into `directory` (the caller writes it whole: orbit/host/files.py)."""
+        opt = self.optimizer.state_dict() if optimizer else {}
+        state.write(directory, self._peft(), self.name, opt, {"steps": self.steps})
+
+    def load(self, directory: Path, optimizer: bool) -> None:
+        """What `save` wrote: the adapter, and with `optimizer` the optimizer's state and step
+        count."""
+        try:
+            saved = state.read(directory, self._peft(), self.name)
+        except ValueError as err:
+            raise ClientError(str(err)) from None
+        with torch.no_grad():
+            peft.set_peft_model_state_dict(self._peft(), saved.weights, adapter_name=self.name)
+        if optimizer:
+            if not saved.optimizer:
+                raise ClientError(f"{directory}: holds no optimizer state (a sampler's weights)")
+            self.optimizer.load_state_dict(saved.optimizer)
+            self.steps = int(saved.state.get("steps", 0))
+        for p in self.params:
+            p.grad = None
+
+    def _peft(self) -> peft.PeftModel:
+        assert self.base.model is not None  # it holds this client's adapter
+        return self.base.model
+
+
+def _present(base: SharedBase, target: str) -> bool:
+    return any(name.rpartition(".")[2] == target for name, _ in base.base.named_modules())

@@ -1,0 +1,204 @@
+"""Sampling: the weights a sampling session samples from (the base, a saved checkpoint, or a
+snapshot of a training client), brought to the engines as an adapter in a slot, as Orbit's pushes
+bring theirs, never as a reload of the base.
+
+Each engine's slots hold the weights of the sessions sampled most recently (`SlotCache`): a request
+for weights already in a slot goes straight there; otherwise the least recently used slot with no
+request running is written (a slot under a running request is never written), and when every slot
+is busy the request waits for one, within a bound. Requests of every session are batched together
+on the engines (each row carries its slot).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from orbit.engine.base import Completion, Engine, SamplingParams
+from orbit.serve.futures import Refused
+from orbit.serve.wire import Sequence
+
+SLOT_WAIT_S = 120.0  # a request waits this long at most for a free slot
+
+
+class SamplingError(Refused):
+    """A sample Orbit will not take (a refusal, the client's to fix)."""
+
+
+@dataclass
+class Weights:
+    """What a session samples from: `key` names it (the same key, the same weights); no tensors: the
+    base model."""
+
+    key: str
+    tensors: dict[str, Tensor] | None = None
+    config: dict | None = None
+
+
+BASE = Weights("base")
+
+
+class SlotCache:
+    """One engine's adapter slots and the weights each holds."""
+
+    def __init__(self, engine: Engine, slots: int) -> None:
+        self.engine = engine
+        self.held: list[str | None] = [None] * slots  # per slot: the weights' key
+        self.running = [0] * slots  # per slot: requests in flight
+        self.used = [0.0] * slots  # per slot: when last asked for
+        self._versions = itertools.count(1)
+        self._cond = threading.Condition()
+        self._loading: set[int] = set()
+
+    def acquire(self, weights: Weights, wait_s: float = SLOT_WAIT_S) -> int | None:
+        """The slot holding `weights`, loading it if none does (None: the base model, no slot). The
+        caller releases it when its requests are done."""
+        if weights.tensors is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                slot = self._held(weights.key)
+                if slot is not None and slot not in self._loading:
+                    self.running[slot] += 1
+                    self.used[slot] = time.monotonic()
+                    return slot
+                if slot is None and (free := self._free()) is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SamplingError(
+                        f"every one of the engine's {len(self.held)} adapter slots stayed busy for "
+                        f"{wait_s:g} s (more sampling sessions at once than engine.slots)"
+                    )
+                self._cond.wait(min(left, 1.0))
+            self.held[free], self.running[free] = weights.key, 1
+            self._loading.add(free)
+        try:
+            assert weights.config is not None
+            self.engine.load_adapter(free, weights.tensors, weights.config, next(self._versions))
+        except BaseException:
+            with self._cond:
+                self.held[free], self.running[free] = None, 0
+                self._loading.discard(free)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._loading.discard(free)
+            self.used[free] = time.monotonic()
+            self._cond.notify_all()
+        return free
+
+    def release(self, slot: int | None) -> None:
+        if slot is None:
+            return
+        with self._cond:
+            self.running[slot] -= 1
+            self._cond.notify_all()
+
+    def forget(self, key: str) -> None:
+        """Weights that no longer exist: their slot may be written at once (when idle)."""
+        with self._cond:
+            slot = self._held(key)
+            if slot is not None and self.running[slot] == 0:
+                self.held[slot] = None
+
+    def load(self) -> int:
+        with self._cond:
+            return sum(self.running)
+
+    def _held(self, key: str) -> int | None:
+        return next((i for i, k in enumerate(self.held) if k == key), None)
+
+    def _free(self) -> int | None:
+        idle = [i for i, n in enumerate(self.running) if n == 0 and i not in self._loading]
+        if not idle:
+            return None
+        empty = [i for i in idle if self.held[i] is None]
+        return empty[0] if empty else min(idle, key=lambda i: self.used[i])
+
+
+@dataclass(frozen=True)
+class Stops:
+    """How a sample ends besides max_tokens: stop strings (checked on the decoded text), stop token
+    ids, and whether the model's end-of-sequence tokens end it."""
+
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    eos: bool = True
+
+
+class Sampler:
+    """Samples on the engines: `sample` returns a future of the sequences."""
+
+    def __init__(
+        self, engines: list[Engine], slots: int, decode: Callable[[list[int]], str]
+    ) -> None:
+        self.caches = [SlotCache(e, slots) for e in engines]
+        self.decode = decode
+
+    def sample(
+        self, weights: Weights, prompt: list[int], params: SamplingParams, n: int, stops: Stops
+    ) -> Future[list[Sequence]]:
+        """`n` samples of `prompt` (seeds params.seed + i when a seed is given) on the least loaded
+        engine. Blocks while a slot is loaded (call it off the event loop)."""
+        cache = min(self.caches, key=SlotCache.load)
+        slot = cache.acquire(weights)
+        result: Future[list[Sequence]] = Future()
+        futures = []
+        try:
+            for i in range(n):
+                seed = None if params.seed is None else params.seed + i
+                p = SamplingParams(
+                    max_new_tokens=params.max_new_tokens,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    stop_token_ids=stops.token_ids,
+                    seed=seed,
+                    ignore_eos=not stops.eos,
+                )
+                futures.append(cache.engine.generate(prompt, p, slot=slot))
+        except BaseException:
+            cache.release(slot)
+            raise
+        pending = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[Completion]) -> None:
+            with lock:
+                pending[0] -= 1
+                if pending[0]:
+                    return
+            cache.release(slot)
+            try:
+                result.set_result([self._sequence(f.result(), stops) for f in futures])
+            except BaseException as err:  # noqa: BLE001 - the engine's error is the sample's
+                result.set_exception(err)
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        return result
+
+    def forget(self, key: str) -> None:
+        for cache in self.caches:
+            cache.forget(key)
+
+    def _sequence(self, done: Completion, stops: Stops) -> Sequence:
+        """A completion as the wire returns it: cut right after the token whose text completes a
+        stop string (which stays in it), stopped unless it ran to max_tokens."""
+        tokens, logprobs = list(done.output_ids), list(done.logprobs)
+        if done.finish_reason == "abort":
+            raise RuntimeError(f"the engine aborted the request ({done.detail or 'no reason'})")
+        if stops.strings:
+            for k in range(len(tokens)):
+                text = self.decode(tokens[: k + 1])
+                if any(s in text for s in stops.strings):
+                    return Sequence(tokens[: k + 1], logprobs[: k + 1], stopped=True)
+        return Sequence(tokens, logprobs, stopped=done.finish_reason == "stop")

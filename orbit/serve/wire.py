@@ -1,0 +1,158 @@
+"""The protocol buffers of the Tinker wire, read and written: a forward_backward request becomes
+`Datum` records (tokens and torch tensors), its outputs and a sample's result become the messages
+the `tinker` SDK decodes (tinker_pb2.py, from tinker.proto). Everything else on the wire is JSON
+(app.py).
+
+Bytes on the wire are little-endian: token ids int32, logprobs float32, a tensor in its dtype; a
+forward_backward output's offsets are int64 byte offsets into the concatenated per-datum arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from orbit.serve import tinker_pb2 as pb
+from orbit.serve.futures import Refused
+
+
+class WireError(Refused):
+    """A request that cannot be read as the Tinker wire says; the message names what."""
+
+
+_DTYPES = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_INT64: torch.int64,
+    pb.DTYPE_INT32: torch.int32,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+}
+
+
+@dataclass
+class Datum:
+    """One sequence to score: its tokens, and its loss inputs by name (`target_tokens`, `weights`,
+    `logprobs`, `advantages`, ...), each a tensor of the shape the client sent."""
+
+    tokens: list[int]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardBackward:
+    """A decoded forward_backward request."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    data: list[Datum]
+    config: dict[str, float | str]
+    forward_only: bool
+
+
+def _ints(raw: bytes) -> list[int]:
+    if len(raw) % 4:
+        raise WireError(f"token bytes of length {len(raw)}: not int32 values")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).tolist() if raw else []
+
+
+def _array(raw: bytes, dtype: torch.dtype, shape: list[int], what: str) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    if len(raw) % size:
+        raise WireError(f"{what}: {len(raw)} bytes is not a whole number of {dtype} values")
+    flat = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    try:
+        return flat.reshape(shape) if shape else flat
+    except RuntimeError:
+        raise WireError(f"{what}: {flat.numel()} values do not fill the shape {shape}") from None
+
+
+def tensor(message: pb.Tensor, what: str) -> torch.Tensor:
+    """A Tensor message as a torch tensor (a sparse CSR one densified with zeros)."""
+    if message.dtype not in _DTYPES:
+        raise WireError(f"{what}: unknown dtype {message.dtype}")
+    dtype, shape = _DTYPES[message.dtype], list(message.shape)
+    if message.WhichOneof("encoding") != "sparse_csr":
+        return _array(message.dense, dtype, shape, what)
+    csr = message.sparse_csr
+    if len(shape) != 2:
+        raise WireError(f"{what}: a sparse tensor needs a 2-d shape, got {shape}")
+    values = _array(csr.values, dtype, [], what)
+    crow = _array(csr.crow_indices, torch.int64, [], what)
+    cols = _array(csr.col_indices, torch.int64, [], what)
+    try:
+        return torch.sparse_csr_tensor(crow, cols, values, shape).to_dense()
+    except RuntimeError as err:
+        raise WireError(f"{what}: a bad sparse tensor ({err})") from None
+
+
+def forward_backward(body: bytes) -> ForwardBackward:
+    """A forward_backward request's body, decoded. WireError names what is wrong."""
+    try:
+        message = pb.ForwardBackwardRequest.FromString(body)
+    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError, in one line
+        raise WireError(f"not a ForwardBackwardRequest protocol buffer ({err})") from None
+    data = []
+    for i, d in enumerate(message.data):
+        tokens: list[int] = []
+        for chunk in d.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise WireError(
+                    f"datum {i}: a {kind} chunk; Orbit serves text models (tokens only)"
+                )
+            tokens += _ints(chunk.encoded_text.tokens)
+        inputs = {k: tensor(v, f"datum {i}: {k}") for k, v in d.loss_fn_inputs.items()}
+        data.append(Datum(tokens, inputs))
+    config: dict[str, float | str] = dict(message.loss_fn_config)
+    for key, value in message.loss_fn_config_v2.items():
+        config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    return ForwardBackward(
+        model_id=message.model_id,
+        seq_id=message.seq_id,
+        loss_fn=message.loss_fn,
+        data=data,
+        config=config,
+        forward_only=message.forward_only,
+    )
+
+
+def forward_backward_output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> bytes:
+    """The result the SDK decodes: one record of every datum's `logprobs` (float32), and the
+    metrics (each key `name:reduction`)."""
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
+    arrays = [lp.detach().to(torch.float32).contiguous().cpu() for lp in logprobs]
+    offsets = [0]
+    for a in arrays:
+        offsets.append(offsets[-1] + a.numel() * 4)
+    field_ = record.fields["logprobs"]
+    field_.data = b"".join(a.numpy().tobytes() for a in arrays)
+    field_.offsets = torch.tensor(offsets, dtype=torch.int64).numpy().tobytes()
+    field_.dtype = pb.DTYPE_FLOAT32
+    trailing = list(arrays[0].shape[1:]) if arrays else []
+    field_.trailing_shape.extend(trailing)
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
+    out.loss_fn_outputs.append(record)
+    return out.SerializeToString()
+
+
+@dataclass
+class Sequence:
+    """One sampled sequence: its tokens, their logprobs, and whether it stopped (or ran to its
+    length)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None) -> bytes:
+    out = pb.SampleResponse()
+    for s in sequences:
+        seq = out.sequences.add()
+        seq.tokens = torch.tensor(s.tokens, dtype=torch.int32).numpy().tobytes()
+        seq.logprobs = torch.tensor(s.logprobs, dtype=torch.float32).numpy().tobytes()
+        seq.stop_reason = pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = torch.tensor(prompt_logprobs, dtype=torch.float32).numpy().tobytes()
+    return out.SerializeToString()

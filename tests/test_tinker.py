@@ -1,0 +1,113 @@
+"""`orbit serve` answers the real `tinker` SDK 0.38 (make tinker): training clients on one base,
+their losses against each formula, samplers that keep their weights, the sampler's logprobs against
+the trainer's, checkpoints that continue exactly, and what is refused. The cookbook's runs:
+tests/test_cookbook.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tinker_helpers import adapter, max_diff, sdk, serving
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    with serving(tiny_llama, tmp_path_factory.mktemp("serve")) as (url, service):
+        yield url, service, tiny_llama
+
+
+def test_two_forward_backwards_then_a_step_equal_one_merged_call(served):
+    url, service, model = served
+    seen = sdk(url, model, "accumulate")
+    assert max_diff(adapter(service, seen["a"]), adapter(service, seen["b"])) < 1e-6
+
+
+def test_forward_only_changes_nothing(served):
+    url, service, model = served
+    seen = sdk(url, model, "forward_only")
+    assert seen["before"] == seen["after"]
+    assert all(p.grad is None for p in service.client(seen["a"]).trainer.params)
+
+
+def test_a_named_sampler_samples_its_weights_after_more_steps(served):
+    url, _, model = served
+    seen = sdk(url, model, "sampler_keeps_its_weights")
+    assert seen["after"] == seen["before"]  # greedy: the same tokens, the same logprobs
+    assert seen["new"]["logprobs"] != seen["before"]["logprobs"]
+
+
+def test_the_sampler_and_the_trainer_agree_on_logprobs(served):
+    """The engine's logprobs of the tokens it sampled against forward's of the same tokens, after a
+    step (a LoRA on every projection and on the output projection)."""
+    url, _, model = served
+    pairs = sdk(url, model, "sampler_and_trainer_agree")["pairs"]
+    diff = max(abs(a - b) for p in pairs for a, b in zip(p["sampled"], p["trained"], strict=True))
+    print(f"\nembedded engine against the trainer: max |logprob difference| {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_each_loss_against_its_formula(served):
+    url, _, model = served
+    seen = sdk(url, model, "losses")
+    b, adv, w = seen["behaviour"], seen["advantages"], seen["weights"]
+
+    def lp(name: str) -> list[float]:
+        return seen["results"][name]["logprobs"]
+
+    def ratio(name: str) -> list[float]:
+        return [math.exp(x - y) for x, y in zip(lp(name), b, strict=True)]
+
+    def clip(x: float, lo: float, hi: float) -> float:
+        return min(max(x, lo), hi)
+
+    want = {
+        "cross_entropy": -sum(x * y for x, y in zip(lp("cross_entropy"), w, strict=True)),
+        "importance_sampling": -sum(
+            r * a for r, a in zip(ratio("importance_sampling"), adv, strict=True)
+        ),
+        "ppo": -sum(
+            min(r * a, clip(r, 0.8, 1.2) * a) for r, a in zip(ratio("ppo"), adv, strict=True)
+        ),
+        "cispo": -sum(
+            clip(r, 0.0, 4.0) * a * x
+            for r, a, x in zip(ratio("cispo"), adv, lp("cispo"), strict=True)
+        ),
+    }
+    for name, value in want.items():
+        assert seen["results"][name]["loss"] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+
+
+def test_a_client_with_learning_rate_zero_stays_as_it_was(served):
+    url, service, model = served
+    seen = sdk(url, model, "lr_zero")
+    init = service.checkpoint(seen["init"]).directory / "adapter_model.safetensors"
+    still = adapter(service, seen["still"])
+    assert all(torch.equal(still[k], v) for k, v in load_file(init).items())  # bit for bit
+    assert max_diff(adapter(service, seen["moving"]), still) > 0
+
+
+def test_a_client_made_from_a_saved_state_continues_exactly(served):
+    url, service, model = served
+    seen = sdk(url, model, "state_round_trip")
+    assert max_diff(adapter(service, seen["a"]), adapter(service, seen["b"])) < 1e-6
+    assert seen["path"] in seen["listed"]
+    peft_dir = service.checkpoint(seen["path"]).directory
+    from peft import PeftConfig
+
+    assert PeftConfig.from_pretrained(str(peft_dir)).r == 4  # peft's own format
+
+
+def test_what_is_refused_is_said_and_the_client_goes_on(served):
+    url, _, model = served
+    seen = sdk(url, model, "refusals")
+    assert "not/a/model" in seen["base_model"] and "serves" in seen["base_model"]
+    assert "loss_fn 'dro'" in seen["loss_fn"]
+    assert "has shape [1]; the datum has 7 tokens" in seen["lengths"]
+    assert "outside the vocabulary" in seen["vocab"]
+    assert "out of range" in seen["lr"]
+    assert "loss:sum" in seen["still_trains"]

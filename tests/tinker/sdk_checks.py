@@ -1,0 +1,196 @@
+"""Run by tests/test_tinker.py in .venv-tinker (make tinker): the real `tinker` SDK 0.38 against an
+`orbit serve`. `python sdk_checks.py BASE_URL MODEL CHECK` runs one check and prints one JSON line
+of what it saw; the test compares it with the service's own state and with the formulas."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]
+
+
+def datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], **inputs},
+    )
+
+
+def ce(tokens: list[int]) -> types.Datum:
+    return datum(tokens, weights=[1.0] * (len(tokens) - 1))
+
+
+def logprobs(out) -> list[list[float]]:
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+def client(service: tinker.ServiceClient, model: str, **kw):
+    return service.create_lora_training_client(base_model=model, rank=4, **kw).result()
+
+
+def accumulate(service, model):
+    """Two forward_backward calls then a step, beside one merged call then a step (same seed)."""
+    a, b = client(service, model, seed=7), client(service, model, seed=7)
+    one, two = ce(TOKENS), ce(TOKENS[2:] + [33, 37])
+    a.forward_backward([one], "cross_entropy").result()
+    a.forward_backward([two], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    b.forward_backward([one, two], "cross_entropy").result()
+    b.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return {"a": a.model_id, "b": b.model_id}
+
+
+def forward_only(service, model):
+    a = client(service, model, seed=3)
+    before = logprobs(a.forward([ce(TOKENS)], "cross_entropy").result())
+    a.optim_step(types.AdamParams(learning_rate=1e-1)).result()  # nothing accumulated: no change
+    after = logprobs(a.forward([ce(TOKENS)], "cross_entropy").result())
+    return {"a": a.model_id, "before": before, "after": after}
+
+
+def sampler_keeps_its_weights(service, model):
+    a = client(service, model, seed=5)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = a.save_weights_for_sampler("first").result().path
+    first = service.create_sampling_client(model_path=path)
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = types.ModelInput.from_ints(TOKENS[:4])
+
+    def sample(sampler) -> dict:
+        s = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        return {"tokens": s.tokens, "logprobs": s.logprobs}
+
+    seen = sample(first)
+    for _ in range(3):
+        a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    return {
+        "path": path,
+        "before": seen,
+        "after": sample(first),
+        "new": sample(a.save_weights_and_get_sampling_client()),
+    }
+
+
+def sampler_and_trainer_agree(service, model):
+    """Logprobs of the same tokens: the sampler's (engine) against forward's (trainer)."""
+    a = client(service, model, seed=9)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    sampler = a.save_weights_and_get_sampling_client()
+    prompt = TOKENS[:4]
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result().sequences
+    out = []
+    for s in seqs:
+        full = prompt + s.tokens
+        scored = logprobs(a.forward([ce(full)], "cross_entropy").result())[0]
+        out.append({"sampled": s.logprobs, "trained": scored[len(prompt) - 1 :]})
+    return {"pairs": out}
+
+
+def losses(service, model):
+    """Each loss's loss:sum and logprobs, for the test to check against its formula."""
+    a = client(service, model, seed=13)
+    n = len(TOKENS) - 1
+    behaviour = [-2.0 + 0.1 * i for i in range(n)]
+    advantages = [1.5 if i % 2 else -0.5 for i in range(n)]
+    weights = [0.0, 1.0, 1.0, 0.5, 1.0, 0.0, 1.0][:n]
+    out = {}
+    for loss_fn, inputs in (
+        ("cross_entropy", {"weights": weights}),
+        ("importance_sampling", {"logprobs": behaviour, "advantages": advantages}),
+        ("ppo", {"logprobs": behaviour, "advantages": advantages}),
+        ("cispo", {"logprobs": behaviour, "advantages": advantages}),
+    ):
+        result = a.forward([datum(TOKENS, **inputs)], loss_fn).result()
+        out[loss_fn] = {"loss": result.metrics["loss:sum"], "logprobs": logprobs(result)[0]}
+    return {"results": out, "behaviour": behaviour, "advantages": advantages, "weights": weights}
+
+
+def lr_zero(service, model):
+    still, moving = client(service, model, seed=17), client(service, model, seed=19)
+    init = still.save_state("init").result().path
+    for _ in range(3):
+        for c, lr in ((still, 0.0), (moving, 1e-2)):
+            c.forward_backward([ce(TOKENS)], "cross_entropy").result()
+            c.optim_step(types.AdamParams(learning_rate=lr)).result()
+    return {"still": still.model_id, "moving": moving.model_id, "init": init}
+
+
+def state_round_trip(service, model):
+    """save_state, more steps, then a new client from the state: it continues exactly."""
+    a = client(service, model, seed=23)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = a.save_state("mid").result().path
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    b = service.create_training_client_from_state_with_optimizer(path).result()
+    b.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    b.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    rest = tinker.ServiceClient(base_url=sys.argv[1], api_key="tml-local").create_rest_client()
+    runs = rest.list_checkpoints(a.model_id).result()
+    return {
+        "a": a.model_id,
+        "b": b.model_id,
+        "path": path,
+        "listed": [c.tinker_path for c in runs.checkpoints],
+    }
+
+
+def refusals(service, model):
+    """What Orbit refuses, as the SDK surfaces it."""
+    out = {}
+    try:
+        service.create_lora_training_client(base_model="not/a/model", rank=4).result()
+    except Exception as err:  # noqa: BLE001
+        out["base_model"] = f"{type(err).__name__}: {err}"
+    a = client(service, model, seed=29)
+    try:
+        a.forward([datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "dro").result()
+    except Exception as err:  # noqa: BLE001
+        out["loss_fn"] = f"{type(err).__name__}: {err}"
+    try:
+        a.forward([datum(TOKENS, weights=[1.0])], "cross_entropy").result()
+    except Exception as err:  # noqa: BLE001
+        out["lengths"] = f"{type(err).__name__}: {err}"
+    try:
+        a.forward([ce([1, 2, 10**7])], "cross_entropy").result()
+    except Exception as err:  # noqa: BLE001
+        out["vocab"] = f"{type(err).__name__}: {err}"
+    try:
+        a.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    except Exception as err:  # noqa: BLE001
+        out["lr"] = f"{type(err).__name__}: {err}"
+    out["still_trains"] = a.forward_backward([ce(TOKENS)], "cross_entropy").result().metrics
+    return out
+
+
+CHECKS = {
+    f.__name__: f
+    for f in (
+        accumulate,
+        forward_only,
+        sampler_keeps_its_weights,
+        sampler_and_trainer_agree,
+        losses,
+        lr_zero,
+        state_round_trip,
+        refusals,
+    )
+}
+
+if __name__ == "__main__":
+    base_url, model, check = sys.argv[1], sys.argv[2], sys.argv[3]
+    with tinker.ServiceClient(base_url=base_url, api_key="tml-local") as service:
+        result = CHECKS[check](service, model)
+    print("RESULT " + json.dumps(result))
