@@ -15,9 +15,22 @@ from tinker_helpers import adapter, max_diff, sdk, serving
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama, tmp_path_factory):
-    with serving(tiny_llama, tmp_path_factory.mktemp("serve")) as (url, service):
+ENGINES = [
+    "embedded",
+    # skip without sglang, fail in CI (tests/sglang_gate.py)
+    pytest.param("sglang", marks=pytest.mark.sglang),
+    pytest.param("sglang-server", marks=pytest.mark.sglang),
+]
+# How far the engine's logprobs of what it sampled may be from the trainer's: the embedded engine is
+# the reference; SGLang's own kernels differ in rounding (printed, docs/tinker.md)
+AGREEMENT = {"embedded": 1e-4, "sglang": 1e-2, "sglang-server": 1e-2}
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request, tiny_llama, tmp_path_factory):
+    engine = {"backend": request.param, "max_running": 16}
+    directory = tmp_path_factory.mktemp(f"serve-{request.param}")
+    with serving(tiny_llama, directory, engine=engine) as (url, service):
         yield url, service, tiny_llama
 
 
@@ -37,18 +50,25 @@ def test_forward_only_changes_nothing(served):
 def test_a_named_sampler_samples_its_weights_after_more_steps(served):
     url, _, model = served
     seen = sdk(url, model, "sampler_keeps_its_weights")
-    assert seen["after"] == seen["before"]  # greedy: the same tokens, the same logprobs
-    assert seen["new"]["logprobs"] != seen["before"]["logprobs"]
+    before, after, new = seen["before"], seen["after"], seen["new"]
+    # greedy: the same tokens, the same logprobs (SGLang rounds a batch's rows a little differently
+    # from run to run)
+    assert after["tokens"] == before["tokens"]
+    same = zip(after["logprobs"], before["logprobs"], strict=True)
+    assert max(abs(a - b) for a, b in same) < 1e-5
+    moved = [abs(a - b) for a, b in zip(new["logprobs"], before["logprobs"], strict=False)]
+    assert new["tokens"] != before["tokens"] or max(moved) > 1e-3  # the newer weights differ
 
 
 def test_the_sampler_and_the_trainer_agree_on_logprobs(served):
     """The engine's logprobs of the tokens it sampled against forward's of the same tokens, after a
     step (a LoRA on every projection and on the output projection)."""
-    url, _, model = served
+    url, service, model = served
     pairs = sdk(url, model, "sampler_and_trainer_agree")["pairs"]
     diff = max(abs(a - b) for p in pairs for a, b in zip(p["sampled"], p["trained"], strict=True))
-    print(f"\nembedded engine against the trainer: max |logprob difference| {diff:.2e}")
-    assert diff <= 1e-4
+    backend = "embedded" if service.limits.max_rank is None else "sglang"
+    print(f"\n{backend} engine against the trainer: max |logprob difference| {diff:.2e}")
+    assert diff <= AGREEMENT[backend]
 
 
 def test_each_loss_against_its_formula(served):

@@ -15,10 +15,7 @@ import pytest
 import torch
 
 from orbit.config import parse_recipe
-from orbit.engine import EngineStarter, start_engines, stop_engines
-from orbit.host.net import ThreadServer
-from orbit.serve.app import app
-from orbit.serve.samplers import Sampler
+from orbit.serve.command import serving as orbit_serving
 from orbit.serve.service import Service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,38 +32,13 @@ def sdk_python() -> Path:
 
 
 @contextmanager
-def serving(
-    model: Path, directory: Path, engine: dict | None = None
-) -> Iterator[tuple[str, Service]]:
-    """The Tinker API on `model` and its engines (the recipe's `engine:` section), at a URL."""
-    from transformers import AutoTokenizer
-
-    recipe = parse_recipe(
-        {"model": str(model), "engine": {"backend": "embedded", "slots": 4, **(engine or {})}}
-    )
-    starter = EngineStarter(recipe.engine, recipe.model, 0, recipe.adapter, truncated=True)
-    engines = start_engines(starter)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    service = server = None
-    try:
-        info = engines[0].info
-        sampler = Sampler(engines, recipe.engine.slots, lambda ids: tokenizer.decode(ids))
-        service = Service(
-            model.resolve(),
-            {str(model), str(model.resolve())},
-            sampler,
-            directory,
-            max_context=info.max_context,
-            vocab_size=info.vocab_size,
-        )
-        server = ThreadServer(app(service), "127.0.0.1", None, name="orbit serve").start()
-        yield server.url, service
-    finally:
-        if server is not None:
-            server.stop()
-        if service is not None:
-            service.close()
-        stop_engines(engines)
+def serving(model: Path, directory: Path, **sections: dict) -> Iterator[tuple[str, Service]]:
+    """`orbit serve` on `model` in this process: the recipe's other `sections` (engine: ...) over an
+    embedded engine of 4 slots; (its address, the service)."""
+    engine = {"backend": "embedded", "slots": 4, **sections.pop("engine", {})}
+    recipe = parse_recipe({"model": str(model), "engine": engine, **sections})
+    with orbit_serving(recipe, directory) as served:
+        yield served
 
 
 def sdk(url: str, model: Path, check: str, timeout: float = 240) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,8 +19,9 @@ from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.host.net import ThreadServer
 from orbit.run.placement import colocate
 from orbit.serve.app import app
+from orbit.serve.clients import ATTN, MLP, UNEMBED
 from orbit.serve.samplers import Sampler
-from orbit.serve.service import Service
+from orbit.serve.service import EngineLimits, Service
 
 
 def serve(
@@ -26,17 +29,42 @@ def serve(
 ) -> None:
     """Serve until interrupted; `written`: the recipe's `model:` as the user wrote it (a client may
     name the base model so, or by its absolute path)."""
+    with serving(recipe, directory, {written}, host, port, console.print) as (url, _):
+        console.print(
+            f"serving the Tinker API for {recipe.model.resolve()} at {url} "
+            f"(TINKER_BASE_URL={url}); checkpoints in {directory}; Ctrl-C stops it",
+            highlight=False,
+        )
+        _wait_for_a_stop()
+
+
+@contextmanager
+def serving(
+    recipe: Recipe,
+    directory: Path,
+    names: Iterable[str] = (),
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    say: Callable[[str], object] = print,
+) -> Iterator[tuple[str, Service]]:
+    """The recipe's engines, the service and its HTTP server, stopped on leaving the block: (its
+    address, the service). `names`: what clients may call the base model besides the recipe's
+    `model:` and its absolute path."""
     from transformers import AutoTokenizer
 
     torch.set_num_threads(recipe.trainer.threads)
     engine_cfg, note = colocate(recipe, 1)
     if note:
-        console.print(note, highlight=False)
+        say(note)
+    # A client may adapt every projection and the output projection (train_unembed): SGLang fixes
+    # what it can load when it starts, so its engines are started for all of them, up to the
+    # recipe's rank.
+    every = recipe.adapter.model_copy(update={"target_modules": [*ATTN, *MLP, *UNEMBED]})
     starter = EngineStarter(
         engine_cfg,
         recipe.model,
         recipe.seed,
-        recipe.adapter,
+        every,
         call_timeout_s=recipe.rollout.stall_timeout_s,
         truncated=True,
     )
@@ -51,26 +79,27 @@ def serve(
         sampler = Sampler(engines, engine_cfg.slots, lambda ids: tokenizer.decode(ids))
         service = Service(
             model,
-            {written, str(recipe.model), str(model)},
+            {*names, str(recipe.model), str(model)},
             sampler,
             directory,
             dtype=recipe.trainer.dtype,
             max_context=info.max_context,
             vocab_size=info.vocab_size,
+            limits=limits(recipe),
         )
         server = ThreadServer(app(service), host, port, name="orbit serve").start()
-        console.print(
-            f"serving the Tinker API for {model} at {server.url} "
-            f"(TINKER_BASE_URL={server.url}); checkpoints in {directory}; Ctrl-C stops it",
-            highlight=False,
-        )
-        _wait_for_a_stop()
+        yield server.url, service
     finally:
         if server is not None:
             server.stop()
         if service is not None:
             service.close()
         stop_engines(engines)
+
+
+def limits(recipe: Recipe) -> EngineLimits:
+    """What the recipe's engines can load: SGLang fixes the largest LoRA rank when it starts."""
+    return EngineLimits() if recipe.engine.backend == "embedded" else EngineLimits(recipe.adapter.r)
 
 
 def _wait_for_a_stop() -> None:

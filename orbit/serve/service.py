@@ -39,6 +39,21 @@ class NotFound(Refused):
     """A session, client, sampler or checkpoint that does not exist (HTTP 404)."""
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engines can load into a slot: any LoRA rank on the embedded engine (None); up to the
+    rank SGLang was started with (the recipe's adapter.r) on SGLang."""
+
+    max_rank: int | None = None
+
+    def check(self, spec: LoraSpec) -> None:
+        if self.max_rank is not None and spec.rank > self.max_rank:
+            raise Refused(
+                f"lora_config.rank: {spec.rank}; these SGLang engines load LoRA ranks up to "
+                f"{self.max_rank} (the recipe's adapter.r: serve with a higher one)"
+            )
+
+
 @dataclass
 class Client:
     """A training client as the service knows it: its adapter and what the REST routes report."""
@@ -88,8 +103,9 @@ class Service:
         dtype: str = "float32",
         max_context: int = 4096,
         vocab_size: int = 0,
+        limits: EngineLimits = EngineLimits(),
     ) -> None:
-        self.model, self.names, self.sampler = model, names, sampler
+        self.model, self.names, self.sampler, self.limits = model, names, sampler, limits
         self.directory = directory
         self.max_context, self.vocab_size = max_context, vocab_size
         self.base = SharedBase(model, dtype)
@@ -131,6 +147,7 @@ class Service:
         self, session: str, seq: int, base_model: str, spec: LoraSpec, metadata: dict[str, Any]
     ) -> Record:
         self.check_base(base_model)
+        self.limits.check(spec)
         model_id = f"{session}:train:{seq}"
         record = self.futures.new("CreateModel")
 
