@@ -28,20 +28,28 @@ AGREEMENT = {"embedded": 1e-4, "sglang": 1e-2, "sglang-server": 1e-2}
 
 @pytest.fixture(scope="module", params=ENGINES)
 def served(request, tiny_llama, tmp_path_factory):
+    """The service on each engine: for what the engines do (sampling)."""
     engine = {"backend": request.param, "max_running": 16}
     directory = tmp_path_factory.mktemp(f"serve-{request.param}")
     with serving(tiny_llama, directory, engine=engine) as (url, service):
         yield url, service, tiny_llama
 
 
-def test_two_forward_backwards_then_a_step_equal_one_merged_call(served):
-    url, service, model = served
+@pytest.fixture(scope="module")
+def trained(tiny_llama, tmp_path_factory):
+    """The service on the embedded engine: for what the trainer does, whatever the engine."""
+    with serving(tiny_llama, tmp_path_factory.mktemp("serve-trainer")) as (url, service):
+        yield url, service, tiny_llama
+
+
+def test_two_forward_backwards_then_a_step_equal_one_merged_call(trained):
+    url, service, model = trained
     seen = sdk(url, model, "accumulate")
     assert max_diff(adapter(service, seen["a"]), adapter(service, seen["b"])) < 1e-6
 
 
-def test_forward_only_changes_nothing(served):
-    url, service, model = served
+def test_forward_only_changes_nothing(trained):
+    url, service, model = trained
     seen = sdk(url, model, "forward_only")
     assert seen["before"] == seen["after"]
     assert all(p.grad is None for p in service.client(seen["a"]).trainer.params)
@@ -71,8 +79,8 @@ def test_the_sampler_and_the_trainer_agree_on_logprobs(served):
     assert diff <= AGREEMENT[backend]
 
 
-def test_each_loss_against_its_formula(served):
-    url, _, model = served
+def test_each_loss_against_its_formula(trained):
+    url, _, model = trained
     seen = sdk(url, model, "losses")
     b, adv, w = seen["behaviour"], seen["advantages"], seen["weights"]
 
@@ -102,8 +110,26 @@ def test_each_loss_against_its_formula(served):
         assert seen["results"][name]["loss"] == pytest.approx(value, rel=1e-5, abs=1e-5), name
 
 
-def test_a_client_with_learning_rate_zero_stays_as_it_was(served):
-    url, service, model = served
+def test_sampling_params_and_the_base_model(served):
+    """The same seed samples the same; temperature 0 and top_k 1 are greedy; a stop token ends a
+    sample and stays in it; the base model samples, and a new client (B = 0) scores it alike; the
+    SDK loads the tokenizer offline."""
+    url, _, model = served
+    seen = sdk(url, model, "sampling")
+    first, again = seen["seeded"]
+    assert [s["tokens"] for s in first] == [s["tokens"] for s in again]
+    greedy = [s["tokens"] for s in seen["greedy"]]
+    assert greedy[0] == greedy[1] == [s["tokens"] for s in seen["top_k_1"]][0]
+    stopped = seen["stop_token"][0]
+    cut = greedy[0].index(greedy[0][2]) + 1  # at the stop token's first place, the token kept
+    assert stopped["tokens"] == greedy[0][:cut] and stopped["stop"] == "stop"
+    pairs = zip(seen["greedy"][0]["logprobs"], seen["base_scored"], strict=True)
+    assert max(abs(a - b) for a, b in pairs) < 1e-2  # greedy logprobs are the model's own scores
+    assert seen["tokenizer"]
+
+
+def test_a_client_with_learning_rate_zero_stays_as_it_was(trained):
+    url, service, model = trained
     seen = sdk(url, model, "lr_zero")
     init = service.checkpoint(seen["init"]).directory / "adapter_model.safetensors"
     still = adapter(service, seen["still"])
@@ -111,8 +137,8 @@ def test_a_client_with_learning_rate_zero_stays_as_it_was(served):
     assert max_diff(adapter(service, seen["moving"]), still) > 0
 
 
-def test_a_client_made_from_a_saved_state_continues_exactly(served):
-    url, service, model = served
+def test_a_client_made_from_a_saved_state_continues_exactly(trained):
+    url, service, model = trained
     seen = sdk(url, model, "state_round_trip")
     assert max_diff(adapter(service, seen["a"]), adapter(service, seen["b"])) < 1e-6
     assert seen["path"] in seen["listed"]
@@ -126,8 +152,24 @@ def test_what_is_refused_is_said_and_the_client_goes_on(served):
     url, _, model = served
     seen = sdk(url, model, "refusals")
     assert "not/a/model" in seen["base_model"] and "serves" in seen["base_model"]
+    assert "lora_config.rank: 0; at least 1" in seen["rank"]
     assert "loss_fn 'dro'" in seen["loss_fn"]
     assert "has shape [1]; the datum has 7 tokens" in seen["lengths"]
     assert "outside the vocabulary" in seen["vocab"]
     assert "out of range" in seen["lr"]
     assert "loss:sum" in seen["still_trains"]
+
+
+def test_a_create_model_field_orbit_cannot_honour_is_refused_by_name(trained):
+    """The SDK's own body, with what Orbit would otherwise have to ignore: refused, named."""
+    import httpx
+
+    url, _, model = trained
+    base = {"session_id": "s", "model_seq_id": 0, "base_model": str(model)}
+    bodies = {
+        "lora_config.train_embed": {**base, "lora_config": {"rank": 4, "train_embed": True}},
+        "optimizer_config.type: 'sgd'": {**base, "optimizer_config": {"type": "sgd"}},
+    }
+    for expected, body in bodies.items():
+        res = httpx.post(f"{url}/api/v1/create_model", json=body, timeout=30)
+        assert res.status_code == 400 and expected in res.json()["detail"], res.text

@@ -31,7 +31,10 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class LoraConfig(_Body):
+class LoraConfig(BaseModel):
+    """Every field is honoured; one Orbit does not know is refused, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
     rank: int = 32
     seed: int | None = None
     train_mlp: bool = True
@@ -45,6 +48,7 @@ class CreateModel(_Body):
     base_model: str
     lora_config: LoraConfig = LoraConfig()
     user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
 
 
 class Adam(_Body):
@@ -183,6 +187,9 @@ def app(service: Service) -> FastAPI:
     async def create_model(request: Request) -> dict[str, Any]:
         req: CreateModel = await body(request, CreateModel)
         lora = req.lora_config
+        optimizer = (req.optimizer_config or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise Refused(f"optimizer_config.type: {optimizer!r}; Orbit trains with adamw")
         if lora.rank < 1:
             raise Refused(f"lora_config.rank: {lora.rank}; at least 1")
         if not (lora.train_attn or lora.train_mlp or lora.train_unembed):

@@ -154,6 +154,10 @@ def refusals(service, model):
         service.create_lora_training_client(base_model="not/a/model", rank=4).result()
     except Exception as err:  # noqa: BLE001
         out["base_model"] = f"{type(err).__name__}: {err}"
+    try:
+        service.create_lora_training_client(base_model=model, rank=0).result()
+    except Exception as err:  # noqa: BLE001
+        out["rank"] = f"{type(err).__name__}: {err}"
     a = client(service, model, seed=29)
     try:
         a.forward([datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "dro").result()
@@ -175,6 +179,34 @@ def refusals(service, model):
     return out
 
 
+def sampling(service, model):
+    """SamplingParams as the engines honour them, and sampling from the base model."""
+    base = service.create_sampling_client(base_model=model)
+    prompt = types.ModelInput.from_ints(TOKENS[:4])
+
+    def sample(**kw) -> list[dict]:
+        params = types.SamplingParams(**{"max_tokens": 12, **kw})
+        result = base.sample(prompt, 2, params).result()
+        return [
+            {"tokens": s.tokens, "logprobs": s.logprobs, "stop": s.stop_reason}
+            for s in result.sequences
+        ]
+
+    fresh = client(service, model, seed=31)  # LoRA B = 0: the base model
+    greedy = sample(temperature=0.0)
+    scored = logprobs(
+        fresh.forward([ce(TOKENS[:4] + greedy[0]["tokens"])], "cross_entropy").result()
+    )
+    return {
+        "seeded": [sample(seed=5), sample(seed=5)],
+        "greedy": greedy,
+        "top_k_1": sample(top_k=1),
+        "stop_token": sample(temperature=0.0, stop=[greedy[0]["tokens"][2]]),
+        "tokenizer": type(fresh.get_tokenizer()).__name__,
+        "base_scored": scored[0][3:],
+    }
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -186,6 +218,7 @@ CHECKS = {
         lr_zero,
         state_round_trip,
         refusals,
+        sampling,
     )
 }
 
