@@ -123,19 +123,21 @@ class TrainingClient:
         total = 0.0
         model = self.base.base
         with self.base.turn(self.name), torch.set_grad_enabled(not forward_only):
-            for chunk in micro_batches([len(d.tokens) for d in data], MICRO_BATCH_TOKENS):
+            for chunk in micro_batches([d.tokens for d in data], MICRO_BATCH_TOKENS):
                 logp = target_logprobs(
                     model.model,
                     model.get_output_embeddings(),
                     [data[i].tokens for i in chunk],
                     [targets[i] for i in chunk],
+                    [losses.weighted(loss_fn, data[i].inputs) for i in chunk],
                 )
                 loss = logp.new_zeros(())
                 for row, i in enumerate(chunk):
                     n = len(data[i].tokens)
                     loss = loss + losses.datum_loss(loss_fn, logp[row, :n], data[i].inputs, cfg)
                     out[i] = logp[row, :n].detach().cpu()
-                if not forward_only:
+                # a chunk whose every weight (advantage) is 0 has no gradient to add
+                if not forward_only and loss.requires_grad:
                     loss.backward()
                 total += float(loss.detach())
         return Scored(out, total)

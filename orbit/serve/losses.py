@@ -64,6 +64,13 @@ def algorithm(loss_fn: str, config: dict[str, float | str]) -> AlgorithmConfig:
     return AlgorithmConfig(ratio=ratio, clip_eps_low=max(1.0 - low, 1e-9), clip_eps_high=high - 1.0)
 
 
+def weighted(loss_fn: str, inputs: dict[str, Tensor]) -> list[bool]:
+    """The positions whose logprob the loss has a gradient through: a weight (cross_entropy) or an
+    advantage (the RL losses, each a multiple of it) other than 0."""
+    name = "weights" if loss_fn == "cross_entropy" else "advantages"
+    return (inputs[name] != 0).tolist()
+
+
 def datum_loss(
     loss_fn: str, logp: Tensor, inputs: dict[str, Tensor], cfg: AlgorithmConfig | None
 ) -> Tensor:

@@ -1,52 +1,171 @@
 """Scoring given sequences, as Tinker's forward does: the logprob of a given target token at every
 position of each sequence (position i's target is usually token i + 1, but any target may be asked
-for). The trainer's own batches (batch.py) run each prompt once for a group of samples; here every
-sequence stands alone, so it is a plain padded forward, cut into micro-batches by tokens, with the
-vocabulary projection a chunk at a time (batch.token_logprobs)."""
+for), differentiable where the loss has weight.
+
+Shared prefixes. A client sends whole sequences, but an RL batch is groups of samples of one prompt,
+and the prompt is most of each sequence (a cookbook math_rl datum: a 34-token prompt, 8 sampled
+tokens). So sequences that start alike are grouped (`prefix_groups`); the decoder runs a group's
+common prefix once, keeps its keys and values, and runs each sequence's own rest on top of them, as
+the trainer does for its own batches (batch.output_hidden). Gradients reach the prefix from every
+sequence through those keys and values: the result is the whole-sequence forward's.
+
+Where the loss has no weight (a prompt's positions: weight 0, advantage 0) the logprob is still
+returned but the vocabulary projection runs without gradient, so its backward and its recomputation
+are paid only where they count. The projection runs a chunk of positions at a time
+(batch.token_logprobs)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from orbit.train.batch import Head, token_logprobs
 
+# A second decoder pass (the rests) costs more than its tokens: sharing fewer is not worth it
+MIN_SAVED = 8
 
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of the sequences, by length, cut into groups of at most `budget` padded tokens (a
-    sequence longer than the budget goes alone; 0: one group)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    if budget <= 0:
-        return [order] if order else []
+
+@dataclass
+class Group:
+    """Sequences (by index) that run their first `shared` tokens once, together."""
+
+    members: list[int]
+    shared: int
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _cost(lengths: list[int], shared: int) -> int:
+    """Decoder tokens a group costs: its prefix once and each member's rest."""
+    return shared + sum(n - shared for n in lengths)
+
+
+def prefix_groups(rows: list[list[int]]) -> list[Group]:
+    """The sequences in groups that share a prefix: in sorted order, a sequence joins the group
+    before it when running the group's (possibly shorter) common prefix once saves at least
+    `MIN_SAVED` decoder tokens over running the sequence alone. A group of one runs whole (`shared`
+    its length)."""
+    groups: list[Group] = []
+    for i in sorted(range(len(rows)), key=lambda i: rows[i]):
+        if groups:
+            g = groups[-1]
+            lengths = [len(rows[m]) for m in g.members]
+            shared = min(g.shared, _common(rows[g.members[0]], rows[i]))
+            alone = _cost(lengths, g.shared) + len(rows[i])
+            if _cost([*lengths, len(rows[i])], shared) + MIN_SAVED <= alone:
+                g.members.append(i)
+                g.shared = shared
+                continue
+        groups.append(Group([i], len(rows[i])))
+    return groups
+
+
+def micro_batches(rows: list[list[int]], budget: int) -> list[list[int]]:
+    """The sequences (by index), their groups kept together in order, cut into micro-batches of
+    at most `budget` padded decoder tokens: its prefixes (padded to the longest) and its members'
+    rests (padded to the longest). A group too big for one is split, each part running the prefix;
+    one sequence at least; 0: one micro-batch."""
     out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[i] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
+    size = (0, 0, 0, 0)  # the last micro-batch's prefixes, widest prefix, members, widest rest
+    for g in sorted(prefix_groups(rows), key=lambda g: (g.shared, len(g.members))):
+        first = True  # whether g is not yet in the last micro-batch
+        for m in g.members:
+            rest = len(rows[m]) - g.shared
+            n, p, b, r = size
+            grown = (n + first, max(p, g.shared), b + 1, max(r, rest))
+            if not out or (budget > 0 and grown[0] * grown[1] + grown[2] * grown[3] > budget):
+                out.append([])
+                grown = (1, g.shared, 1, rest)
+            out[-1].append(m)
+            size, first = grown, False
     return out
 
 
-def padded(rows: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """[B, T] token ids right-padded with 0, and the [B, T] mask of real positions."""
-    width = max(len(r) for r in rows)
+def _pad(rows: list[list[int]], width: int, device: torch.device) -> tuple[Tensor, Tensor]:
     ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = True
+        mask[i, : len(r)] = 1
     return ids.to(device), mask.to(device)
 
 
-def target_logprobs(
-    decoder: torch.nn.Module, head: Head, tokens: list[list[int]], targets: list[list[int]]
-) -> Tensor:
-    """[B, T] log p(targets[b][i] | tokens[b][: i + 1]) at temperature 1, zero past each sequence's
-    end; differentiable when grad is enabled. `decoder`: the base model's decoder stack (its last
-    hidden state), `head`: the output projection."""
+def hidden_states(decoder: torch.nn.Module, rows: list[list[int]], groups: list[Group]) -> Tensor:
+    """[B, T, H] the decoder's last hidden state at every position of the groups' sequences (in the
+    groups' member order, right-padded): each group's prefix run once, each member's rest on its
+    keys and values."""
     device = next(decoder.parameters()).device
-    ids, mask = padded(tokens, device)
-    wanted, _ = padded(targets, device)
-    hidden = decoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-    logp, _ = token_logprobs(hidden, head, wanted, mask, 1.0, 1.0, 0)
-    return logp
+    width = max(g.shared for g in groups)
+    prefix_ids, prefix_mask = _pad([rows[g.members[0]][: g.shared] for g in groups], width, device)
+    prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True)
+    of = [gi for gi, g in enumerate(groups) for _ in g.members]
+    shared = [g.shared for g in groups for _ in g.members]
+    members = [rows[m] for g in groups for m in g.members]
+    rests = [r[s:] for r, s in zip(members, shared, strict=True)]
+    out = prefix.last_hidden_state[of]  # [B, P, H]: each member's copy of its prefix
+    rest_width = max(len(r) for r in rests)
+    if rest_width:
+        cache = prefix.past_key_values
+        index = torch.tensor(of, device=device)
+        for layer in cache.layers:
+            layer.batch_select_indices(index)
+        ids, mask = _pad(rests, rest_width, device)
+        positions = torch.tensor(shared, device=device)[:, None] + torch.arange(
+            rest_width, device=device
+        )
+        tail = decoder(
+            input_ids=ids,
+            attention_mask=torch.cat([prefix_mask[index], mask], dim=1),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=False,
+        ).last_hidden_state
+        out = torch.cat([out, tail], dim=1)
+    # member b's positions: its prefix (0 .. s-1 of the first part), then its rest
+    order = [
+        list(range(s)) + list(range(width, width + len(r)))
+        for s, r in zip(shared, rests, strict=True)
+    ]
+    full = max(len(o) for o in order)
+    take = torch.tensor([o + [o[0]] * (full - len(o)) for o in order], device=device)
+    return out.gather(1, take[:, :, None].expand(-1, -1, out.shape[-1]))
+
+
+def target_logprobs(
+    decoder: torch.nn.Module,
+    head: Head,
+    rows: list[list[int]],
+    targets: list[list[int]],
+    weighted: list[list[bool]] | None = None,
+) -> Tensor:
+    """[B, T] log p(targets[b][i] | rows[b][: i + 1]) at temperature 1, zero past each sequence's
+    end, for the sequences in the order given. With grad enabled it is differentiable at the
+    positions `weighted` marks (None: all); elsewhere the value alone."""
+    device = next(decoder.parameters()).device
+    groups = prefix_groups(rows)
+    order = [m for g in groups for m in g.members]
+    hidden = hidden_states(decoder, rows, groups)
+    width = hidden.shape[1]
+    wanted, real = _pad([targets[m] for m in order], width, device)
+    real = real.bool()
+    if weighted is None or not torch.is_grad_enabled():
+        logp, _ = token_logprobs(hidden, head, wanted, real, 1.0, 1.0, 0)
+    else:
+        graded, _ = _pad([[int(w) for w in weighted[m]] for m in order], width, device)
+        graded = graded.bool() & real
+        logp, _ = token_logprobs(hidden, head, wanted, graded, 1.0, 1.0, 0)
+        with torch.no_grad():
+            rest, _ = token_logprobs(hidden.detach(), head, wanted, real & ~graded, 1.0, 1.0, 0)
+        logp = logp + rest
+    back = torch.empty(len(order), dtype=torch.long, device=device)
+    back[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
+    return logp[back]
