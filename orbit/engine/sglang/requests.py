@@ -75,7 +75,8 @@ def build_request(
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.seed is not None:
-        # honoured by SGLang only with deterministic inference
+        # SGLang honours it only with deterministic inference (a GPU's); on a CPU, Orbit's
+        # shim (d) does (orbit_sglang_cpu_shims.py)
         params["sampling_seed"] = sampling.seed
     return Request(prompt, params, slot, truncated)
 

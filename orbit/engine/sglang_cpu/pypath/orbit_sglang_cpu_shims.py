@@ -4,11 +4,11 @@ This file lives in a directory that `orbit.engine.sglang_cpu.prepare_cpu_environ
 PYTHONPATH, so it is importable (and installed by the `sitecustomize.py` beside it) in Orbit's
 own process and in every process SGLang spawns (scheduler, detokenizer: multiprocessing
 "spawn"). It must not import `orbit` (a subprocess need not be able to) and must stay cheap at
-start-up: `install()` only adds an import hook; torch is touched only when torchvision or one of
-SGLang's LoRA modules is actually imported.
+start-up: `install()` only adds an import hook; torch is touched only when torchvision, one of
+SGLang's LoRA modules or its sampling modules is actually imported.
 
-Nothing here runs unless ORBIT_SGLANG_CPU_SHIMS=1, and neither shim acts when a CUDA device is
-visible. Both are idempotent. Nothing here replaces a function in torch's own namespace: torch
+Nothing here runs unless ORBIT_SGLANG_CPU_SHIMS=1, and no shim acts when a CUDA device is
+visible. All are idempotent. Nothing here replaces a function in torch's own namespace: torch
 identifies factory functions by identity (torch.utils._device._device_constructors, used by
 `with torch.device(...)`), and a global wrapper around `torch.tensor` made transformers load
 garbage rotary buffers (NaN logits) in the same process. That is why (c) patches only the
@@ -32,6 +32,8 @@ PIN_MEMORY_MODULES = frozenset(
         "sglang.srt.lora.mem_pool",
     }
 )
+# Where SGLang builds and merges a batch's sampling parameters, and where it samples: (d)
+SEED_MODULES = frozenset({"sglang.srt.sampling.sampling_batch_info", "sglang.srt.layers.sampler"})
 
 
 def enabled() -> bool:
@@ -45,12 +47,12 @@ def _cuda_visible() -> bool:
 
 
 def install() -> None:
-    """Install the import hook for (a) and (c) (no-op without the flag). Safe to call again."""
+    """Install the import hook for (a), (c) and (d) (no-op without the flag). Safe to call again."""
     if not enabled():
         return
-    _finder().watched |= PIN_MEMORY_MODULES | {"torchvision"}
+    _finder().watched |= PIN_MEMORY_MODULES | {"torchvision"} | SEED_MODULES
     # Modules imported before the hook was installed (e.g. prepare_cpu_environment() called late).
-    for name in PIN_MEMORY_MODULES & set(sys.modules):
+    for name in (PIN_MEMORY_MODULES | SEED_MODULES) & set(sys.modules):
         _after_import(name, sys.modules[name])
 
 
@@ -118,6 +120,8 @@ def _before_import(name: str) -> None:
 def _after_import(name: str, module) -> None:
     if name in PIN_MEMORY_MODULES:
         unpin_module(module)
+    elif name in SEED_MODULES:
+        honour_sampling_seeds(module)
 
 
 # --- (a) torchvision::nms / torchvision::qnms ------------------------------------------------
@@ -230,3 +234,68 @@ def unpin_module(module) -> None:
         module.torch = _TorchWithoutPinMemory(torch)
     if torch.Tensor.pin_memory is not _tensor_pin_memory_identity:
         torch.Tensor.pin_memory = _tensor_pin_memory_identity
+
+
+# --- (d) a request's sampling_seed -----------------------------------------------------------
+# SGLang reads `sampling_seed` only under --enable-deterministic-inference, which needs a GPU
+# attention backend (FlashInfer, FA3, Triton): on a CPU the seed is dropped and the same seed
+# samples differently. Its pytorch sampling backend (the CPU's) samples a row that has a seed by a
+# Gumbel draw from (seed, position), but the batch's seed tensor is never built, and the draw's
+# hash is a kernel the CPU has not got (`sgl_kernel.murmur_hash32_cpu`). Fix, CPU only: a batch
+# that holds a seeded request gets the tensor, its unseeded rows a random seed each (so they stay
+# random, unlike SGLang's 42), a merge of a seeded batch with an unseeded one seeds the other side
+# alike, and the draw takes its uniforms from a torch generator seeded by (seed, position): the
+# same request samples the same whatever else is in the batch. Batches with no seed are untouched.
+def _random_seeds(seeds, device):
+    import random
+
+    import torch
+
+    drawn = [random.getrandbits(62) if s is None else int(s) for s in seeds]
+    return torch.tensor(drawn, dtype=torch.int64, device=device)
+
+
+def _seeded_gumbel_argmax(logprobs, seed, positions):
+    """[n, 1] argmax(logprobs + Gumbel noise), the noise of row i fixed by (seed[i], positions[i])
+    (SGLang's multinomial_with_seed, with torch's generator for its hash)."""
+    import torch
+
+    n, m = logprobs.shape
+    out = torch.empty((n, 1), dtype=torch.long, device=logprobs.device)
+    tiny = torch.finfo(torch.float64).tiny
+    for i, (s, p) in enumerate(zip(seed.tolist(), positions.tolist(), strict=True)):
+        gen = torch.Generator().manual_seed(hash((int(s), int(p))) & (2**63 - 1))
+        u = torch.rand(m, generator=gen, dtype=torch.float64).clamp_(min=tiny)
+        out[i, 0] = torch.argmax(logprobs[i].double() - torch.log(-torch.log(u)))
+    return out
+
+
+def honour_sampling_seeds(module) -> None:
+    if _cuda_visible():
+        return
+    if hasattr(module, "multinomial_with_seed"):  # the sampler
+        module.multinomial_with_seed = _seeded_gumbel_argmax
+        return
+    cls = module.SamplingBatchInfo
+    if getattr(cls, "_orbit_seeds", False):
+        return
+    build = cls.from_schedule_batch.__func__
+    merge = cls.merge_batch
+
+    def from_schedule_batch(klass, batch, vocab_size):
+        info = build(klass, batch, vocab_size)
+        seeds = [r.sampling_params.sampling_seed for r in batch.reqs]
+        if info.sampling_seed is None and any(s is not None for s in seeds):
+            info.sampling_seed = _random_seeds(seeds, info.device)
+        return info
+
+    def merge_batch(self, other):
+        if (self.sampling_seed is None) != (other.sampling_seed is None):
+            for side in (self, other):
+                if side.sampling_seed is None:
+                    side.sampling_seed = _random_seeds([None] * len(side), side.device)
+        return merge(self, other)
+
+    cls.from_schedule_batch = classmethod(from_schedule_batch)
+    cls.merge_batch = merge_batch
+    cls._orbit_seeds = True
