@@ -31,23 +31,42 @@ def adapter_root() -> Path:
     return own_dir(PREFIX, base)
 
 
+# What SGLang's processes leave in /dev/shm when they are killed: each scheduler's load-snapshot
+# file (never removed, even at a clean exit) and multiprocessing's named semaphores (their
+# resource tracker unlinks them at its exit, unless it is killed with the rest)
+SGLANG_SHM = ("sglang_", "sem.mp-")
+
+
 def sglang_shm_files(pids: list[int]) -> list[Path]:
-    """The /dev/shm files SGLang's processes `pids` hold open (each scheduler's load snapshot,
-    `sglang_loads_*.shm`, which SGLang never removes): to be removed once those processes are
-    gone."""
+    """The /dev/shm entries SGLang's processes `pids` hold, open (the load snapshot,
+    `sglang_loads_*.shm`) or mapped (the semaphores, `sem.mp-*`, which a process maps under the
+    temporary name it made them by: they are found by inode): to be removed once those processes
+    are gone."""
     import psutil
 
-    found = []
+    paths: set[str] = set()
+    inodes: set[int] = set()
     for pid in pids:
         try:
-            found += [
-                Path(f.path)
-                for f in psutil.Process(pid).open_files()
-                if f.path.startswith(f"{SHM}/sglang_")
-            ]
-        except psutil.Error:
-            pass
-    return found
+            paths |= {f.path for f in psutil.Process(pid).open_files()}
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except (psutil.Error, OSError):
+            continue
+        for line in maps:  # address perms offset dev inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                inodes.add(int(fields[4]))
+    found = []
+    for entry in SHM.iterdir() if SHM.is_dir() else []:
+        if not entry.name.startswith(SGLANG_SHM):
+            continue
+        try:
+            mine = str(entry) in paths or entry.stat().st_ino in inodes
+        except OSError:
+            continue  # gone meanwhile
+        if mine:
+            found.append(entry)
+    return sorted(found)
 
 
 def ipc_files(port_args: object) -> list[Path]:
