@@ -70,7 +70,7 @@ print("RESULT " + json.dumps(out))
 def through_the_sdk(model: Path, steps: int) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from orbit.config import parse_recipe
-    from orbit.serve.command import serving
+    from orbit.serve.command import Options, serving
 
     recipe = parse_recipe(
         {
@@ -78,7 +78,10 @@ def through_the_sdk(model: Path, steps: int) -> dict:
             "engine": {"backend": "embedded", "slots": 4, "max_running": 64, "max_context": 1024},
         }
     )
-    with tempfile.TemporaryDirectory() as tmp, serving(recipe, Path(tmp)) as (url, _):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        serving(recipe, Options(directory=Path(tmp))) as (url, _),
+    ):
         res = subprocess.run(
             [
                 str(ROOT / ".venv-tinker" / "bin" / "python"),

@@ -201,22 +201,48 @@ def serve(
     ),
     port: int | None = typer.Option(None, help="the port to listen on (default: a free one)"),
     host: str = typer.Option(
-        "127.0.0.1", help="the address to listen on (this machine only unless set)"
+        "127.0.0.1", help="the address to listen on (this machine only unless set; then --keys)"
     ),
-    dir: Path = typer.Option(Path("runs/serve"), help="where the service keeps its checkpoints"),
+    dir: Path = typer.Option(
+        Path("runs/serve"), help="where the service keeps its database and checkpoints"
+    ),
+    keys: Path | None = typer.Option(
+        None, help="a file of API keys, one a line: each key a tenant (default: any key, one)"
+    ),
+    db: str | None = typer.Option(
+        None, help="a database URL, e.g. postgresql+psycopg://... (default: SQLite in --dir)"
+    ),
+    max_clients: int = typer.Option(16, help="training clients a key may hold at once"),
+    max_queued: int = typer.Option(256, help="requests a key may have waiting or running"),
+    watch: bool = typer.Option(False, help="the service's page on 127.0.0.1 (address printed)"),
 ) -> None:
     """Serve the Tinker API (the `tinker` SDK, tinker-cookbook) on the recipe's base model and
     engines: `orbit serve recipes/smollm2-serve.yaml`, then TINKER_BASE_URL=<the address it
     prints>."""
+    from orbit.serve.command import Options
+    from orbit.serve.keys import Keys, KeysError, read_keys
+    from orbit.serve.service import Quotas
+
     with _run_errors("the service", on_ctrl_c="stopped"):
         try:
             checked = preflight(load_recipe(recipe))
         except RecipeError as err:
             _fail(f"bad recipe {recipe}:\n{err}")
+        if max_clients < 1 or max_queued < 1:
+            _fail("--max-clients and --max-queued: at least 1")
+        try:
+            taken = read_keys(keys) if keys is not None else Keys()
+        except KeysError as err:
+            _fail(str(err))
+        options = Options(host, port, dir, db, taken, Quotas(max_clients, max_queued))
+        try:
+            options.check()
+        except ValueError as err:
+            _fail(str(err))
         from orbit.serve.command import serve as run_serve
 
         written = str((yaml.safe_load(recipe.read_text()) or {}).get("model", checked.recipe.model))
-        run_serve(checked.recipe, written, host, port, dir, console)
+        run_serve(checked.recipe, written, options, console, watch)
 
 
 @app.command()

@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file
 from tinker_helpers import adapter, max_diff, sdk, serving
 
+from orbit.serve.keys import LOCAL
+
 pytestmark = pytest.mark.slow
 
 
@@ -52,7 +54,7 @@ def test_forward_only_changes_nothing(trained):
     url, service, model = trained
     seen = sdk(url, model, "forward_only")
     assert seen["before"] == seen["after"]
-    assert all(p.grad is None for p in service.client(seen["a"]).trainer.params)
+    assert all(p.grad is None for p in service.client(LOCAL, seen["a"]).params)
 
 
 def test_a_named_sampler_samples_its_weights_after_more_steps(served):
@@ -131,7 +133,7 @@ def test_sampling_params_and_the_base_model(served):
 def test_a_client_with_learning_rate_zero_stays_as_it_was(trained):
     url, service, model = trained
     seen = sdk(url, model, "lr_zero")
-    init = service.checkpoint(seen["init"]).directory / "adapter_model.safetensors"
+    init = service.checkpoint(LOCAL, seen["init"]).directory / "adapter_model.safetensors"
     still = adapter(service, seen["still"])
     assert all(torch.equal(still[k], v) for k, v in load_file(init).items())  # bit for bit
     assert max_diff(adapter(service, seen["moving"]), still) > 0
@@ -142,7 +144,7 @@ def test_a_client_made_from_a_saved_state_continues_exactly(trained):
     seen = sdk(url, model, "state_round_trip")
     assert max_diff(adapter(service, seen["a"]), adapter(service, seen["b"])) < 1e-6
     assert seen["path"] in seen["listed"]
-    peft_dir = service.checkpoint(seen["path"]).directory
+    peft_dir = service.checkpoint(LOCAL, seen["path"]).directory
     from peft import PeftConfig
 
     assert PeftConfig.from_pretrained(str(peft_dir)).r == 4  # peft's own format
@@ -152,7 +154,7 @@ def test_what_is_refused_is_said_and_the_client_goes_on(served):
     url, _, model = served
     seen = sdk(url, model, "refusals")
     assert "not/a/model" in seen["base_model"] and "serves" in seen["base_model"]
-    assert "lora_config.rank: 0; at least 1" in seen["rank"]
+    assert "lora_config.rank: 0; from 1 to 1024" in seen["rank"]
     assert "loss_fn 'dro'" in seen["loss_fn"]
     assert "has shape [1]; the datum has 7 tokens" in seen["lengths"]
     assert "outside the vocabulary" in seen["vocab"]

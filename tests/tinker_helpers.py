@@ -3,6 +3,7 @@ real `tinker` SDK and tinker-cookbook in .venv-tinker (make tinker), run as proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from orbit.config import parse_recipe
+from orbit.serve.command import Options
 from orbit.serve.command import serving as orbit_serving
+from orbit.serve.keys import LOCAL
 from orbit.serve.service import Service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,24 +35,36 @@ def sdk_python() -> Path:
 
 
 @contextmanager
-def serving(model: Path, directory: Path, **sections: dict) -> Iterator[tuple[str, Service]]:
+def serving(
+    model: Path, directory: Path, options: Options | None = None, **sections: dict
+) -> Iterator[tuple[str, Service]]:
     """`orbit serve` on `model` in this process: the recipe's other `sections` (engine: ...) over an
-    embedded engine of 4 slots; (its address, the service)."""
+    embedded engine of 4 slots; (its address, the service). `options`: how it serves (its
+    directory is `directory`)."""
     engine = {"backend": "embedded", "slots": 4, **sections.pop("engine", {})}
     recipe = parse_recipe({"model": str(model), "engine": engine, **sections})
-    with orbit_serving(recipe, directory) as served:
+    options = dataclasses.replace(options or Options(), directory=directory)
+    with orbit_serving(recipe, options) as served:
         yield served
 
 
-def sdk(url: str, model: Path, check: str, timeout: float = 240) -> dict:
-    """One check of tests/tinker/sdk_checks.py, through the real SDK: what it printed."""
-    env = {**os.environ, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
+def sdk(
+    url: str,
+    model: Path,
+    check: str,
+    timeout: float = 240,
+    key: str = "tml-local",
+    script: Path = CHECKS,
+    arg: str | None = None,
+) -> dict:
+    """One check of tests/tinker/sdk_checks.py (or `script`), through the real SDK with `key`:
+    what it printed."""
     res = subprocess.run(
-        [str(sdk_python()), str(CHECKS), url, str(model), check],
+        [str(sdk_python()), str(script), url, str(model), check, *([arg] if arg else [])],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=sdk_env(key),
     )
     lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
     assert res.returncode == 0 and lines, (
@@ -58,8 +73,12 @@ def sdk(url: str, model: Path, check: str, timeout: float = 240) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def sdk_env(key: str) -> dict[str, str]:
+    return {**os.environ, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "TINKER_API_KEY": key}
+
+
 def adapter(service: Service, model_id: str) -> dict[str, torch.Tensor]:
-    return service.client(model_id).trainer.adapter()[0]
+    return service.client(LOCAL, model_id).adapter()[0]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -10,7 +10,6 @@ A request Orbit refuses gets a 4xx with a JSON body naming what was wrong (the S
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,11 +19,22 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from orbit.engine.base import SamplingParams
 from orbit.serve import wire
 from orbit.serve.clients import AdamParams, LoraSpec
-from orbit.serve.futures import Record, Refused, RequestFailed
+from orbit.serve.futures import Busy, Record, Refused, RequestFailed, result_of
+from orbit.serve.keys import Keys
 from orbit.serve.samplers import Stops
-from orbit.serve.service import Checkpoint, NotFound, Service
+from orbit.serve.service import NotFound, Service, rest_checkpoint
 
 PROTO = "application/x-protobuf"
+MAX_BODY = 64 * 2**20  # bytes a request may carry (the SDK cuts a forward_backward at ~5 MB)
+OPEN = {"/api/v1/healthz"}  # answered without a key
+
+
+class TooLarge(Refused):
+    """A request body past the limit (HTTP 413)."""
+
+
+class Unauthorized(Refused):
+    """No key, or one the service does not take (HTTP 401)."""
 
 
 class _Body(BaseModel):
@@ -126,14 +136,17 @@ class Sample(_Body):
     prompt_logprobs_last_n: int | None = None
 
 
-def app(service: Service) -> FastAPI:
+def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> FastAPI:
+    """The routes over `service`. `keys`: the API keys it takes (none: any key, one tenant)."""
     api = FastAPI(title="orbit serve: the Tinker API")
+    status = {NotFound: 404, Busy: 429, TooLarge: 413, Unauthorized: 401}
 
     @api.exception_handler(Refused)
     async def refused(request: Request, err: Refused) -> JSONResponse:
-        return JSONResponse(
-            {"detail": str(err)}, status_code=404 if isinstance(err, NotFound) else 400
-        )
+        code = next((c for kind, c in status.items() if isinstance(err, kind)), 400)
+        # a refusal the SDK would retry (429) is said at once: it is the limit, not a hiccup
+        headers = {"x-should-retry": "false"} if code == 429 else None
+        return JSONResponse({"detail": str(err)}, status_code=code, headers=headers)
 
     @api.exception_handler(ValidationError)
     async def invalid(request: Request, err: ValidationError) -> JSONResponse:
@@ -141,14 +154,48 @@ def app(service: Service) -> FastAPI:
         where = ".".join(str(p) for p in first["loc"]) or "body"
         return JSONResponse({"detail": f"{where}: {first['msg']}"}, status_code=400)
 
-    async def body(request: Request, model: type[_Body]) -> Any:
+    @api.middleware("http")
+    async def tenant(request: Request, call_next: Any) -> Response:
+        """Every route but the health check needs a key the service takes; the tenant it names goes
+        with the request. A body past the limit is refused before it is read."""
+        if request.url.path not in OPEN:
+            found = keys.tenant(request.headers.get("x-api-key"))
+            if found is None:
+                why = "a key this orbit serve takes" if request.headers.get("x-api-key") else "one"
+                return JSONResponse(
+                    {"detail": f"X-API-Key: {why} is required"},
+                    status_code=401,
+                    headers={"x-should-retry": "false"},
+                )
+            request.state.tenant = found
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            return JSONResponse(
+                {"detail": f"the body is {int(length)} bytes; at most {max_body} are taken"},
+                status_code=413,
+            )
+        return await call_next(request)
+
+    def who(request: Request) -> str:
+        return str(request.state.tenant)
+
+    async def raw(request: Request) -> bytes:
+        data = await request.body()
+        if len(data) > max_body:
+            raise TooLarge(f"the body is {len(data)} bytes; at most {max_body} are taken")
+        return data
+
+    async def fields(request: Request) -> dict[str, Any]:
         try:
-            data = json.loads(await request.body() or b"{}")
+            data = json.loads(await raw(request) or b"{}")
         except ValueError:
             raise Refused(f"{request.url.path}: the body is not JSON") from None
         if not isinstance(data, dict):
             raise Refused(f"{request.url.path}: the body is not a JSON object")
-        return model.model_validate(data)
+        return data
+
+    async def body(request: Request, model: type[_Body]) -> Any:
+        return model.model_validate(await fields(request))
 
     def future(record: Record) -> dict[str, Any]:
         return {"request_id": record.id}
@@ -161,14 +208,16 @@ def app(service: Service) -> FastAPI:
 
     @api.post(f"{v1}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        data = json.loads(await request.body() or b"{}")
-        session = service.create_session(data.get("user_metadata") or {})
+        metadata = (await fields(request)).get("user_metadata") or {}
+        if not isinstance(metadata, dict):
+            raise Refused("user_metadata: not a JSON object")
+        session = service.create_session(who(request), metadata)
         return {"session_id": session, "type": "create_session"}
 
     @api.post(f"{v1}/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        data = json.loads(await request.body() or b"{}")
-        service.heartbeat(str(data.get("session_id", "")))
+        data = await fields(request)
+        service.heartbeat(who(request), str(data.get("session_id", "")))
         return {}
 
     @api.post(v1 + "/sessions/{session}/finish")
@@ -190,46 +239,50 @@ def app(service: Service) -> FastAPI:
         optimizer = (req.optimizer_config or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise Refused(f"optimizer_config.type: {optimizer!r}; Orbit trains with adamw")
-        if lora.rank < 1:
-            raise Refused(f"lora_config.rank: {lora.rank}; at least 1")
+        if not 1 <= lora.rank <= 1024:
+            raise Refused(f"lora_config.rank: {lora.rank}; from 1 to 1024")
         if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
             raise Refused("lora_config: train_attn, train_mlp and train_unembed are all false")
         spec = LoraSpec(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
         record = service.create_model(
-            req.session_id, req.model_seq_id, req.base_model, spec, req.user_metadata or {}
+            who(request),
+            req.session_id,
+            req.model_seq_id,
+            req.base_model,
+            spec,
+            req.user_metadata or {},
         )
         return future(record)
 
     @api.post(f"{v1}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        data = json.loads(await request.body() or b"{}")
-        return service.info(str(data.get("model_id", "")))
+        data = await fields(request)
+        return service.info(who(request), str(data.get("model_id", "")))
 
     @api.post(f"{v1}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        raw = await request.body()
+        data = await raw(request)
         if "zstd" in request.headers.get("content-encoding", ""):
-            import zstandard
-
-            raw = zstandard.ZstdDecompressor().decompress(raw)
-        return future(service.forward_backward(wire.forward_backward(raw)))
+            data = wire.unzstd(data, MAX_BODY)
+        return future(service.forward_backward(who(request), wire.forward_backward(data)))
 
     @api.post(f"{v1}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
         req: OptimStep = await body(request, OptimStep)
         adam = AdamParams(**(req.adam_params or Adam()).model_dump())
-        return future(service.optim_step(req.model_id, req.seq_id, adam))
+        return future(service.optim_step(who(request), req.model_id, req.seq_id, adam))
 
     @api.post(f"{v1}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         req: SaveWeights = await body(request, SaveWeights)
-        return future(service.save_state(req.model_id, req.seq_id, req.path, req.overwrite))
+        record = service.save_state(who(request), req.model_id, req.seq_id, req.path, req.overwrite)
+        return future(record)
 
     @api.post(f"{v1}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
         req: SaveForSampler = await body(request, SaveForSampler)
         record = service.save_for_sampler(
-            req.model_id, req.seq_id, req.path, req.sampling_session_seq_id
+            who(request), req.model_id, req.seq_id, req.path, req.sampling_session_seq_id
         )
         return future(record)
 
@@ -237,7 +290,13 @@ def app(service: Service) -> FastAPI:
     async def load_weights(request: Request) -> dict[str, Any]:
         req: LoadWeights = await body(request, LoadWeights)
         record = service.load_state(
-            req.path, req.optimizer, req.model_id, req.seq_id, req.session_id, req.model_seq_id
+            who(request),
+            req.path,
+            req.optimizer,
+            req.model_id,
+            req.seq_id,
+            req.session_id,
+            req.model_seq_id,
         )
         return future(record)
 
@@ -245,13 +304,17 @@ def app(service: Service) -> FastAPI:
     async def create_sampler(request: Request) -> dict[str, Any]:
         req: CreateSampler = await body(request, CreateSampler)
         sampler = service.create_sampler(
-            req.session_id, req.sampling_session_seq_id, req.model_path, req.base_model
+            who(request),
+            req.session_id,
+            req.sampling_session_seq_id,
+            req.model_path,
+            req.base_model,
         )
         return {"sampling_session_id": sampler, "type": "create_sampling_session"}
 
     @api.get(v1 + "/samplers/{sampler}")
-    async def get_sampler(sampler: str) -> dict[str, Any]:
-        return service.sampler_info(sampler)
+    async def get_sampler(request: Request, sampler: str) -> dict[str, Any]:
+        return service.sampler_info(who(request), sampler)
 
     @api.post(f"{v1}/asample")
     async def asample(request: Request) -> dict[str, Any]:
@@ -266,83 +329,75 @@ def app(service: Service) -> FastAPI:
                 raise Refused(f"prompt: a {chunk.type} chunk; Orbit serves text models")
             prompt += chunk.tokens
         params, stops = _sampling(req.sampling_params, service.max_context - len(prompt))
-        record = service.sample(req.sampling_session_id, prompt, params, req.num_samples, stops)
+        record = service.sample(
+            who(request), req.sampling_session_id, prompt, params, req.num_samples, stops
+        )
         ids = [f"{record.id}:{i}" for i in range(req.num_samples)]
         return {"request_id": record.id, "sample_sequence_ids": ids}
 
     # ---- RestClient: training runs and checkpoints -----------------------------------------
 
     @api.get(f"{v1}/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        runs = service.training_runs()
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        runs = service.training_runs(who(request))
         return {
             "training_runs": runs[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
         }
 
     @api.get(v1 + "/training_runs/{run}")
-    async def training_run(run: str) -> dict[str, Any]:
-        return service.training_run(run)
+    async def training_run(request: Request, run: str) -> dict[str, Any]:
+        return service.training_run(who(request), run)
 
     @api.get(v1 + "/training_runs/{run}/checkpoints")
-    async def run_checkpoints(run: str) -> dict[str, Any]:
-        found = [_checkpoint(c) for c in service.checkpoints(run)]
+    async def run_checkpoints(request: Request, run: str) -> dict[str, Any]:
+        service.training_run(who(request), run)  # 404 for a run that is not the tenant's
+        found = [_checkpoint(c) for c in service.checkpoints(who(request), run)]
         return {"checkpoints": found, "cursor": None}
 
     @api.get(f"{v1}/checkpoints")
-    async def checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        found = [_checkpoint(c) for c in service.checkpoints()]
+    async def checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        found = [_checkpoint(c) for c in service.checkpoints(who(request))]
         return {
             "checkpoints": found[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
         }
 
     @api.delete(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}")
-    async def delete_checkpoint(run: str, kind: str, name: str) -> dict[str, Any]:
-        service.delete_checkpoint(f"tinker://{run}/{kind}/{name}")
+    async def delete_checkpoint(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
+        service.delete_checkpoint(who(request), f"tinker://{run}/{kind}/{name}")
         return {}
 
     @api.post(f"{v1}/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        data = json.loads(await request.body() or b"{}")
-        return service.weights_info(str(data.get("tinker_path", "")))
+        data = await fields(request)
+        return service.weights_info(who(request), str(data.get("tinker_path", "")))
 
     @api.post(f"{v1}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        data = json.loads(await request.body() or b"{}")
-        record = service.futures.get(str(data.get("request_id", "")))
-        if record is None:
-            raise NotFound(f"no request {data.get('request_id')!r} (or it expired)")
-        if not await service.futures.wait(record):
+        data = await fields(request)
+        found = service.futures.get(str(data.get("request_id", "")), who(request))
+        if found is None:
+            raise NotFound(f"no request {str(data.get('request_id'))[:80]!r} (or it expired)")
+        if isinstance(found, Record) and not await service.futures.wait(found):
             return JSONResponse(
-                {"type": "try_again", "request_id": record.id, "queue_state": "active"}
+                {"type": "try_again", "request_id": found.id, "queue_state": "active"}
             )
-        err = record.future.exception()
-        if err is not None:
-            category = err.category if isinstance(err, RequestFailed) else "server"
-            return JSONResponse({"error": str(err), "category": category})
-        result = record.future.result()
-        if isinstance(result, bytes):
+        outcome = result_of(found)
+        if isinstance(outcome, RequestFailed):
+            return JSONResponse({"error": str(outcome), "category": outcome.category})
+        result, proto = outcome
+        if proto:
             return Response(result, media_type=PROTO)
+        if isinstance(result, bytes):  # a stored JSON result
+            return Response(result, media_type="application/json")
         return JSONResponse(result)
 
     return api
 
 
-def _checkpoint(c: Checkpoint) -> dict[str, Any]:
-    return {
-        "checkpoint_id": f"{c.kind}/{c.name}",
-        "checkpoint_type": "training" if c.kind == "weights" else "sampler",
-        "time": _iso(c.time),
-        "tinker_path": c.path,
-        "size_bytes": sum(f.stat().st_size for f in c.directory.iterdir()),
-        "public": False,
-        "expires_at": None,
-    }
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
+def _checkpoint(c: Any) -> dict[str, Any]:
+    return rest_checkpoint(c, sum(f.stat().st_size for f in c.directory.iterdir()))
 
 
 def _sampling(params: Sampling, room: int) -> tuple[SamplingParams, Stops]:

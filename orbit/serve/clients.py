@@ -11,6 +11,7 @@ at the start so that it is the base model until its first step.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ ALPHA = 32  # LoRA alpha of every client (docs/tinker.md): Tinker's, which the S
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
+LOSSES_KEPT = 500  # a client's newest forward_backward losses, for the page
 MICRO_BATCH_TOKENS = 4096  # padded tokens per forward/backward: memory bounded whatever the batch
 
 
@@ -108,6 +110,7 @@ class TrainingClient:
         torch.set_rng_state(generator_state)
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
         self.steps = 0  # optimizer steps taken
+        self.losses: deque[float] = deque(maxlen=LOSSES_KEPT)  # forward_backward's, newest last
         self.vocab = base.base.config.vocab_size
 
     # -- training --------------------------------------------------------------------------
@@ -117,7 +120,7 @@ class TrainingClient:
     ) -> Scored:
         """Every datum's target logprobs and loss; unless `forward_only`, the loss's gradient added
         to the adapter's. A bad request is refused (ClientError) before anything is computed."""
-        targets = self._check(data, loss_fn)
+        targets = self.check(data, loss_fn, config)
         cfg = None if loss_fn == "cross_entropy" else losses.algorithm(loss_fn, config)
         out: list[Tensor] = [torch.empty(0)] * len(data)
         total = 0.0
@@ -140,9 +143,17 @@ class TrainingClient:
                 if not forward_only and loss.requires_grad:
                     loss.backward()
                 total += float(loss.detach())
+        if not forward_only:
+            self.losses.append(total)
         return Scored(out, total)
 
-    def _check(self, data: list[Datum], loss_fn: str) -> list[list[int]]:
+    def check(
+        self, data: list[Datum], loss_fn: str, config: dict[str, float | str]
+    ) -> list[list[int]]:
+        """Refuse (ClientError, naming the datum and field) what forward_backward cannot use; each
+        datum's target tokens otherwise. Nothing is computed."""
+        if loss_fn in losses.LOSSES[1:]:
+            losses.algorithm(loss_fn, config)  # refuses clip bounds that mean nothing
         if not data:
             raise ClientError("forward_backward: no datums (an empty batch)")
         targets = []

@@ -1,14 +1,18 @@
 """`orbit serve RECIPE`: the recipe's engines for its base model, the Tinker API in front of them
 and a trainer beside them, until Ctrl-C or SIGTERM. A recipe of just `model:` and `engine:` is
 enough (`trainer.threads` and `trainer.dtype` are the trainer's; `adapter.r` and
-`adapter.target_modules` size what an SGLang engine can load)."""
+`adapter.target_modules` size what an SGLang engine can load). Its state is in a database
+(store.py) in `--dir` unless `--db` names another; `--keys` makes it a service for several
+tenants."""
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,33 +22,82 @@ from orbit.config import Recipe
 from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.host.net import ThreadServer
 from orbit.run.placement import colocate
-from orbit.serve.app import app
+from orbit.serve.app import MAX_BODY, app
 from orbit.serve.clients import ATTN, MLP, UNEMBED
+from orbit.serve.keys import Keys
 from orbit.serve.samplers import Sampler
-from orbit.serve.service import EngineLimits, Service
+from orbit.serve.service import EngineLimits, Quotas, Service
+from orbit.serve.store import Store, default_url, instance
+
+
+@dataclass(frozen=True)
+class Options:
+    """How `orbit serve` serves: where it listens, keeps its state, whose keys it takes."""
+
+    host: str = "127.0.0.1"
+    port: int | None = None
+    directory: Path = Path("runs/serve")
+    db: str | None = None  # a database URL; None: SQLite in `directory`
+    keys: Keys = field(default_factory=Keys)
+    quotas: Quotas = field(default_factory=Quotas)
+    max_body: int = MAX_BODY
+
+    def check(self) -> None:
+        """ValueError when the service would be open to other machines without keys."""
+        if not _loopback(self.host) and not self.keys.required:
+            raise ValueError(
+                f"--host {self.host}: other machines could reach the service; give it --keys FILE"
+            )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def serve(
-    recipe: Recipe, written: str, host: str, port: int | None, directory: Path, console: Console
+    recipe: Recipe, written: str, options: Options, console: Console, watch: bool = False
 ) -> None:
     """Serve until interrupted; `written`: the recipe's `model:` as the user wrote it (a client may
-    name the base model so, or by its absolute path)."""
-    with serving(recipe, directory, {written}, host, port, console.print) as (url, _):
+    name the base model so, or by its absolute path). `watch`: the service's page too
+    (page.py)."""
+    options.check()
+    with serving(recipe, options, {written}, console.print) as (url, service):
+        page = None
+        if watch:
+            from orbit.serve.page import watch as watch_page
+
+            page = watch_page(service)
+            console.print(f"the service's page: {page.url}", highlight=False)
+        failed, lost = service.recovered
+        if failed or lost:
+            console.print(
+                f"restarted on {options.directory}: {failed} requests that were running failed, "
+                f"{lost} training clients lost (their checkpoints stand)",
+                highlight=False,
+            )
+        keys = "API keys from --keys" if options.keys.required else "any key (one tenant)"
         console.print(
             f"serving the Tinker API for {recipe.model.resolve()} at {url} "
-            f"(TINKER_BASE_URL={url}); checkpoints in {directory}; Ctrl-C stops it",
+            f"(TINKER_BASE_URL={url}); {keys}; state in {options.directory}; Ctrl-C stops it",
             highlight=False,
         )
-        _wait_for_a_stop()
+        try:
+            _wait_for_a_stop()
+        finally:
+            if page is not None:
+                page.stop()
 
 
 @contextmanager
 def serving(
     recipe: Recipe,
-    directory: Path,
+    options: Options,
     names: Iterable[str] = (),
-    host: str = "127.0.0.1",
-    port: int | None = None,
     say: Callable[[str], object] = print,
 ) -> Iterator[tuple[str, Service]]:
     """The recipe's engines, the service and its HTTP server, stopped on leaving the block: (its
@@ -70,7 +123,9 @@ def serving(
     )
     model = recipe.model.resolve()
     tokenizer = AutoTokenizer.from_pretrained(model)
+    directory = options.directory
     directory.mkdir(parents=True, exist_ok=True)
+    store = Store(options.db or default_url(directory), instance(directory))
     engines = start_engines(starter)
     service = None
     server = None
@@ -82,12 +137,15 @@ def serving(
             {*names, str(recipe.model), str(model)},
             sampler,
             directory,
+            store,
             dtype=recipe.trainer.dtype,
             max_context=info.max_context,
             vocab_size=info.vocab_size,
             limits=limits(recipe),
+            quotas=options.quotas,
         )
-        server = ThreadServer(app(service), host, port, name="orbit serve").start()
+        api = app(service, options.keys, options.max_body)
+        server = ThreadServer(api, options.host, options.port, name="orbit serve").start()
         yield server.url, service
     finally:
         if server is not None:
@@ -95,6 +153,7 @@ def serving(
         if service is not None:
             service.close()
         stop_engines(engines)
+        store.close()
 
 
 def limits(recipe: Recipe) -> EngineLimits:

@@ -1,42 +1,54 @@
-"""The service behind the Tinker routes: sessions, training clients on the one base, sampling
-sessions on the engines, checkpoints on disk. app.py turns the wire into these calls; every call
-that does work returns a future (futures.py) at once.
+"""The service behind the Tinker routes: tenants' sessions, training clients on the one base,
+sampling sessions on the engines, checkpoints on disk, all of it recorded in the store (store.py).
+app.py turns the wire into these calls; every call that does work returns a future (futures.py) at
+once.
 
-Names, as the SDK builds and parses them: a training client is `{session}:train:{n}` (the SDK
-computes it when it loads a checkpoint into a new client), a sampling session
+Every call names its tenant (keys.py): what belongs to another tenant is not found, whatever its
+name. Names, as the SDK builds and parses them: a training client is `{session}:train:{n}` (the
+SDK computes it when it loads a checkpoint into a new client), a sampling session
 `{session}:sample:{k}`, a checkpoint `tinker://{client}/{weights|sampler_weights}/{name}` (in
 DIR/checkpoints/ under the same three parts).
+
+A restart (store.recover): futures that were running fail with the reason, training clients are
+lost (their adapters lived in this process; `create_training_client_from_state` makes one again
+from a checkpoint), and checkpoints and sampling sessions are as they were.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
 
 from orbit.engine.base import SamplingParams
-from orbit.host.files import write_dir
+from orbit.host.files import recover_dir, write_dir
 from orbit.serve import wire
 from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
-from orbit.serve.futures import Futures, Record, Refused, RequestFailed
+from orbit.serve.futures import Busy, Futures, Record, Refused, RequestFailed
 from orbit.serve.samplers import BASE, Sampler, Stops, Weights
+from orbit.serve.store import CheckpointRow, ClientRow, SamplerRow, SessionRow, Store
 from orbit.serve.training import Turns
 from orbit.train.shared import SharedBase
 
 KINDS = ("weights", "sampler_weights")  # a training checkpoint (adapter + optimizer), a sampler's
+SNAPSHOTS_KEPT = (
+    4  # a training client's newest unnamed sampler snapshots kept, in memory and on disk
+)
+RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
 
 
 class NotFound(Refused):
-    """A session, client, sampler or checkpoint that does not exist (HTTP 404)."""
+    """A session, client, sampler, request or checkpoint that does not exist or is another
+    tenant's (HTTP 404)."""
 
 
 @dataclass(frozen=True)
@@ -54,15 +66,12 @@ class EngineLimits:
             )
 
 
-@dataclass
-class Client:
-    """A training client as the service knows it: its adapter and what the REST routes report."""
+@dataclass(frozen=True)
+class Quotas:
+    """What one tenant may hold at once: training clients, and requests waiting or running."""
 
-    trainer: TrainingClient
-    session: str
-    base_model: str
-    metadata: dict[str, Any]
-    last_request: float = field(default_factory=time.time)
+    max_clients: int = 16
+    max_queued: int = 256
 
 
 @dataclass
@@ -90,9 +99,21 @@ def parse_path(path: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+def _spec(row: ClientRow) -> LoraSpec:
+    return LoraSpec(row.rank, row.seed, row.train_attn, row.train_mlp, row.train_unembed)
+
+
+def _checkpoint(row: CheckpointRow) -> Checkpoint:
+    return Checkpoint(row.path, Path(row.directory), row.client, row.kind, row.name, row.created)
+
+
+def _size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
 class Service:
     """One base model (`model`, also known by the names in `names`), its engines (`sampler`), and
-    the state of every client; checkpoints under `directory`."""
+    the state of every tenant's clients, in `store`; checkpoints under `directory`."""
 
     def __init__(
         self,
@@ -100,23 +121,27 @@ class Service:
         names: set[str],
         sampler: Sampler,
         directory: Path,
+        store: Store,
         dtype: str = "float32",
         max_context: int = 4096,
         vocab_size: int = 0,
         limits: EngineLimits = EngineLimits(),
+        quotas: Quotas = Quotas(),
     ) -> None:
         self.model, self.names, self.sampler, self.limits = model, names, sampler, limits
-        self.directory = directory
+        self.directory, self.store, self.quotas = directory, store, quotas
         self.max_context, self.vocab_size = max_context, vocab_size
         self.base = SharedBase(model, dtype)
-        self.futures = Futures()
+        self.futures = Futures(store)
         self.turns = Turns()
-        self.sessions: dict[str, dict[str, Any]] = {}
-        self.clients: dict[str, Client] = {}
-        self.samplers: dict[str, tuple[Weights, str | None]] = {}  # id -> (weights, model_path)
+        self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
+        self._weights: dict[str, Weights] = {}  # sampling sessions' weights, loaded once
+        self._snapshots: dict[str, deque[str]] = {}  # client -> its snapshot samplers, oldest first
         self._lock = threading.Lock()
-        self._adapters = itertools.count()
+        self._adapters = 0
         self._sampling = ThreadPoolExecutor(8, thread_name_prefix="orbit-serve-sample")
+        self.recovered = store.recover(RESTARTED)  # (futures failed, clients lost)
+        self._reconcile_checkpoints()
 
     def close(self) -> None:
         self.turns.stop()
@@ -124,17 +149,23 @@ class Service:
 
     # -- sessions ---------------------------------------------------------------------------
 
-    def create_session(self, metadata: dict[str, Any], owner: str = "") -> str:
+    def create_session(self, tenant: str, metadata: dict[str, Any]) -> str:
         session = uuid.uuid4().hex[:16]
-        with self._lock:
-            self.sessions[session] = {"metadata": metadata, "owner": owner, "seen": time.time()}
+        now = time.time()
+        self.store.add_session(
+            SessionRow(id=session, tenant=tenant, user_metadata=metadata, created=now, seen=now)
+        )
         return session
 
-    def heartbeat(self, session: str) -> None:
-        with self._lock:
-            if session not in self.sessions:
-                raise NotFound(f"no session {session!r}")
-            self.sessions[session]["seen"] = time.time()
+    def _session(self, tenant: str, session: str) -> SessionRow:
+        row = self.store.session(session)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"no session {session!r}")
+        return row
+
+    def heartbeat(self, tenant: str, session: str) -> None:
+        self._session(tenant, session)
+        self.store.seen(session)
 
     # -- training clients -------------------------------------------------------------------
 
@@ -143,66 +174,161 @@ class Service:
             served = " or ".join(sorted(self.names))
             raise Refused(f"base_model {base_model!r}: this orbit serve serves {served}")
 
+    def _room(self, tenant: str) -> None:
+        """Busy when the tenant has its most requests waiting or running."""
+        if self.futures.pending(tenant) >= self.quotas.max_queued:
+            raise Busy(
+                f"this key has {self.quotas.max_queued} requests waiting or running "
+                "(orbit serve --max-queued): wait for some to finish"
+            )
+
+    def _new(self, tenant: str, kind: str, proto: bool = False) -> Record:
+        self._room(tenant)
+        return self.futures.new(kind, tenant, proto)
+
     def create_model(
-        self, session: str, seq: int, base_model: str, spec: LoraSpec, metadata: dict[str, Any]
+        self,
+        tenant: str,
+        session: str,
+        seq: int,
+        base_model: str,
+        spec: LoraSpec,
+        metadata: dict[str, Any],
     ) -> Record:
+        self._session(tenant, session)
         self.check_base(base_model)
         self.limits.check(spec)
         model_id = f"{session}:train:{seq}"
-        record = self.futures.new("CreateModel")
+        if model_id not in self.trainers:
+            self._client_room(tenant)
+        record = self._new(tenant, "CreateModel")
 
         def work() -> dict[str, Any]:
-            self._add_client(model_id, session, base_model, spec, metadata)
+            self._add_client(tenant, model_id, session, base_model, spec, metadata)
             return {"model_id": model_id, "type": "create_model"}
 
         return self.turns.run_now(record, work)
 
+    def _client_room(self, tenant: str) -> None:
+        if self.store.live_clients(tenant) >= self.quotas.max_clients:
+            raise Busy(
+                f"this key holds {self.quotas.max_clients} training clients "
+                "(orbit serve --max-clients): no more at once"
+            )
+
     def _add_client(
-        self, model_id: str, session: str, base_model: str, spec: LoraSpec, metadata: dict[str, Any]
-    ) -> Client:
+        self,
+        tenant: str,
+        model_id: str,
+        session: str,
+        base_model: str,
+        spec: LoraSpec,
+        metadata: dict[str, Any],
+    ) -> TrainingClient:
         with self._lock:
-            if model_id in self.clients:  # a resubmission: the client exists
-                return self.clients[model_id]
-        trainer = TrainingClient(model_id, f"c{next(self._adapters)}", self.base, spec)
-        client = Client(trainer, session, base_model, metadata)
+            if model_id in self.trainers:  # a resubmission: the client exists
+                return self.trainers[model_id]
+            self._adapters += 1
+            name = f"c{self._adapters}"
+        trainer = TrainingClient(model_id, name, self.base, spec)
+        now = time.time()
+        row = ClientRow(
+            id=model_id,
+            instance=self.store.instance,
+            tenant=tenant,
+            session=session,
+            base_model=base_model,
+            rank=spec.rank,
+            seed=spec.seed,
+            train_attn=spec.train_attn,
+            train_mlp=spec.train_mlp,
+            train_unembed=spec.train_unembed,
+            user_metadata=metadata,
+            created=now,
+            last_request=now,
+            alive=True,
+            last_state=None,
+        )
+        self.store.add_client(row)
         with self._lock:
-            self.clients[model_id] = client
+            self.trainers[model_id] = trainer
         self.turns.open(model_id)
-        return client
+        return trainer
 
-    def client(self, model_id: str) -> Client:
-        with self._lock:
-            client = self.clients.get(model_id)
-        if client is None:
+    def _client_row(self, tenant: str, model_id: str) -> ClientRow:
+        row = self.store.client(model_id)
+        if row is None or row.tenant != tenant:
             raise NotFound(f"no training client {model_id!r}")
-        client.last_request = time.time()
-        return client
+        return row
 
-    def info(self, model_id: str) -> dict[str, Any]:
-        client = self.client(model_id)
-        spec = client.trainer.spec
+    def client(self, tenant: str, model_id: str) -> TrainingClient:
+        """The tenant's live training client; NotFound when there is none, or it was lost in a
+        restart (the message names its newest saved state)."""
+        row = self._client_row(tenant, model_id)
+        with self._lock:
+            trainer = self.trainers.get(model_id)
+        if trainer is None:
+            again = (
+                f"its newest saved state is {row.last_state} (create_training_client_from_state)"
+                if row.last_state
+                else "it saved no state"
+            )
+            raise NotFound(
+                f"training client {model_id!r} was lost when orbit serve restarted (its adapter "
+                f"lived in memory); {again}"
+            )
+        self.store.touch_client(model_id)
+        return trainer
+
+    def live(self) -> dict[str, TrainingClient]:
+        """Every live training client, by id."""
+        with self._lock:
+            return dict(self.trainers)
+
+    def info(self, tenant: str, model_id: str) -> dict[str, Any]:
+        row = self._client_row(tenant, model_id)
         return {
             "type": "get_info",
             "model_id": model_id,
             "model_data": {
                 "arch": self.base.base.config.model_type,
-                "model_name": client.base_model,
+                "model_name": row.base_model,
                 "tokenizer_id": str(self.model),
             },
             "is_lora": True,
-            "lora_rank": spec.rank,
-            "model_name": client.base_model,
+            "lora_rank": row.rank,
+            "model_name": row.base_model,
         }
 
-    def _ordered(self, model_id: str, seq_id: int, kind: str, work, proto: bool = False) -> Record:
+    def _ordered(
+        self, tenant: str, model_id: str, seq_id: int, kind: str, work, proto: bool = False
+    ) -> Record:
         """Queue `work` in the client's order. What it refuses, it refuses in its turn (its future
         fails): the SDK numbered the request, and the ones after it wait for its number."""
-        self.client(model_id)
-        record = self.futures.new(kind, proto)
+        self.client(tenant, model_id)
+        try:
+            record = self._new(tenant, kind, proto)
+        except Refused:
+            self.turns.skip(model_id, seq_id)
+            raise
         return self.turns.submit(model_id, seq_id, record, work)
 
-    def forward_backward(self, request: wire.ForwardBackward) -> Record:
-        trainer = self.client(request.model_id).trainer
+    def _checked(self, model_id: str, seq_id: int, check) -> None:
+        """Run a request's checks now, so that a bad one is refused with a 4xx before it is queued;
+        the requests after it then do not wait for its number."""
+        try:
+            check()
+        except Refused:
+            self.turns.skip(model_id, seq_id)
+            raise
+
+    def forward_backward(self, tenant: str, request: wire.ForwardBackward) -> Record:
+        trainer = self.client(tenant, request.model_id)
+        self._checked(
+            request.model_id,
+            request.seq_id,
+            lambda: trainer.check(request.data, request.loss_fn, request.config),
+        )
 
         def work() -> bytes:
             scored = trainer.forward_backward(
@@ -211,90 +337,176 @@ class Service:
             return wire.forward_backward_output(scored.logprobs, {"loss:sum": scored.loss})
 
         kind = "Forward" if request.forward_only else "ForwardBackward"
-        return self._ordered(request.model_id, request.seq_id, kind, work, proto=True)
+        return self._ordered(tenant, request.model_id, request.seq_id, kind, work, proto=True)
 
-    def optim_step(self, model_id: str, seq_id: int, adam: AdamParams) -> Record:
-        trainer = self.client(model_id).trainer
+    def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Record:
+        trainer = self.client(tenant, model_id)
+        self._checked(model_id, seq_id, adam.check)
 
         def work() -> dict[str, Any]:
             return {"metrics": trainer.optim_step(adam), "type": "optim_step"}
 
-        return self._ordered(model_id, seq_id, "OptimStep", work)
+        return self._ordered(tenant, model_id, seq_id, "OptimStep", work)
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def _directory(self, client: str, kind: str, name: str) -> Path:
-        if not name or "/" in name or name.startswith("."):
+        if not name or "/" in name or name.startswith(".") or len(name) > 200:
             raise Refused(
-                f"checkpoint name {name!r}: a name without '/' that does not start with '.'"
+                f"checkpoint name {name[:60]!r}: a name of at most 200 characters, without '/', "
+                "that does not start with '.'"
             )
         return self.directory / "checkpoints" / client / kind / name
 
-    def save_state(self, model_id: str, seq_id: int, name: str, overwrite: bool) -> Record:
-        trainer = self.client(model_id).trainer
+    def _save(self, tenant: str, client: str, kind: str, name: str, fill, overwrite: bool) -> str:
+        """Write a checkpoint whole (a kill leaves the previous one), then record it."""
+        directory = self._directory(client, kind, name)
+        if directory.exists() and not overwrite:
+            raise Refused(f"a checkpoint named {name!r} exists (pass overwrite)")
+        write_dir(directory, fill, durable=True, replace=overwrite)
+        path = checkpoint_path(client, kind, name)
+        self.store.add_checkpoint(
+            CheckpointRow(
+                path=path,
+                instance=self.store.instance,
+                tenant=tenant,
+                client=client,
+                kind=kind,
+                name=name,
+                directory=str(directory),
+                created=time.time(),
+                size_bytes=_size(directory),
+            )
+        )
+        return path
+
+    def save_state(
+        self, tenant: str, model_id: str, seq_id: int, name: str, overwrite: bool
+    ) -> Record:
+        trainer = self.client(tenant, model_id)
+        self._checked(model_id, seq_id, lambda: self._directory(model_id, "weights", name))
 
         def work() -> dict[str, Any]:
-            directory = self._directory(model_id, "weights", name)
-            self._write(directory, overwrite, lambda d: trainer.save(d, optimizer=True))
-            return {"path": checkpoint_path(model_id, "weights", name), "type": "save_weights"}
+            path = self._save(
+                tenant,
+                model_id,
+                "weights",
+                name,
+                lambda d: trainer.save(d, optimizer=True),
+                overwrite,
+            )
+            self.store.touch_client(model_id, last_state=path)
+            return {"path": path, "type": "save_weights"}
 
-        return self._ordered(model_id, seq_id, "SaveWeights", work)
+        return self._ordered(tenant, model_id, seq_id, "SaveWeights", work)
 
     def save_for_sampler(
-        self, model_id: str, seq_id: int, name: str | None, sampling_seq: int | None
+        self, tenant: str, model_id: str, seq_id: int, name: str | None, sampling_seq: int | None
     ) -> Record:
-        """Named: a persistent sampler checkpoint. Unnamed: a snapshot of the adapter now, and a
-        sampling session bound to it."""
-        client = self.client(model_id)
-        trainer = client.trainer
+        """Named: a persistent sampler checkpoint. Unnamed: a snapshot of the adapter now (kept on
+        disk, so that it samples after a restart too), and a sampling session bound to it."""
+        trainer = self.client(tenant, model_id)
+        session = self._client_row(tenant, model_id).session
+        if name is not None:
+            self._checked(model_id, seq_id, lambda: self._directory(model_id, "weights", name))
 
         def work() -> dict[str, Any]:
             if name is not None:
-                directory = self._directory(model_id, "sampler_weights", name)
-                self._write(directory, True, lambda d: trainer.save(d, optimizer=False))
-                return {"path": checkpoint_path(model_id, "sampler_weights", name)}
+                path = self._save(
+                    tenant,
+                    model_id,
+                    "sampler_weights",
+                    name,
+                    lambda d: trainer.save(d, optimizer=False),
+                    True,
+                )
+                return {"path": path}
+            sampler = f"{session}:sample:{sampling_seq if sampling_seq is not None else 0}"
+            snapshot = self.directory / "snapshots" / sampler
+            write_dir(snapshot, lambda d: trainer.save(d, optimizer=False), True, replace=True)
             tensors, config = trainer.adapter()
-            sampler = f"{client.session}:sample:{sampling_seq if sampling_seq is not None else 0}"
-            with self._lock:
-                self.samplers[sampler] = (Weights(f"snapshot:{sampler}", tensors, config), None)
+            self._bind(
+                SamplerRow(
+                    id=sampler,
+                    instance=self.store.instance,
+                    tenant=tenant,
+                    base_model=str(self.model),
+                    model_path=None,
+                    snapshot=str(snapshot),
+                    created=time.time(),
+                ),
+                Weights(f"snapshot:{sampler}:{uuid.uuid4().hex[:8]}", tensors, config),
+            )
+            self._keep_newest(model_id, sampler)
             return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
 
-        return self._ordered(model_id, seq_id, "SaveWeightsForSampler", work)
+        return self._ordered(tenant, model_id, seq_id, "SaveWeightsForSampler", work)
 
-    def _write(self, directory: Path, overwrite: bool, fill) -> None:
-        if directory.exists() and not overwrite:
-            raise Refused(f"a checkpoint named {directory.name!r} exists (pass overwrite)")
-        write_dir(directory, fill, durable=True, replace=overwrite)
+    def _keep_newest(self, model_id: str, sampler: str) -> None:
+        """A client's unnamed snapshots past the newest SNAPSHOTS_KEPT go, in memory and on disk: an
+        RL loop makes one a step."""
+        with self._lock:
+            kept = self._snapshots.setdefault(model_id, deque())
+            kept.append(sampler)
+            old = [kept.popleft() for _ in range(max(0, len(kept) - SNAPSHOTS_KEPT))]
+        for gone in old:
+            self._unbind(gone)
+            shutil.rmtree(self.directory / "snapshots" / gone, ignore_errors=True)
 
-    def checkpoint(self, path: str) -> Checkpoint:
-        client, kind, name = parse_path(path)
-        directory = self.directory / "checkpoints" / client / kind / name
-        if not (directory / "adapter_config.json").is_file():
+    def checkpoint(self, tenant: str, path: str) -> Checkpoint:
+        parse_path(path)
+        row = self.store.checkpoint(path)
+        if row is None or row.tenant != tenant:
             raise NotFound(f"no checkpoint {path}")
-        return Checkpoint(path, directory, client, kind, name, directory.stat().st_mtime)
+        return _checkpoint(row)
 
-    def checkpoints(self, client: str | None = None) -> list[Checkpoint]:
+    def checkpoints(self, tenant: str, client: str | None = None) -> list[Checkpoint]:
+        return [_checkpoint(r) for r in self.store.checkpoints(tenant, client)]
+
+    def delete_checkpoint(self, tenant: str, path: str) -> None:
+        found = self.checkpoint(tenant, path)
+        self.store.drop_checkpoint(path)
+        shutil.rmtree(found.directory, ignore_errors=True)
+        self.sampler.forget(path)
+
+    def _reconcile_checkpoints(self) -> None:
+        """The disk and the store agree after a kill: half-written directories go (and one set aside
+        for an overwrite comes back), rows whose directory is gone go, and a checkpoint written just
+        before a kill, whose row was not yet written, is recorded for its client's tenant."""
         root = self.directory / "checkpoints"
-        found = []
-        for directory in sorted(root.glob("*/*/*")):
-            if directory.name.startswith(".") or (
-                client and directory.parent.parent.name != client
-            ):
+        for kind_dir in root.glob("*/*"):
+            recover_dir(kind_dir)
+        recover_dir(self.directory / "snapshots")
+        known = set()
+        for row in self.store.checkpoints(mine=True):
+            if (Path(row.directory) / "adapter_config.json").is_file():
+                known.add(row.path)
+            else:
+                self.store.drop_checkpoint(row.path)
+        for directory in root.glob("*/*/*"):
+            client, kind, name = directory.parent.parent.name, directory.parent.name, directory.name
+            path = checkpoint_path(client, kind, name)
+            owner = self.store.client(client)
+            if path in known or owner is None or kind not in KINDS or name.startswith("."):
                 continue
             if (directory / "adapter_config.json").is_file():
-                c, kind, name = directory.parent.parent.name, directory.parent.name, directory.name
-                found.append(self.checkpoint(checkpoint_path(c, kind, name)))
-        return found
-
-    def delete_checkpoint(self, path: str) -> None:
-        import shutil
-
-        found = self.checkpoint(path)
-        shutil.rmtree(found.directory)
-        self.sampler.forget(path)
+                self.store.add_checkpoint(
+                    CheckpointRow(
+                        path=path,
+                        instance=self.store.instance,
+                        tenant=owner.tenant,
+                        client=client,
+                        kind=kind,
+                        name=name,
+                        directory=str(directory),
+                        created=directory.stat().st_mtime,
+                        size_bytes=_size(directory),
+                    )
+                )
 
     def load_state(
         self,
+        tenant: str,
         path: str,
         optimizer: bool,
         model_id: str | None = None,
@@ -305,36 +517,49 @@ class Service:
         """Into an existing client (`model_id`, in its order), or a new one `{session}:train:{seq}`
         made as the checkpoint's was."""
         if model_id is not None:
-            trainer = self.client(model_id).trainer
+            trainer = self.client(tenant, model_id)
+            self._checked(model_id, seq_id, lambda: self._loadable(tenant, path, optimizer))
             return self._ordered(
-                model_id, seq_id, "LoadWeights", lambda: self._load(trainer, path, optimizer)
+                tenant,
+                model_id,
+                seq_id,
+                "LoadWeights",
+                lambda: self._load(tenant, trainer, path, optimizer),
             )
         if session is None or seq is None:
             raise Refused("load_weights: give model_id, or session_id and model_seq_id")
-        found = self._loadable(path, optimizer)
-        source = self.client_spec(found)
+        self._session(tenant, session)
+        found = self._loadable(tenant, path, optimizer)
+        base_model, spec = self.client_spec(found)
         new_id = f"{session}:train:{seq}"
-        record = self.futures.new("LoadWeights")
+        if new_id not in self.trainers:
+            self._client_room(tenant)
+        record = self._new(tenant, "LoadWeights")
 
         def work() -> dict[str, Any]:
-            client = self._add_client(new_id, session, source[0], source[1], {})
-            return self._load(client.trainer, path, optimizer)
+            trainer = self._add_client(tenant, new_id, session, base_model, spec, {})
+            return self._load(tenant, trainer, path, optimizer)
 
         return self.turns.run_now(record, work)
 
-    def _loadable(self, path: str, optimizer: bool) -> Checkpoint:
-        found = self.checkpoint(path)
+    def _loadable(self, tenant: str, path: str, optimizer: bool) -> Checkpoint:
+        found = self.checkpoint(tenant, path)
         if optimizer and found.kind != "weights":
             raise Refused(f"{path}: a sampler's weights hold no optimizer state")
         return found
 
-    def _load(self, trainer: TrainingClient, path: str, optimizer: bool) -> dict[str, Any]:
-        found = self._loadable(path, optimizer)
+    def _load(
+        self, tenant: str, trainer: TrainingClient, path: str, optimizer: bool
+    ) -> dict[str, Any]:
+        found = self._loadable(tenant, path, optimizer)
         trainer.load(found.directory, optimizer)
         return {"path": found.path, "model_id": trainer.model_id, "type": "load_weights"}
 
     def client_spec(self, found: Checkpoint) -> tuple[str, LoraSpec]:
-        """The base model and LoRA a checkpoint was made with (from its peft config)."""
+        """The base model and LoRA a checkpoint was made with: its client's, as created."""
+        row = self.store.client(found.client)
+        if row is not None:
+            return row.base_model, _spec(row)
         config = json.loads((found.directory / "adapter_config.json").read_text())
         targets = set(config.get("target_modules") or [])
         spec = LoraSpec(
@@ -343,47 +568,40 @@ class Service:
             train_mlp="up_proj" in targets,
             train_unembed="lm_head" in targets,
         )
-        with self._lock:
-            known = self.clients.get(found.client)
-        return (known.base_model if known else str(self.model)), spec
+        return str(self.model), spec
 
-    def training_runs(self) -> list[dict[str, Any]]:
-        """Every training client, those of the checkpoints on disk included (RestClient's runs)."""
-        with self._lock:
-            known = set(self.clients)
-        on_disk = {c.client for c in self.checkpoints()}
-        return [self.training_run(run) for run in sorted(known | on_disk)]
+    def training_runs(self, tenant: str) -> list[dict[str, Any]]:
+        """The tenant's training clients, lost ones included (RestClient's runs)."""
+        return [self._run(row) for row in self.store.clients(tenant)]
 
-    def training_run(self, run: str) -> dict[str, Any]:
-        with self._lock:
-            client = self.clients.get(run)
-        saved = self.checkpoints(run)
-        if client is None and not saved:
+    def training_run(self, tenant: str, run: str) -> dict[str, Any]:
+        row = self.store.client(run)
+        if row is None or row.tenant != tenant:
             raise NotFound(f"no training run {run!r}")
-        weights = [c for c in saved if c.kind == "weights"]
-        sampler = [c for c in saved if c.kind == "sampler_weights"]
-        if client is not None:
-            spec, base, metadata = client.trainer.spec, client.base_model, client.metadata
-            seen = client.last_request
-        else:
-            base, spec = self.client_spec(saved[-1])
-            metadata, seen = {}, max(c.time for c in saved)
+        return self._run(row)
+
+    def _run(self, row: ClientRow) -> dict[str, Any]:
+        saved = self.store.checkpoints(row.tenant, row.id)
+
+        def newest(kind: str) -> dict[str, Any] | None:
+            found = [c for c in saved if c.kind == kind]
+            return rest_checkpoint(_checkpoint(found[-1]), found[-1].size_bytes) if found else None
+
         return {
-            "training_run_id": run,
-            "base_model": base,
-            "model_owner": "orbit",
+            "training_run_id": row.id,
+            "base_model": row.base_model,
+            "model_owner": row.tenant,
             "is_lora": True,
-            "lora_rank": spec.rank,
+            "lora_rank": row.rank,
             "corrupted": False,
-            "last_request_time": datetime.fromtimestamp(seen, tz=timezone.utc).isoformat(),
-            "last_checkpoint": None,
-            "last_sampler_checkpoint": None,
-            "user_metadata": {k: str(v) for k, v in metadata.items()},
-            "checkpoints": len(weights) + len(sampler),
+            "last_request_time": _iso(row.last_request),
+            "last_checkpoint": newest("weights"),
+            "last_sampler_checkpoint": newest("sampler_weights"),
+            "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
         }
 
-    def weights_info(self, path: str) -> dict[str, Any]:
-        base, spec = self.client_spec(self.checkpoint(path))
+    def weights_info(self, tenant: str, path: str) -> dict[str, Any]:
+        base, spec = self.client_spec(self.checkpoint(tenant, path))
         return {
             "base_model": base,
             "is_lora": True,
@@ -396,48 +614,81 @@ class Service:
     # -- sampling ---------------------------------------------------------------------------
 
     def create_sampler(
-        self, session: str, seq: int, model_path: str | None, base_model: str | None
+        self, tenant: str, session: str, seq: int, model_path: str | None, base_model: str | None
     ) -> str:
+        self._session(tenant, session)
+        sampler = f"{session}:sample:{seq}"
         if model_path:
-            found = self.checkpoint(model_path)
-            config = json.loads((found.directory / "adapter_config.json").read_text())
-            tensors = load_file(found.directory / "adapter_model.safetensors")
-            weights = Weights(model_path, tensors, config)
+            found = self.checkpoint(tenant, model_path)
+            base = self.client_spec(found)[0]
+            weights = _read_weights(model_path, found.directory)
         else:
             self.check_base(base_model or "")
-            weights = BASE
-        sampler = f"{session}:sample:{seq}"
-        with self._lock:
-            self.samplers[sampler] = (weights, model_path)
+            base, weights = base_model or str(self.model), BASE
+        row = SamplerRow(
+            id=sampler,
+            instance=self.store.instance,
+            tenant=tenant,
+            base_model=base,
+            model_path=model_path or None,
+            snapshot=None,
+            created=time.time(),
+        )
+        self._bind(row, weights)
         return sampler
 
-    def sampler_info(self, sampler: str) -> dict[str, Any]:
+    def _bind(self, row: SamplerRow, weights: Weights) -> None:
+        self.store.add_sampler(row)
         with self._lock:
-            found = self.samplers.get(sampler)
-        if found is None:
+            self._weights[row.id] = weights
+
+    def _unbind(self, sampler: str) -> None:
+        with self._lock:
+            weights = self._weights.pop(sampler, None)
+        self.store.drop_sampler(sampler)
+        if weights is not None:
+            self.sampler.forget(weights.key)
+
+    def _sampler(self, tenant: str, sampler: str) -> tuple[SamplerRow, Weights]:
+        """The tenant's sampling session and its weights (read from disk once after a restart)."""
+        row = self.store.sampler(sampler)
+        if row is None or row.tenant != tenant:
             raise NotFound(f"no sampling session {sampler!r}")
-        base = str(self.model)
-        if found[1]:
-            base = self.client_spec(self.checkpoint(found[1]))[0]
-        return {"sampler_id": sampler, "base_model": base, "model_path": found[1]}
+        with self._lock:
+            weights = self._weights.get(sampler)
+        if weights is None:
+            if row.snapshot:
+                weights = _read_weights(f"snapshot:{sampler}:{row.created}", Path(row.snapshot))
+            elif row.model_path:
+                found = self.checkpoint(tenant, row.model_path)
+                weights = _read_weights(row.model_path, found.directory)
+            else:
+                weights = BASE
+            with self._lock:
+                self._weights[sampler] = weights
+        return row, weights
+
+    def sampler_info(self, tenant: str, sampler: str) -> dict[str, Any]:
+        row = self.store.sampler(sampler)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"no sampling session {sampler!r}")
+        return {"sampler_id": sampler, "base_model": row.base_model, "model_path": row.model_path}
 
     def sample(
         self,
+        tenant: str,
         sampler: str,
         prompt: list[int],
         params: SamplingParams,
         n: int,
         stops: Stops,
     ) -> Record:
-        with self._lock:
-            found = self.samplers.get(sampler)
-        if found is None:
-            raise NotFound(f"no sampling session {sampler!r}")
+        _, weights = self._sampler(tenant, sampler)
         self._check_prompt(prompt, params.max_new_tokens)
-        if n < 1:
-            raise Refused(f"num_samples: {n}; at least 1")
-        record = self.futures.new("Sample", proto=True)
-        submitted = self._sampling.submit(self.sampler.sample, found[0], prompt, params, n, stops)
+        if not 1 <= n <= 128:
+            raise Refused(f"num_samples: {n}; from 1 to 128")
+        record = self._new(tenant, "Sample", proto=True)
+        submitted = self._sampling.submit(self.sampler.sample, weights, prompt, params, n, stops)
         submitted.add_done_callback(lambda f: _chain(f, record.future))
         return record
 
@@ -454,6 +705,32 @@ class Service:
                 f"sampling_params.max_tokens: {max_tokens} after a prompt of {len(prompt)} tokens "
                 f"passes the engines' context of {self.max_context} tokens"
             )
+
+
+def _read_weights(key: str, directory: Path) -> Weights:
+    if not (directory / "adapter_config.json").is_file():
+        raise NotFound(f"the weights of {key} are no longer on disk")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return Weights(key, load_file(directory / "adapter_model.safetensors"), config)
+
+
+def rest_checkpoint(c: Checkpoint, size: int) -> dict[str, Any]:
+    """A checkpoint as RestClient reads it."""
+    return {
+        "checkpoint_id": f"{c.kind}/{c.name}",
+        "checkpoint_type": "training" if c.kind == "weights" else "sampler",
+        "time": _iso(c.time),
+        "tinker_path": c.path,
+        "size_bytes": size,
+        "public": False,
+        "expires_at": None,
+    }
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
 def _chain(sampled: Future, result: Future) -> None:

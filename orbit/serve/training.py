@@ -76,6 +76,17 @@ class Turns:
             self._cond.notify_all()
         return record
 
+    def skip(self, client: str, seq_id: int) -> None:
+        """Request `seq_id` of `client` was refused before it was queued: the ones after it need
+        not wait for it."""
+        if seq_id <= 0:
+            return
+        skipped = Record(f"skipped-{client}-{seq_id}", "Skipped", False, "")
+        try:
+            self.submit(client, seq_id, skipped, lambda: None)
+        except RequestFailed:
+            pass  # already ran, or no such client: nothing waits for it
+
     def run_now(self, record: Record, work: Work) -> Record:
         """Work outside any client's order (creating a client), on the trainer thread, next."""
         with self._cond:

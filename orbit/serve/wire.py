@@ -86,6 +86,20 @@ def tensor(message: pb.Tensor, what: str) -> torch.Tensor:
         raise WireError(f"{what}: a bad sparse tensor ({err})") from None
 
 
+def unzstd(body: bytes, limit: int) -> bytes:
+    """A zstd-compressed body, at most `limit` bytes once decompressed (no bomb fills memory)."""
+    import zstandard
+
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        out = reader.read(limit + 1)
+    except zstandard.ZstdError as err:
+        raise WireError(f"the body is not zstd data ({err})") from None
+    if len(out) > limit:
+        raise WireError(f"the body decompresses past {limit} bytes")
+    return out
+
+
 def forward_backward(body: bytes) -> ForwardBackward:
     """A forward_backward request's body, decoded. WireError names what is wrong."""
     try:

@@ -224,6 +224,6 @@ CHECKS = {
 
 if __name__ == "__main__":
     base_url, model, check = sys.argv[1], sys.argv[2], sys.argv[3]
-    with tinker.ServiceClient(base_url=base_url, api_key="tml-local") as service:
+    with tinker.ServiceClient(base_url=base_url) as service:  # the key: TINKER_API_KEY
         result = CHECKS[check](service, model)
     print("RESULT " + json.dumps(result))

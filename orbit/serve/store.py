@@ -1,0 +1,353 @@
+"""The service's state in a database: tenants' sessions, training clients, sampling sessions,
+futures and checkpoints, so that a restart loses nothing a client was told. SQLite in the serve
+directory by default; any URL SQLAlchemy speaks (PostgreSQL for a service on several hosts). The
+schema is these tables; its changes are Alembic migrations (orbit/serve/migrations), applied when
+the store opens.
+
+Each row that only one `orbit serve` process can act on (a client's adapter, a running future, a
+checkpoint in its directory, a snapshot) carries that process's `instance` (its host and serve
+directory), so that processes sharing one database recover only their own after a restart.
+
+What lives only in memory, and why: a training client's adapter and optimizer (the trainer's, in
+the shared base; `save_state` writes them to disk), and the concurrent futures a poll waits on. A
+row says what outlives a restart: a client that was alive is marked lost, a future that was running
+is failed with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    create_engine,
+    delete,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created: Mapped[float] = mapped_column(Float)
+    seen: Mapped[float] = mapped_column(Float)
+
+
+class ClientRow(Base):
+    """A training client: its LoRA as created, and whether its adapter is in this process."""
+
+    __tablename__ = "clients"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance: Mapped[str] = mapped_column(String(512), index=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    session: Mapped[str] = mapped_column(String(64))
+    base_model: Mapped[str] = mapped_column(Text)
+    rank: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    train_attn: Mapped[bool] = mapped_column(Boolean)
+    train_mlp: Mapped[bool] = mapped_column(Boolean)
+    train_unembed: Mapped[bool] = mapped_column(Boolean)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created: Mapped[float] = mapped_column(Float)
+    last_request: Mapped[float] = mapped_column(Float)
+    alive: Mapped[bool] = mapped_column(Boolean)  # False once a restart took its adapter
+    last_state: Mapped[str | None] = mapped_column(Text, nullable=True)  # newest save_state
+
+
+class SamplerRow(Base):
+    """A sampling session: the base model, a checkpoint, or a snapshot written under the serve
+    directory."""
+
+    __tablename__ = "samplers"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance: Mapped[str] = mapped_column(String(512), index=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    base_model: Mapped[str] = mapped_column(Text)
+    model_path: Mapped[str | None] = mapped_column(Text, nullable=True)  # tinker://...
+    snapshot: Mapped[str | None] = mapped_column(Text, nullable=True)  # a directory
+    created: Mapped[float] = mapped_column(Float)
+
+
+class FutureRow(Base):
+    __tablename__ = "futures"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    instance: Mapped[str] = mapped_column(String(512), index=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16), index=True)  # pending | done | failed
+    proto: Mapped[bool] = mapped_column(Boolean)
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    category: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    created: Mapped[float] = mapped_column(Float)
+    done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    path: Mapped[str] = mapped_column(String(512), primary_key=True)  # tinker://client/kind/name
+    instance: Mapped[str] = mapped_column(String(512), index=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    client: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(255))
+    directory: Mapped[str] = mapped_column(Text)
+    created: Mapped[float] = mapped_column(Float)
+    size_bytes: Mapped[int] = mapped_column(Integer)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished future as stored: its result's bytes (JSON text unless `proto`), or its error."""
+
+    proto: bool
+    result: bytes | None
+    error: str | None
+    category: str | None
+
+
+def instance(directory: Path) -> str:
+    """Which `orbit serve` process a row is for: its host and serve directory (a restart on the
+    same directory is the same one)."""
+    return f"{socket.gethostname()}:{directory.resolve()}"
+
+
+def default_url(directory: Path) -> str:
+    return f"sqlite:///{(directory / 'orbit-serve.db').resolve()}"
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL: readers (the REST routes) never wait for the trainer's writes; a write is on disk once
+    # its transaction commits (synchronous FULL), so what a client was told survives a kill -9
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+class Store:
+    """The database behind one `orbit serve` (or several, sharing a PostgreSQL)."""
+
+    def __init__(self, url: str, instance: str = "") -> None:
+        self.url, self.instance = url, instance
+        sqlite = url.startswith("sqlite")
+        self.engine: Engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {},
+            pool_pre_ping=not sqlite,
+        )
+        if sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._lock = threading.Lock() if sqlite else None  # SQLite: one writer at a time
+        migrate(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        if self._lock is None:
+            with Session(self.engine, expire_on_commit=False) as s, s.begin():
+                yield s
+            return
+        with self._lock, Session(self.engine, expire_on_commit=False) as s, s.begin():
+            yield s
+
+    # -- after a restart -------------------------------------------------------------------
+
+    def recover(self, reason: str) -> tuple[int, int]:
+        """What a restart ended: running futures fail with `reason`, live clients are lost.
+        (futures failed, clients lost)."""
+        now = time.time()
+        pending = (FutureRow.state == "pending") & (FutureRow.instance == self.instance)
+        alive = ClientRow.alive.is_(True) & (ClientRow.instance == self.instance)
+        with self._tx() as s:
+            futures = s.scalar(select(func.count()).select_from(FutureRow).where(pending))
+            clients = s.scalar(select(func.count()).select_from(ClientRow).where(alive))
+            s.execute(
+                update(FutureRow)
+                .where(pending)
+                .values(state="failed", error=reason, category="server", done_at=now)
+            )
+            s.execute(update(ClientRow).where(alive).values(alive=False))
+        return int(futures or 0), int(clients or 0)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def add_session(self, row: SessionRow) -> None:
+        with self._tx() as s:
+            s.add(row)
+
+    def session(self, session_id: str) -> SessionRow | None:
+        with self._tx() as s:
+            return s.get(SessionRow, session_id)
+
+    def seen(self, session_id: str) -> None:
+        with self._tx() as s:
+            s.execute(
+                update(SessionRow).where(SessionRow.id == session_id).values(seen=time.time())
+            )
+
+    # -- training clients -------------------------------------------------------------------
+
+    def add_client(self, row: ClientRow) -> None:
+        with self._tx() as s:
+            s.merge(row)
+
+    def client(self, model_id: str) -> ClientRow | None:
+        with self._tx() as s:
+            return s.get(ClientRow, model_id)
+
+    def clients(self, tenant: str | None = None) -> list[ClientRow]:
+        """The tenant's training clients (None: every tenant's)."""
+        query = select(ClientRow).order_by(ClientRow.tenant, ClientRow.created)
+        if tenant is not None:
+            query = query.where(ClientRow.tenant == tenant)
+        with self._tx() as s:
+            return list(s.scalars(query))
+
+    def live_clients(self, tenant: str) -> int:
+        with self._tx() as s:
+            query = select(func.count()).where(ClientRow.tenant == tenant, ClientRow.alive)
+            return int(s.scalar(query.select_from(ClientRow)) or 0)
+
+    def touch_client(self, model_id: str, last_state: str | None = None) -> None:
+        values: dict[str, Any] = {"last_request": time.time()}
+        if last_state is not None:
+            values["last_state"] = last_state
+        with self._tx() as s:
+            s.execute(update(ClientRow).where(ClientRow.id == model_id).values(**values))
+
+    # -- sampling sessions ------------------------------------------------------------------
+
+    def add_sampler(self, row: SamplerRow) -> None:
+        with self._tx() as s:
+            s.merge(row)
+
+    def sampler(self, sampler_id: str) -> SamplerRow | None:
+        with self._tx() as s:
+            return s.get(SamplerRow, sampler_id)
+
+    def samplers(self) -> list[SamplerRow]:
+        with self._tx() as s:
+            return list(s.scalars(select(SamplerRow)))
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        with self._tx() as s:
+            s.execute(delete(SamplerRow).where(SamplerRow.id == sampler_id))
+
+    # -- futures ----------------------------------------------------------------------------
+
+    def add_future(self, future_id: str, tenant: str, kind: str, proto: bool) -> None:
+        row = FutureRow(
+            id=future_id,
+            instance=self.instance,
+            tenant=tenant,
+            kind=kind,
+            state="pending",
+            proto=proto,
+            created=time.time(),
+        )
+        with self._tx() as s:
+            s.add(row)
+
+    def finish_future(
+        self, future_id: str, result: Any = None, error: str | None = None, category: str = ""
+    ) -> None:
+        if error is None:
+            data = result if isinstance(result, bytes) else json.dumps(result).encode()
+            values: dict[str, Any] = {"state": "done", "result": data}
+        else:
+            values = {"state": "failed", "error": error, "category": category or "server"}
+        with self._tx() as s:
+            s.execute(
+                update(FutureRow)
+                .where(FutureRow.id == future_id)
+                .values(done_at=time.time(), **values)
+            )
+
+    def future(self, future_id: str) -> tuple[str, Outcome | None] | None:
+        """(tenant, its outcome: None while it runs), or None for an id never issued."""
+        with self._tx() as s:
+            row = s.get(FutureRow, future_id)
+        if row is None:
+            return None
+        if row.state == "pending":
+            return row.tenant, None
+        return row.tenant, Outcome(row.proto, row.result, row.error, row.category)
+
+    def purge_futures(self, older_than: float) -> None:
+        with self._tx() as s:
+            s.execute(
+                delete(FutureRow).where(
+                    FutureRow.state != "pending", FutureRow.done_at < older_than
+                )
+            )
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        with self._tx() as s:
+            s.merge(row)
+
+    def checkpoint(self, path: str) -> CheckpointRow | None:
+        with self._tx() as s:
+            return s.get(CheckpointRow, path)
+
+    def checkpoints(
+        self, tenant: str | None = None, client: str | None = None, mine: bool = False
+    ) -> list[CheckpointRow]:
+        """A tenant's checkpoints (None: every tenant's), a client's, or this process's."""
+        query = select(CheckpointRow).order_by(CheckpointRow.created)
+        if mine:
+            query = query.where(CheckpointRow.instance == self.instance)
+        if tenant is not None:
+            query = query.where(CheckpointRow.tenant == tenant)
+        if client is not None:
+            query = query.where(CheckpointRow.client == client)
+        with self._tx() as s:
+            return list(s.scalars(query))
+
+    def drop_checkpoint(self, path: str) -> None:
+        with self._tx() as s:
+            s.execute(delete(CheckpointRow).where(CheckpointRow.path == path))
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the database's schema to the newest migration (a new database: all of them)."""
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")

@@ -1,0 +1,88 @@
+"""The service's database (orbit/serve/store.py), one piece on its own: its migrations make the
+schema its tables declare, a restart fails exactly its own running futures and loses exactly its
+own clients, what ended before a restart is answered as it ended, and the keys file. The whole
+service: tests/test_serve_service.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from orbit.serve.futures import Futures, RequestFailed, result_of
+from orbit.serve.keys import Keys, KeysError, read_keys, tenant_of
+from orbit.serve.store import Base, ClientRow, Store
+
+
+def _store(tmp_path, instance: str = "host:/serve") -> Store:
+    return Store(f"sqlite:///{tmp_path / 'serve.db'}", instance)
+
+
+def _client(store: Store, model_id: str) -> None:
+    now = time.time()
+    store.add_client(
+        ClientRow(id=model_id, instance=store.instance, tenant="t", session="s",
+                  base_model="m", rank=4, seed=None, train_attn=True, train_mlp=True,
+                  train_unembed=True, user_metadata={}, created=now, last_request=now,
+                  alive=True, last_state=None)
+    )  # fmt: skip
+
+
+def test_the_migrations_make_the_declared_schema(tmp_path):
+    store = _store(tmp_path)
+    with store.engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    store.close()
+    _store(tmp_path).close()  # opening it again migrates nothing and fails nothing
+
+
+def test_a_restart_fails_its_running_futures_and_answers_the_rest(tmp_path):
+    store = _store(tmp_path)
+    futures = Futures(store)
+    done, running = futures.new("OptimStep", "t"), futures.new("ForwardBackward", "t", proto=True)
+    done.future.set_result({"metrics": {"grad_norm": 1.5}})
+    _client(store, "s:train:0")
+    other = Store(store.url, "other-host:/serve")  # a second process on the same database
+    other_running = Futures(other).new("Sample", "t")
+    store.close()
+
+    again = _store(tmp_path)
+    assert again.recover("restarted") == (1, 1)
+    futures = Futures(again)
+    answered = result_of(futures.get(done.id, "t"))
+    assert answered == (b'{"metrics": {"grad_norm": 1.5}}', False)
+    failed = result_of(futures.get(running.id, "t"))
+    assert isinstance(failed, RequestFailed) and str(failed) == "restarted"
+    assert failed.category == "server"
+    assert futures.get(done.id, "someone else") is None  # another tenant's: not found
+    assert not again.client("s:train:0").alive
+    assert other.future(other_running.id) == ("t", None)  # the other process's: still running
+
+
+def test_a_keys_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# the team\ntml-alice-1\n\ntml-bob-2\n")
+    keys = read_keys(path)
+    assert keys.tenant("tml-alice-1") == tenant_of("tml-alice-1") != keys.tenant("tml-bob-2")
+    assert keys.tenant("tml-carol") is None and keys.tenant(None) is None
+    assert Keys().tenant(None) == Keys().tenant("tml-anything") == "local"
+    for text, says in (("tml-a\nsk-not-tinker\n", "line 2"), ("# none\n", "no keys")):
+        path.write_text(text)
+        with pytest.raises(KeysError, match=says):
+            read_keys(path)
+
+
+def test_a_replaced_directory_is_the_old_or_the_new_one_after_a_kill(tmp_path):
+    from orbit.host.files import recover_dir, write_dir
+
+    target = tmp_path / "latest"
+    write_dir(target, lambda d: (d / "v").write_text("1"))
+    write_dir(target, lambda d: (d / "v").write_text("2"), replace=True)
+    assert (target / "v").read_text() == "2" and [p.name for p in tmp_path.iterdir()] == ["latest"]
+    # a kill after the old one was set aside, before the new one was renamed in: the old comes back
+    target.rename(tmp_path / ".latest.0a1b2c3d.old")
+    (tmp_path / ".latest.9f8e7d6c.tmp").mkdir()
+    recover_dir(tmp_path)
+    assert (target / "v").read_text() == "2" and [p.name for p in tmp_path.iterdir()] == ["latest"]
