@@ -1,0 +1,89 @@
+"""The service's page: `orbit serve RECIPE --watch`. Every tenant's training clients (their steps,
+their losses, how many of their requests wait), the engines and what each slot holds, and each kind
+of request's latency; refreshed every two seconds, drawn with Plotly (the `plotly` package's own
+script: nothing is fetched from the web).
+
+It listens on 127.0.0.1 only, on a port of its own, whatever `--host` the API has: it names every
+tenant's clients, so it is for whoever runs the service. Tenants appear as their key's digest
+(keys.py): no key is on it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, Response
+
+from orbit.host.net import ThreadServer
+from orbit.serve.service import Service
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1]
+
+
+def state(service: Service) -> dict[str, Any]:
+    """What the page shows, now."""
+    waiting = service.futures.waiting()
+    trainers = service.live()
+    clients = []
+    for row in service.store.clients():
+        trainer = trainers.get(row.id)
+        clients.append(
+            {
+                "tenant": row.tenant,
+                "id": row.id,
+                "rank": row.rank,
+                "alive": trainer is not None,
+                "steps": trainer.steps if trainer else None,
+                "losses": list(trainer.losses) if trainer else [],
+                "queued": service.turns.pending(row.id),
+            }
+        )
+    latency = service.futures.latencies()
+    return {
+        "tenants": {t: {"waiting": n} for t, n in sorted(waiting.items())},
+        "clients": clients,
+        "engines": [
+            {"slots": list(cache.held), "running": list(cache.running), "load": cache.load()}
+            for cache in service.sampler.caches
+        ],
+        "latency": {
+            kind: {
+                "count": len(v),
+                "p50": _quantile(v, 0.5),
+                "p99": _quantile(v, 0.99),
+            }
+            for kind, v in sorted(latency.items())
+        },
+    }
+
+
+def watch_app(service: Service) -> FastAPI:
+    app = FastAPI(title="orbit serve: the page")
+
+    @app.get("/", response_class=HTMLResponse)
+    def index() -> str:
+        return resources.files("orbit.pages").joinpath("static/serve.html").read_text()
+
+    @app.get("/api/state")
+    def current() -> dict[str, Any]:
+        return state(service)
+
+    @app.get("/plotly.min.js")
+    def plotly_js() -> Response:
+        from plotly.offline import get_plotlyjs
+
+        return Response(get_plotlyjs(), media_type="application/javascript")
+
+    return app
+
+
+def watch(service: Service, port: int | None = None) -> ThreadServer:
+    """The page's server, started, on 127.0.0.1."""
+    return ThreadServer(watch_app(service), "127.0.0.1", port, name="orbit serve page").start()

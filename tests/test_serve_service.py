@@ -1,0 +1,386 @@
+"""`orbit serve` as a service people share (docs/tinker.md, "Running it for a team"): keys and
+tenants that cannot reach one another's things by any route, bad input that hurts only its sender,
+and restarts that lose nothing a client was told, through the real `tinker` SDK (make tinker) and
+raw HTTP for what the SDK would never send."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from tinker_helpers import ROOT, sdk, sdk_env, sdk_python, serving
+
+from orbit.serve import tinker_pb2 as pb
+from orbit.serve.command import Options
+from orbit.serve.keys import Keys, read_keys, tenant_of
+
+pytestmark = pytest.mark.slow
+
+KEY_A, KEY_B = "tml-tenant-a-4b1f", "tml-tenant-b-90c2"
+SERVICE = Path(__file__).resolve().parent / "tinker" / "sdk_service.py"
+SLOW_SERVE = Path(__file__).resolve().parent / "tinker" / "slow_serve.py"
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_llama, tmp_path_factory):
+    """One service with two keys, and what key A made in it."""
+    keys_file = tmp_path_factory.mktemp("keys") / "keys"
+    keys_file.write_text(f"# two tenants\n{KEY_A}\n\n{KEY_B}\n")
+    options = Options(keys=read_keys(keys_file))
+    with serving(tiny_llama, tmp_path_factory.mktemp("serve-shared"), options) as (url, service):
+        made = sdk(url, tiny_llama, "owner", key=KEY_A, script=SERVICE)
+        yield url, service, tiny_llama, made
+
+
+def _post(url: str, route: str, key: str | None, **kw) -> httpx.Response:
+    headers = {"X-API-Key": key} if key else {}
+    return httpx.post(f"{url}/api/v1/{route}", headers=headers, timeout=30, **kw)
+
+
+def test_keys_are_required_and_never_kept(shared, tmp_path):
+    url, service, _, _ = shared
+    for key, why in ((None, "X-API-Key: one is required"), ("tml-wrong", "a key this orbit")):
+        res = _post(url, "create_session", key, json={})
+        assert res.status_code == 401 and why in res.json()["detail"], res.text
+    assert httpx.get(f"{url}/api/v1/healthz", timeout=10).status_code == 200
+    database = b"".join(p.read_bytes() for p in service.directory.glob("orbit-serve.db*"))
+    assert KEY_A.encode() not in database and tenant_of(KEY_A).encode() in database
+    bad = tmp_path / "bad-keys"
+    bad.write_text("tml-ok\nnot a key\n")
+    with pytest.raises(ValueError, match="line 2"):
+        read_keys(bad)
+    assert Keys().tenant(None) == "local"  # no keys file: one tenant, any key
+
+
+def test_a_tenant_cannot_reach_anothers_things_by_any_route(shared):
+    url, service, model, a = shared
+    seen = sdk(url, model, "intruder", key=KEY_B, script=SERVICE, arg=json.dumps(a))
+    assert a["model_id"] not in seen["runs"] and seen["own_run"] in seen["runs"]
+    assert not any(p.startswith(f"tinker://{a['model_id']}") for p in seen["checkpoints"])
+    for attempt in ("get_run", "run_checkpoints", "weights_info", "delete", "sample_path"):
+        assert "NotFound" in seen[attempt] or "404" in seen[attempt], (attempt, seen[attempt])
+    for attempt in ("load_state", "from_state"):
+        assert "no checkpoint" in seen[attempt], (attempt, seen[attempt])
+    # what the SDK would never send: key A's ids in key B's requests, each a clean 404
+    session = a["model_id"].split(":")[0]
+    guesses = {
+        "session_heartbeat": {"session_id": session},
+        "get_info": {"model_id": a["model_id"]},
+        "optim_step": {"model_id": a["model_id"], "seq_id": 99},
+        "save_weights": {"model_id": a["model_id"], "path": "stolen"},
+        "create_sampling_session": {
+            "session_id": session,
+            "sampling_session_seq_id": 9,
+            "model_path": a["sampler_path"],
+        },
+        "asample": {
+            "sampling_session_id": a["sampler_id"],
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        },
+        "retrieve_future": {"request_id": "req-1"},
+    }
+    for route, body in guesses.items():
+        res = _post(url, route, KEY_B, json=body)
+        assert res.status_code == 404 and "\n" not in res.json()["detail"], (route, res.text)
+    for path in (f"training_runs/{a['model_id']}", f"samplers/{a['sampler_id']}"):
+        res = httpx.get(f"{url}/api/v1/{path}", headers={"X-API-Key": KEY_B}, timeout=10)
+        assert res.status_code == 404, (path, res.text)
+    # and key A's things are all still there
+    assert service.checkpoint(tenant_of(KEY_A), a["state"]).directory.is_dir()
+    assert len(service.checkpoints(tenant_of(KEY_A))) == 2
+
+
+def _fb_body(model_id: str, tokens: list[int], loss: str = "cross_entropy", **inputs) -> bytes:
+    def tensor(values: list[float], dtype=pb.DTYPE_FLOAT32) -> pb.Tensor:
+        kind = torch.float32 if dtype == pb.DTYPE_FLOAT32 else torch.int64
+        raw = torch.tensor(values, dtype=kind).numpy().tobytes()
+        return pb.Tensor(dtype=dtype, shape=[len(values)], dense=raw)
+
+    targets = inputs.pop("targets", tokens[1:] + [tokens[0]])
+    loss_inputs = {"target_tokens": tensor(targets, pb.DTYPE_INT64)}
+    for name, values in inputs.items():
+        loss_inputs[name] = tensor(values)
+    datum = pb.Datum(loss_fn_inputs=loss_inputs)
+    chunk = datum.model_input.add()
+    chunk.encoded_text.tokens = torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()
+    return pb.ForwardBackwardRequest(
+        model_id=model_id, seq_id=0, loss_fn=loss, data=[datum]
+    ).SerializeToString()
+
+
+def test_bad_input_hurts_only_its_sender(shared):
+    """Each malformed request gets a 4xx with one line naming what was wrong; the service and key
+    A's client go on, its adapter and optimizer unchanged."""
+    url, service, _, a = shared
+    tenant = tenant_of(KEY_A)
+    trainer = service.client(tenant, a["model_id"])
+    weights = trainer.adapter()[0]
+    optimizer = {k: v.clone() for k, v in _optimizer_tensors(trainer).items()}
+    mid, n = a["model_id"], 6
+    tokens = list(range(1, n + 1))
+    ones = [1.0] * n
+    fb = "forward_backward"
+    cases = {
+        "malformed protobuf": (fb, {"content": b"\x0a\xff\xff\xff not a message"}, "protocol"),
+        "malformed JSON": ("optim_step", {"content": b"{not json"}, "not JSON"),
+        "JSON not an object": ("optim_step", {"json": [1, 2]}, "not a JSON object"),
+        "unknown loss": (fb, {"content": _fb_body(mid, tokens, "dro", weights=ones)}, "dro"),
+        "mismatched lengths": (
+            fb,
+            {"content": _fb_body(mid, tokens, weights=[1.0] * (n - 1))},
+            "weights",
+        ),
+        "token outside the vocabulary": (
+            fb,
+            {"content": _fb_body(mid, [*tokens[:-1], 10**6], weights=ones)},
+            "outside the vocabulary",
+        ),
+        "non-finite advantage": (
+            fb,
+            {
+                "content": _fb_body(
+                    mid,
+                    tokens,
+                    "importance_sampling",
+                    logprobs=[-1.0] * n,
+                    advantages=[float("nan")] * n,
+                )
+            },
+            "not finite",
+        ),
+        "empty batch": (
+            fb,
+            {
+                "content": pb.ForwardBackwardRequest(
+                    model_id=mid, loss_fn="cross_entropy"
+                ).SerializeToString()
+            },
+            "no datums",
+        ),
+        "non-finite learning rate": (
+            "optim_step",
+            {"json": {"model_id": mid, "adam_params": {"learning_rate": float("inf")}}},
+            "not finite",
+        ),
+        "max_tokens past the context": (
+            "asample",
+            {
+                "json": {
+                    "sampling_session_id": a["sampler_id"],
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                    "sampling_params": {"max_tokens": 10**6},
+                }
+            },
+            "context",
+        ),
+        "body past the size limit": (fb, {"content": b"\0" * (65 * 2**20)}, "at most"),
+        "unknown model": ("get_info", {"json": {"model_id": "nobody:train:0"}}, "no training"),
+        "unknown sampler": (
+            "asample",
+            {
+                "json": {
+                    "sampling_session_id": "nobody:sample:0",
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+                }
+            },
+            "no sampling session",
+        ),
+        "a path that is not a checkpoint": (
+            "weights_info",
+            {"json": {"tinker_path": "tinker://../../etc/passwd"}},
+            "not a checkpoint path",
+        ),
+    }
+    for name, (route, send, says) in cases.items():
+        if "json" in send and isinstance(send["json"], dict):  # keep inf and nan as JSON numbers
+            send = {"content": json.dumps(send["json"]).encode()}
+        res = _post(url, route, KEY_A, **send)
+        detail = res.json().get("detail", "")
+        assert 400 <= res.status_code < 500, (name, res.status_code, res.text)
+        assert says in detail and "\n" not in detail, (name, detail)
+    assert httpx.get(f"{url}/api/v1/healthz", timeout=10).status_code == 200
+    after = trainer.adapter()[0]
+    assert all(torch.equal(after[k], v) for k, v in weights.items())
+    assert all(torch.equal(_optimizer_tensors(trainer)[k], v) for k, v in optimizer.items())
+    # the client goes on: its next request (numbered after the refused ones) runs at once
+    again = sdk(url, service.model, "owner", key=KEY_A, script=SERVICE)
+    assert again["model_id"] != a["model_id"]
+
+
+@pytest.mark.timeout(400)
+def test_eight_training_clients_and_eight_samplers_all_progress(shared):
+    """16 clients at once on one base: all finish, and the trainer's turns go round (every training
+    client has stepped before the first one is done with all of its steps)."""
+    url, service, model, _ = shared
+    spec = {"clients": 8, "samplers": 8, "steps": 3}
+    seen = sdk(url, model, "load", key=KEY_A, script=SERVICE, arg=json.dumps(spec), timeout=380)
+    clients = seen["clients"]
+    assert len(clients) == 16 and all("finished_s" in c for c in clients.values()), clients
+    trainers = [c for name, c in clients.items() if name.startswith("train")]
+    first_done = min(c["finished_s"] for c in trainers)
+    assert all(c["optim_step_done_s"][0] < first_done for c in trainers)
+    assert all(len(c["asample"]) == 3 for n, c in clients.items() if n.startswith("sample"))
+    print(f"\n16 clients, 3 steps each: {seen['seconds']:.1f} s")
+
+
+def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:
+    state = trainer.optimizer.state_dict()["state"]
+    return {f"{i}.{k}": v for i, s in state.items() for k, v in s.items() if torch.is_tensor(v)}
+
+
+# ---- restarts ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`orbit serve` as its own process (slowed where `slow` says: tests/tinker/slow_serve.py)."""
+
+    def __init__(self, recipe: Path, directory: Path, port: int, slow: str) -> None:
+        args = [sys.executable, str(SLOW_SERVE), slow, "serve", str(recipe)]
+        args += ["--port", str(port), "--dir", str(directory)]
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        self.lines: list[str] = []
+        self.wait_for("serving the Tinker API", 120)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"no {text!r} from orbit serve:\n{''.join(self.lines)[-3000:]}")
+
+    def kill(self) -> list[psutil.Process]:
+        """SIGKILL, as the OOM killer would; what it started, to check that it goes too."""
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        return children
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _driver(url: str, model: Path, step: str, arg: str = "") -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(sdk_python()), str(SERVICE), url, str(model), step, *([arg] if arg else [])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=sdk_env("tml-local"),
+    )
+
+
+def _result(driver: subprocess.Popen, timeout: float = 180) -> dict:
+    out = driver.communicate(timeout=timeout)[0]
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert driver.returncode == 0 and lines, out[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _gone(children: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, f"left running after orbit serve was killed: {alive}"
+
+
+@pytest.mark.timeout(600)
+def test_kill_mid_step_and_mid_save_then_continue_exactly(tiny_llama, tmp_path):
+    """kill -9 in an optim_step, start again, a new client from the saved state continues; kill -9
+    in a save over a checkpoint, start again: the old checkpoint stands. Each future the kill ended
+    fails with the reason (none hangs), and the run equals one never killed (1e-6)."""
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(json.dumps({"model": str(tiny_llama), "engine": {"backend": "embedded"}}))
+    directory, port = tmp_path / "serve", _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Server(recipe, directory, port, "optim")
+    try:
+        driver = _driver(url, tiny_llama, "before_kill")
+        server.wait_for("OPTIM_STEP_RUNNING", 120)
+        _gone(server.kill())
+        server = Server(recipe, directory, port, "save")
+        first = _result(driver)
+        assert "restarted while this request ran" in first["lost"], first
+
+        driver = _driver(url, tiny_llama, "resume_then_kill", first["state"])
+        server.wait_for("SAVE_RUNNING", 120)
+        _gone(server.kill())
+        server = Server(recipe, directory, port, "none")
+        second = _result(driver)
+        assert "restarted while this request ran" in second["lost"], second
+
+        final = _result(_driver(url, tiny_llama, "after"))
+    finally:
+        server.stop()
+    assert {first["state"], second["latest"]} <= set(final["checkpoints"])
+
+    def saved(path: str) -> Path:
+        return directory / "checkpoints" / path.removeprefix("tinker://")
+
+    latest, ref = saved(second["latest"]), saved(final["ref"])
+    assert not [p for p in latest.parent.iterdir() if p.name.startswith(".")]  # nothing half done
+    want, got = (
+        load_file(ref / "adapter_model.safetensors"),
+        load_file(latest / "adapter_model.safetensors"),
+    )
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) < 1e-6
+    opt_want = torch.load(ref / "optimizer.pt", weights_only=True)["state"]
+    opt_got = torch.load(latest / "optimizer.pt", weights_only=True)["state"]
+    for i, s in opt_want.items():
+        for k, v in s.items():
+            assert float((torch.as_tensor(v) - torch.as_tensor(opt_got[i][k])).abs().max()) < 1e-6
+
+
+def test_the_services_page_shows_clients_engines_and_latency_and_no_key(shared):
+    from browser import browser
+
+    from orbit.serve.page import watch
+
+    url, service, _, a = shared
+    page_server = watch(service)
+    try:
+        with browser() as page:
+            page.goto(page_server.url)
+            page.wait_for_function(
+                f"document.querySelector('#clients tbody').textContent.includes('{a['model_id']}')",
+                timeout=15_000,
+            )
+            text = page.content()
+            rows = page.locator("#requests tbody tr").all_inner_texts()
+            assert any(r.startswith("ForwardBackward") for r in rows), rows
+            assert page.locator("#losses .main-svg").count() > 0  # the loss chart is drawn
+            assert page.locator("#engines tbody tr").count() == len(service.sampler.caches)
+    finally:
+        page_server.stop()
+    assert tenant_of(KEY_A) in text and KEY_A not in text and KEY_B not in text
