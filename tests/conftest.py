@@ -127,3 +127,24 @@ def smollm2() -> Path:
 
     import_model(gguf, SMOLLM2)
     return SMOLLM2
+
+
+# `orbit serve` on the tiny model on each engine, shared by the SDK tests (tests/test_tinker.py) and
+# the cookbook's steps on SGLang (tests/test_cookbook.py): one start of each engine for both
+TINKER_ENGINES = [
+    "embedded",
+    # skip without sglang, fail in CI (tests/sglang_gate.py)
+    pytest.param("sglang", marks=pytest.mark.sglang),
+    pytest.param("sglang-server", marks=pytest.mark.sglang),
+]
+
+
+@pytest.fixture(scope="session", params=TINKER_ENGINES)
+def tinker_served(request, tiny_llama, tmp_path_factory):
+    """(its address, the service, the model) of `orbit serve` on `request.param`'s engine."""
+    from tinker_helpers import serving
+
+    engine = {"backend": request.param, "max_running": 16}
+    directory = tmp_path_factory.mktemp(f"serve-{request.param}")
+    with serving(tiny_llama, directory, engine=engine) as (url, service):
+        yield url, service, tiny_llama

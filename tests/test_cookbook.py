@@ -116,35 +116,35 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
 
 @pytest.mark.sglang
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["sglang", "sglang-server"])
-def test_math_rl_steps_on_sglang(smollm2, tmp_path, backend):
+@pytest.mark.parametrize("tinker_served", ["sglang", "sglang-server"], indirect=True)
+def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
     """The same recipe, unmodified, on SGLang in-process and as a server (a LoRA on every projection
-    and on the output projection, as the cookbook asks)."""
-    engine = {"backend": backend, "max_running": 16, "max_context": 1024}
-    with serving(smollm2, tmp_path / "serve", engine=engine) as (url, _):
-        rl = _cookbook(
-            "math_rl",
-            {
-                "model_name": smollm2.resolve(),
-                "renderer_name": "role_colon",
-                "lora_rank": 4,
-                "behavior_if_log_dir_exists": "delete",
-                "env": "arithmetic",
-                "loss_fn": "importance_sampling",
-                "group_size": 4,
-                "groups_per_batch": 2,
-                "max_tokens": 6,
-                "max_steps": 2,
-                "learning_rate": 3e-4,
-                "eval_every": 0,
-                "save_every": 0,
-                "log_path": tmp_path / "rl",
-            },
-            url,
-        )
-        output = rl.communicate(timeout=540)[0]
-        assert rl.returncode == 0, output[-4000:]
+    and on the output projection, as the cookbook asks), on the tiny model: the SDK tests' services
+    (tests/conftest.py), one start of each engine for both."""
+    url, _, model = tinker_served
+    rl = _cookbook(
+        "math_rl",
+        {
+            "model_name": model.resolve(),
+            "renderer_name": "role_colon",
+            "lora_rank": 4,
+            "behavior_if_log_dir_exists": "delete",
+            "env": "arithmetic",
+            "loss_fn": "importance_sampling",
+            "group_size": 4,
+            "groups_per_batch": 2,
+            "max_tokens": 6,
+            "max_steps": 2,
+            "learning_rate": 3e-4,
+            "eval_every": 0,
+            "save_every": 0,
+            "log_path": tmp_path / "rl",
+        },
+        url,
+    )
+    output = rl.communicate(timeout=540)[0]
+    assert rl.returncode == 0, output[-4000:]
     rows = [r for r in _rows(tmp_path / "rl") if "optim/kl_sample_train_v1" in r]
     assert len(rows) == 2
-    print(f"\n{backend}: kl_sample_train {[r['optim/kl_sample_train_v1'] for r in rows]}")
+    print(f"\nkl_sample_train on SGLang: {[r['optim/kl_sample_train_v1'] for r in rows]}")
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-2 for r in rows)

@@ -17,24 +17,15 @@ from orbit.serve.keys import LOCAL
 pytestmark = pytest.mark.slow
 
 
-ENGINES = [
-    "embedded",
-    # skip without sglang, fail in CI (tests/sglang_gate.py)
-    pytest.param("sglang", marks=pytest.mark.sglang),
-    pytest.param("sglang-server", marks=pytest.mark.sglang),
-]
 # How far the engine's logprobs of what it sampled may be from the trainer's: the embedded engine is
 # the reference; SGLang's own kernels differ in rounding (printed, docs/tinker.md)
 AGREEMENT = {"embedded": 1e-4, "sglang": 1e-2, "sglang-server": 1e-2}
 
 
-@pytest.fixture(scope="module", params=ENGINES)
-def served(request, tiny_llama, tmp_path_factory):
-    """The service on each engine: for what the engines do (sampling)."""
-    engine = {"backend": request.param, "max_running": 16}
-    directory = tmp_path_factory.mktemp(f"serve-{request.param}")
-    with serving(tiny_llama, directory, engine=engine) as (url, service):
-        yield url, service, tiny_llama
+@pytest.fixture
+def served(tinker_served):
+    """The service on each engine (tests/conftest.py): for what the engines do (sampling)."""
+    return tinker_served
 
 
 @pytest.fixture(scope="module")
