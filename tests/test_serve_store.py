@@ -5,7 +5,15 @@ service: tests/test_serve_service.py."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -13,7 +21,7 @@ from alembic.migration import MigrationContext
 
 from orbit.serve.futures import Futures, RequestFailed, result_of
 from orbit.serve.keys import Keys, KeysError, read_keys, tenant_of
-from orbit.serve.store import Base, ClientRow, Store
+from orbit.serve.store import Base, ClientRow, Outcome, Store
 
 
 def _store(tmp_path, instance: str = "host:/serve") -> Store:
@@ -86,3 +94,58 @@ def test_a_replaced_directory_is_the_old_or_the_new_one_after_a_kill(tmp_path):
     (tmp_path / ".latest.9f8e7d6c.tmp").mkdir()
     recover_dir(tmp_path)
     assert (target / "v").read_text() == "2" and [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+POSTGRES = Path("/usr/lib/postgresql")
+
+
+@pytest.fixture
+def postgres():
+    """A throwaway PostgreSQL server on 127.0.0.1 (Debian's binaries; initdb refuses root, so as
+    `nobody` there, in a directory of its own under /tmp), stopped and removed after the test: its
+    URL."""
+    bins = sorted(POSTGRES.glob("*/bin/initdb"))
+    if not bins or importlib.util.find_spec("psycopg") is None:
+        pytest.skip("no PostgreSQL server binaries or no psycopg here")
+    bindir = bins[-1].parent
+    with tempfile.TemporaryDirectory(prefix="orbit-pg-") as tmp:
+        yield from _postgres(bindir, Path(tmp))
+
+
+def _postgres(bindir: Path, home: Path):
+    as_user = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
+    if as_user:
+        shutil.chown(home, "nobody")
+    data, port = home / "data", _free_port()
+    run = functools.partial(subprocess.run, check=True, capture_output=True, timeout=60)
+    run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "orbit"])
+    options = f"-k {home} -p {port} -c listen_addresses=127.0.0.1"
+    pg_ctl = [*as_user, str(bindir / "pg_ctl"), "-D", str(data)]
+    run([*pg_ctl, "-o", options, "-l", str(home / "log"), "-w", "start"])
+    try:
+        yield f"postgresql+psycopg://orbit@127.0.0.1:{port}/postgres"
+    finally:
+        run([*pg_ctl, "-m", "immediate", "-w", "stop"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_same_store_on_postgresql(postgres):
+    """A team's service keeps its state in PostgreSQL by URL: the same migrations, the same
+    recovery, two processes on one database each recovering its own."""
+    first, second = Store(postgres, "host-a:/serve"), Store(postgres, "host-b:/serve")
+    with first.engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    mine, theirs = Futures(first).new("OptimStep", "t"), Futures(second).new("Sample", "t")
+    _client(first, "s:train:0")
+    first.close()
+    again = Store(postgres, "host-a:/serve")
+    assert again.recover("restarted") == (1, 1)
+    assert again.future(mine.id) == ("t", Outcome(False, None, "restarted", "server"))
+    assert again.future(theirs.id) == ("t", None)  # host b's request runs on
+    again.close()
+    second.close()

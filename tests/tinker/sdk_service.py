@@ -135,6 +135,19 @@ def after(service, model, _):
     return {"checkpoints": paths, "ref": ref.save_state("ref").result().path}
 
 
+def crowd(service, model, arg):
+    """Training clients until the service refuses one: what the SDK raised, and how many were
+    made."""
+    made = 0
+    while made < int(arg):
+        try:
+            service.create_lora_training_client(base_model=model, rank=4).result()
+        except Exception as err:  # noqa: BLE001 - what the SDK surfaced
+            return {"made": made, "refused": f"{type(err).__name__}: {err}"}
+        made += 1
+    return {"made": made, "refused": ""}
+
+
 # ---- load ------------------------------------------------------------------------------------
 
 
@@ -184,7 +197,9 @@ def load(service, model, arg):
     return {"seconds": time.time() - start, "clients": seen}
 
 
-STEPS = {f.__name__: f for f in (owner, intruder, before_kill, resume_then_kill, after, load)}
+STEPS = {
+    f.__name__: f for f in (owner, intruder, before_kill, resume_then_kill, after, crowd, load)
+}
 
 if __name__ == "__main__":
     base_url, model, step = sys.argv[1], sys.argv[2], sys.argv[3]
