@@ -99,7 +99,7 @@ def test_a_tenant_cannot_reach_anothers_things_by_any_route(shared):
         assert res.status_code == 404, (path, res.text)
     # and key A's things are all still there
     assert service.checkpoint(tenant_of(KEY_A), a["state"]).directory.is_dir()
-    assert len(service.checkpoints(tenant_of(KEY_A))) == 2
+    assert len(service.checkpoints.of(tenant_of(KEY_A))) == 2
 
 
 def _fb_body(model_id: str, tokens: list[int], loss: str = "cross_entropy", **inputs) -> bytes:

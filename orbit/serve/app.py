@@ -18,11 +18,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orbit.engine.base import SamplingParams
 from orbit.serve import wire
+from orbit.serve.checkpoints import rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec
-from orbit.serve.futures import Busy, Record, Refused, RequestFailed, result_of
+from orbit.serve.futures import Busy, NotFound, Record, Refused, RequestFailed, result_of
 from orbit.serve.keys import Keys
 from orbit.serve.samplers import Stops
-from orbit.serve.service import NotFound, Service, rest_checkpoint
+from orbit.serve.service import Service
 
 PROTO = "application/x-protobuf"
 MAX_BODY = 64 * 2**20  # bytes a request may carry (the SDK cuts a forward_backward at ~5 MB)
@@ -352,12 +353,12 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     @api.get(v1 + "/training_runs/{run}/checkpoints")
     async def run_checkpoints(request: Request, run: str) -> dict[str, Any]:
         service.training_run(who(request), run)  # 404 for a run that is not the tenant's
-        found = [_checkpoint(c) for c in service.checkpoints(who(request), run)]
+        found = [rest_checkpoint(c) for c in service.checkpoints.of(who(request), run)]
         return {"checkpoints": found, "cursor": None}
 
     @api.get(f"{v1}/checkpoints")
     async def checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        found = [_checkpoint(c) for c in service.checkpoints(who(request))]
+        found = [rest_checkpoint(c) for c in service.checkpoints.of(who(request))]
         return {
             "checkpoints": found[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
@@ -394,10 +395,6 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         return JSONResponse(result)
 
     return api
-
-
-def _checkpoint(c: Any) -> dict[str, Any]:
-    return rest_checkpoint(c, sum(f.stat().st_size for f in c.directory.iterdir()))
 
 
 def _sampling(params: Sampling, room: int) -> tuple[SamplingParams, Stops]:

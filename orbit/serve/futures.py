@@ -31,6 +31,11 @@ class Refused(ValueError):
     nothing."""
 
 
+class NotFound(Refused):
+    """A session, client, sampler, request or checkpoint that does not exist or is another
+    tenant's (HTTP 404)."""
+
+
 class Busy(Refused):
     """A request past its tenant's limits (HTTP 429): nothing changed, it may come again later."""
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from orbit.engine.base import Completion, Engine, SamplingParams
-from orbit.serve.futures import Refused
+from orbit.serve import wire
+from orbit.serve.futures import Refused, RequestFailed
 from orbit.serve.wire import Sequence
 
 SLOT_WAIT_S = 120.0  # a request waits this long at most for a free slot
@@ -202,3 +203,24 @@ class Sampler:
                 if any(s in text for s in stops.strings):
                     return Sequence(tokens[: k + 1], logprobs[: k + 1], stopped=True)
         return Sequence(tokens, logprobs, stopped=done.finish_reason == "stop")
+
+
+def onto(sampled: Future, result: Future) -> None:
+    """A `Sampler.sample` call's outcome (`sampled`, submitted off the event loop) onto a request's
+    future: the sequences as the wire's bytes, or the failure said to its client."""
+    try:
+        inner: Future = sampled.result()
+    except Refused as err:
+        result.set_exception(RequestFailed(str(err), "user"))
+        return
+    except BaseException as err:  # noqa: BLE001 - the request's failure, said to its client
+        result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
+        return
+
+    def done(f: Future) -> None:
+        try:
+            result.set_result(wire.sample_response(f.result(), None))
+        except BaseException as err:  # noqa: BLE001 - as above
+            result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
+
+    inner.add_done_callback(done)

@@ -16,39 +16,26 @@ from a checkpoint), and checkpoints and sampling sessions are as they were.
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 import time
 import uuid
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
-
 from orbit.engine.base import SamplingParams
-from orbit.host.files import recover_dir, write_dir
 from orbit.serve import wire
+from orbit.serve.checkpoints import Checkpoint, Checkpoints, iso, rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
-from orbit.serve.futures import Busy, Futures, Record, Refused, RequestFailed
-from orbit.serve.samplers import BASE, Sampler, Stops, Weights
-from orbit.serve.store import CheckpointRow, ClientRow, SamplerRow, SessionRow, Store
+from orbit.serve.futures import Busy, Futures, NotFound, Record, Refused
+from orbit.serve.samplers import Sampler, Stops, onto
+from orbit.serve.sampling_sessions import SamplingSessions
+from orbit.serve.store import ClientRow, SessionRow, Store
 from orbit.serve.training import Turns
 from orbit.train.shared import SharedBase
 
-KINDS = ("weights", "sampler_weights")  # a training checkpoint (adapter + optimizer), a sampler's
-SNAPSHOTS_KEPT = (
-    4  # a training client's newest unnamed sampler snapshots kept, in memory and on disk
-)
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
-
-
-class NotFound(Refused):
-    """A session, client, sampler, request or checkpoint that does not exist or is another
-    tenant's (HTTP 404)."""
 
 
 @dataclass(frozen=True)
@@ -72,43 +59,6 @@ class Quotas:
 
     max_clients: int = 16
     max_queued: int = 256
-
-
-@dataclass
-class Checkpoint:
-    path: str  # tinker://...
-    directory: Path
-    client: str
-    kind: str
-    name: str
-    time: float
-
-
-def checkpoint_path(client: str, kind: str, name: str) -> str:
-    return f"tinker://{client}/{kind}/{name}"
-
-
-def parse_path(path: str) -> tuple[str, str, str]:
-    """(client, kind, name) of a tinker:// path; NotFound when it is not one Orbit writes."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in KINDS or not all(parts):
-        raise NotFound(
-            f"{path!r} is not a checkpoint path (tinker://<training run>/<weights|sampler_weights>/"
-            "<name>)"
-        )
-    return parts[0], parts[1], parts[2]
-
-
-def _spec(row: ClientRow) -> LoraSpec:
-    return LoraSpec(row.rank, row.seed, row.train_attn, row.train_mlp, row.train_unembed)
-
-
-def _checkpoint(row: CheckpointRow) -> Checkpoint:
-    return Checkpoint(row.path, Path(row.directory), row.client, row.kind, row.name, row.created)
-
-
-def _size(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
 
 
 class Service:
@@ -135,13 +85,15 @@ class Service:
         self.futures = Futures(store)
         self.turns = Turns()
         self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
-        self._weights: dict[str, Weights] = {}  # sampling sessions' weights, loaded once
-        self._snapshots: dict[str, deque[str]] = {}  # client -> its snapshot samplers, oldest first
+        self.checkpoints = Checkpoints(directory / "checkpoints", store, str(model))
+        self.sessions = SamplingSessions(
+            directory / "snapshots", store, self.checkpoints, sampler, str(model)
+        )
         self._lock = threading.Lock()
         self._adapters = 0
         self._sampling = ThreadPoolExecutor(8, thread_name_prefix="orbit-serve-sample")
         self.recovered = store.recover(RESTARTED)  # (futures failed, clients lost)
-        self._reconcile_checkpoints()
+        self.checkpoints.reconcile()
 
     def close(self) -> None:
         self.turns.stop()
@@ -350,50 +302,17 @@ class Service:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _directory(self, client: str, kind: str, name: str) -> Path:
-        if not name or "/" in name or name.startswith(".") or len(name) > 200:
-            raise Refused(
-                f"checkpoint name {name[:60]!r}: a name of at most 200 characters, without '/', "
-                "that does not start with '.'"
-            )
-        return self.directory / "checkpoints" / client / kind / name
-
-    def _save(self, tenant: str, client: str, kind: str, name: str, fill, overwrite: bool) -> str:
-        """Write a checkpoint whole (a kill leaves the previous one), then record it."""
-        directory = self._directory(client, kind, name)
-        if directory.exists() and not overwrite:
-            raise Refused(f"a checkpoint named {name!r} exists (pass overwrite)")
-        write_dir(directory, fill, durable=True, replace=overwrite)
-        path = checkpoint_path(client, kind, name)
-        self.store.add_checkpoint(
-            CheckpointRow(
-                path=path,
-                instance=self.store.instance,
-                tenant=tenant,
-                client=client,
-                kind=kind,
-                name=name,
-                directory=str(directory),
-                created=time.time(),
-                size_bytes=_size(directory),
-            )
-        )
-        return path
-
     def save_state(
         self, tenant: str, model_id: str, seq_id: int, name: str, overwrite: bool
     ) -> Record:
         trainer = self.client(tenant, model_id)
-        self._checked(model_id, seq_id, lambda: self._directory(model_id, "weights", name))
+        self._checked(
+            model_id, seq_id, lambda: self.checkpoints.directory(model_id, "weights", name)
+        )
 
         def work() -> dict[str, Any]:
-            path = self._save(
-                tenant,
-                model_id,
-                "weights",
-                name,
-                lambda d: trainer.save(d, optimizer=True),
-                overwrite,
+            path = self.checkpoints.save(
+                tenant, model_id, "weights", name, lambda d: trainer.save(d, True), overwrite
             )
             self.store.touch_client(model_id, last_state=path)
             return {"path": path, "type": "save_weights"}
@@ -403,106 +322,34 @@ class Service:
     def save_for_sampler(
         self, tenant: str, model_id: str, seq_id: int, name: str | None, sampling_seq: int | None
     ) -> Record:
-        """Named: a persistent sampler checkpoint. Unnamed: a snapshot of the adapter now (kept on
-        disk, so that it samples after a restart too), and a sampling session bound to it."""
+        """Named: a persistent sampler checkpoint. Unnamed: a snapshot of the adapter now, and a
+        sampling session bound to it (sampling_sessions.py)."""
         trainer = self.client(tenant, model_id)
         session = self._client_row(tenant, model_id).session
         if name is not None:
-            self._checked(model_id, seq_id, lambda: self._directory(model_id, "weights", name))
+            self._checked(
+                model_id,
+                seq_id,
+                lambda: self.checkpoints.directory(model_id, "sampler_weights", name),
+            )
 
         def work() -> dict[str, Any]:
             if name is not None:
-                path = self._save(
-                    tenant,
-                    model_id,
-                    "sampler_weights",
-                    name,
-                    lambda d: trainer.save(d, optimizer=False),
-                    True,
-                )
+                save = lambda d: trainer.save(d, False)  # noqa: E731 - the adapter alone
+                path = self.checkpoints.save(tenant, model_id, "sampler_weights", name, save, True)
                 return {"path": path}
             sampler = f"{session}:sample:{sampling_seq if sampling_seq is not None else 0}"
-            snapshot = self.directory / "snapshots" / sampler
-            write_dir(snapshot, lambda d: trainer.save(d, optimizer=False), True, replace=True)
-            tensors, config = trainer.adapter()
-            self._bind(
-                SamplerRow(
-                    id=sampler,
-                    instance=self.store.instance,
-                    tenant=tenant,
-                    base_model=str(self.model),
-                    model_path=None,
-                    snapshot=str(snapshot),
-                    created=time.time(),
-                ),
-                Weights(f"snapshot:{sampler}:{uuid.uuid4().hex[:8]}", tensors, config),
-            )
-            self._keep_newest(model_id, sampler)
+            self.sessions.snapshot(tenant, sampler, trainer)
             return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
 
         return self._ordered(tenant, model_id, seq_id, "SaveWeightsForSampler", work)
 
-    def _keep_newest(self, model_id: str, sampler: str) -> None:
-        """A client's unnamed snapshots past the newest SNAPSHOTS_KEPT go, in memory and on disk: an
-        RL loop makes one a step."""
-        with self._lock:
-            kept = self._snapshots.setdefault(model_id, deque())
-            kept.append(sampler)
-            old = [kept.popleft() for _ in range(max(0, len(kept) - SNAPSHOTS_KEPT))]
-        for gone in old:
-            self._unbind(gone)
-            shutil.rmtree(self.directory / "snapshots" / gone, ignore_errors=True)
-
     def checkpoint(self, tenant: str, path: str) -> Checkpoint:
-        parse_path(path)
-        row = self.store.checkpoint(path)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"no checkpoint {path}")
-        return _checkpoint(row)
-
-    def checkpoints(self, tenant: str, client: str | None = None) -> list[Checkpoint]:
-        return [_checkpoint(r) for r in self.store.checkpoints(tenant, client)]
+        return self.checkpoints.get(tenant, path)
 
     def delete_checkpoint(self, tenant: str, path: str) -> None:
-        found = self.checkpoint(tenant, path)
-        self.store.drop_checkpoint(path)
-        shutil.rmtree(found.directory, ignore_errors=True)
+        self.checkpoints.delete(tenant, path)
         self.sampler.forget(path)
-
-    def _reconcile_checkpoints(self) -> None:
-        """The disk and the store agree after a kill: half-written directories go (and one set aside
-        for an overwrite comes back), rows whose directory is gone go, and a checkpoint written just
-        before a kill, whose row was not yet written, is recorded for its client's tenant."""
-        root = self.directory / "checkpoints"
-        for kind_dir in root.glob("*/*"):
-            recover_dir(kind_dir)
-        recover_dir(self.directory / "snapshots")
-        known = set()
-        for row in self.store.checkpoints(mine=True):
-            if (Path(row.directory) / "adapter_config.json").is_file():
-                known.add(row.path)
-            else:
-                self.store.drop_checkpoint(row.path)
-        for directory in root.glob("*/*/*"):
-            client, kind, name = directory.parent.parent.name, directory.parent.name, directory.name
-            path = checkpoint_path(client, kind, name)
-            owner = self.store.client(client)
-            if path in known or owner is None or kind not in KINDS or name.startswith("."):
-                continue
-            if (directory / "adapter_config.json").is_file():
-                self.store.add_checkpoint(
-                    CheckpointRow(
-                        path=path,
-                        instance=self.store.instance,
-                        tenant=owner.tenant,
-                        client=client,
-                        kind=kind,
-                        name=name,
-                        directory=str(directory),
-                        created=directory.stat().st_mtime,
-                        size_bytes=_size(directory),
-                    )
-                )
 
     def load_state(
         self,
@@ -530,7 +377,7 @@ class Service:
             raise Refused("load_weights: give model_id, or session_id and model_seq_id")
         self._session(tenant, session)
         found = self._loadable(tenant, path, optimizer)
-        base_model, spec = self.client_spec(found)
+        base_model, spec = self.checkpoints.made_with(found)
         new_id = f"{session}:train:{seq}"
         if new_id not in self.trainers:
             self._client_room(tenant)
@@ -555,21 +402,6 @@ class Service:
         trainer.load(found.directory, optimizer)
         return {"path": found.path, "model_id": trainer.model_id, "type": "load_weights"}
 
-    def client_spec(self, found: Checkpoint) -> tuple[str, LoraSpec]:
-        """The base model and LoRA a checkpoint was made with: its client's, as created."""
-        row = self.store.client(found.client)
-        if row is not None:
-            return row.base_model, _spec(row)
-        config = json.loads((found.directory / "adapter_config.json").read_text())
-        targets = set(config.get("target_modules") or [])
-        spec = LoraSpec(
-            rank=int(config["r"]),
-            train_attn="q_proj" in targets,
-            train_mlp="up_proj" in targets,
-            train_unembed="lm_head" in targets,
-        )
-        return str(self.model), spec
-
     def training_runs(self, tenant: str) -> list[dict[str, Any]]:
         """The tenant's training clients, lost ones included (RestClient's runs)."""
         return [self._run(row) for row in self.store.clients(tenant)]
@@ -581,11 +413,11 @@ class Service:
         return self._run(row)
 
     def _run(self, row: ClientRow) -> dict[str, Any]:
-        saved = self.store.checkpoints(row.tenant, row.id)
+        saved = self.checkpoints.of(row.tenant, row.id)
 
         def newest(kind: str) -> dict[str, Any] | None:
             found = [c for c in saved if c.kind == kind]
-            return rest_checkpoint(_checkpoint(found[-1]), found[-1].size_bytes) if found else None
+            return rest_checkpoint(found[-1]) if found else None
 
         return {
             "training_run_id": row.id,
@@ -594,22 +426,14 @@ class Service:
             "is_lora": True,
             "lora_rank": row.rank,
             "corrupted": False,
-            "last_request_time": _iso(row.last_request),
+            "last_request_time": iso(row.last_request),
             "last_checkpoint": newest("weights"),
             "last_sampler_checkpoint": newest("sampler_weights"),
             "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
         }
 
     def weights_info(self, tenant: str, path: str) -> dict[str, Any]:
-        base, spec = self.client_spec(self.checkpoint(tenant, path))
-        return {
-            "base_model": base,
-            "is_lora": True,
-            "lora_rank": spec.rank,
-            "train_attn": spec.train_attn,
-            "train_mlp": spec.train_mlp,
-            "train_unembed": spec.train_unembed,
-        }
+        return self.checkpoints.info(self.checkpoints.get(tenant, path))
 
     # -- sampling ---------------------------------------------------------------------------
 
@@ -619,60 +443,15 @@ class Service:
         self._session(tenant, session)
         sampler = f"{session}:sample:{seq}"
         if model_path:
-            found = self.checkpoint(tenant, model_path)
-            base = self.client_spec(found)[0]
-            weights = _read_weights(model_path, found.directory)
+            base = self.checkpoints.made_with(self.checkpoints.get(tenant, model_path))[0]
         else:
             self.check_base(base_model or "")
-            base, weights = base_model or str(self.model), BASE
-        row = SamplerRow(
-            id=sampler,
-            instance=self.store.instance,
-            tenant=tenant,
-            base_model=base,
-            model_path=model_path or None,
-            snapshot=None,
-            created=time.time(),
-        )
-        self._bind(row, weights)
+            base = base_model or str(self.model)
+        self.sessions.open(tenant, sampler, base, model_path)
         return sampler
 
-    def _bind(self, row: SamplerRow, weights: Weights) -> None:
-        self.store.add_sampler(row)
-        with self._lock:
-            self._weights[row.id] = weights
-
-    def _unbind(self, sampler: str) -> None:
-        with self._lock:
-            weights = self._weights.pop(sampler, None)
-        self.store.drop_sampler(sampler)
-        if weights is not None:
-            self.sampler.forget(weights.key)
-
-    def _sampler(self, tenant: str, sampler: str) -> tuple[SamplerRow, Weights]:
-        """The tenant's sampling session and its weights (read from disk once after a restart)."""
-        row = self.store.sampler(sampler)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"no sampling session {sampler!r}")
-        with self._lock:
-            weights = self._weights.get(sampler)
-        if weights is None:
-            if row.snapshot:
-                weights = _read_weights(f"snapshot:{sampler}:{row.created}", Path(row.snapshot))
-            elif row.model_path:
-                found = self.checkpoint(tenant, row.model_path)
-                weights = _read_weights(row.model_path, found.directory)
-            else:
-                weights = BASE
-            with self._lock:
-                self._weights[sampler] = weights
-        return row, weights
-
     def sampler_info(self, tenant: str, sampler: str) -> dict[str, Any]:
-        row = self.store.sampler(sampler)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"no sampling session {sampler!r}")
-        return {"sampler_id": sampler, "base_model": row.base_model, "model_path": row.model_path}
+        return self.sessions.info(tenant, sampler)
 
     def sample(
         self,
@@ -683,13 +462,13 @@ class Service:
         n: int,
         stops: Stops,
     ) -> Record:
-        _, weights = self._sampler(tenant, sampler)
+        weights = self.sessions.weights(tenant, sampler)
         self._check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
             raise Refused(f"num_samples: {n}; from 1 to 128")
         record = self._new(tenant, "Sample", proto=True)
         submitted = self._sampling.submit(self.sampler.sample, weights, prompt, params, n, stops)
-        submitted.add_done_callback(lambda f: _chain(f, record.future))
+        submitted.add_done_callback(lambda f: onto(f, record.future))
         return record
 
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
@@ -705,49 +484,3 @@ class Service:
                 f"sampling_params.max_tokens: {max_tokens} after a prompt of {len(prompt)} tokens "
                 f"passes the engines' context of {self.max_context} tokens"
             )
-
-
-def _read_weights(key: str, directory: Path) -> Weights:
-    if not (directory / "adapter_config.json").is_file():
-        raise NotFound(f"the weights of {key} are no longer on disk")
-    config = json.loads((directory / "adapter_config.json").read_text())
-    return Weights(key, load_file(directory / "adapter_model.safetensors"), config)
-
-
-def rest_checkpoint(c: Checkpoint, size: int) -> dict[str, Any]:
-    """A checkpoint as RestClient reads it."""
-    return {
-        "checkpoint_id": f"{c.kind}/{c.name}",
-        "checkpoint_type": "training" if c.kind == "weights" else "sampler",
-        "time": _iso(c.time),
-        "tinker_path": c.path,
-        "size_bytes": size,
-        "public": False,
-        "expires_at": None,
-    }
-
-
-def _iso(t: float) -> str:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
-
-
-def _chain(sampled: Future, result: Future) -> None:
-    """The sampling call's outcome onto the request's future, the sequences as the wire's bytes."""
-    try:
-        inner: Future = sampled.result()
-    except Refused as err:
-        result.set_exception(RequestFailed(str(err), "user"))
-        return
-    except BaseException as err:  # noqa: BLE001 - the request's failure, said to its client
-        result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
-        return
-
-    def done(f: Future) -> None:
-        try:
-            result.set_result(wire.sample_response(f.result(), None))
-        except BaseException as err:  # noqa: BLE001 - as above
-            result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
-
-    inner.add_done_callback(done)

@@ -1,0 +1,200 @@
+"""Checkpoints: `tinker://{client}/{weights|sampler_weights}/{name}`, a peft adapter (and with
+`save_state` the optimizer) in DIR/checkpoints/ under the same three parts, and a row in the store
+for its tenant. A directory is written whole before its row (orbit/host/files.py): a kill leaves the
+previous checkpoint, and `reconcile` makes the disk and the store agree at start.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from orbit.host.files import recover_dir, write_dir
+from orbit.serve.clients import LoraSpec
+from orbit.serve.futures import NotFound, Refused
+from orbit.serve.store import CheckpointRow, Store
+
+KINDS = ("weights", "sampler_weights")  # a training checkpoint (adapter + optimizer), a sampler's
+
+
+@dataclass
+class Checkpoint:
+    path: str  # tinker://...
+    directory: Path
+    client: str
+    kind: str
+    name: str
+    time: float
+
+
+def checkpoint_path(client: str, kind: str, name: str) -> str:
+    return f"tinker://{client}/{kind}/{name}"
+
+
+def parse_path(path: str) -> tuple[str, str, str]:
+    """(client, kind, name) of a tinker:// path; NotFound when it is not one Orbit writes."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in KINDS or not all(parts):
+        raise NotFound(
+            f"{path!r} is not a checkpoint path (tinker://<training run>/<weights|sampler_weights>/"
+            "<name>)"
+        )
+    return parts[0], parts[1], parts[2]
+
+
+def rest_checkpoint(c: Checkpoint) -> dict[str, Any]:
+    """A checkpoint as RestClient reads it."""
+    return {
+        "checkpoint_id": f"{c.kind}/{c.name}",
+        "checkpoint_type": "training" if c.kind == "weights" else "sampler",
+        "time": iso(c.time),
+        "tinker_path": c.path,
+        "size_bytes": _size(c.directory) if c.directory.is_dir() else 0,
+        "public": False,
+        "expires_at": None,
+    }
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
+
+
+def _size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
+def _of(row: CheckpointRow) -> Checkpoint:
+    return Checkpoint(row.path, Path(row.directory), row.client, row.kind, row.name, row.created)
+
+
+class Checkpoints:
+    """Every tenant's checkpoints under `root` (DIR/checkpoints), recorded in `store`; `base` is the
+    base model's name for a checkpoint whose client is not known."""
+
+    def __init__(self, root: Path, store: Store, base: str) -> None:
+        self.root, self.store, self.base = root, store, base
+
+    def made_with(self, found: Checkpoint) -> tuple[str, LoraSpec]:
+        """The base model and LoRA a checkpoint was made with: its client's, as created (else read
+        from its peft config)."""
+        row = self.store.client(found.client)
+        if row is not None:
+            spec = LoraSpec(row.rank, row.seed, row.train_attn, row.train_mlp, row.train_unembed)
+            return row.base_model, spec
+        config = json.loads((found.directory / "adapter_config.json").read_text())
+        targets = set(config.get("target_modules") or [])
+        spec = LoraSpec(
+            rank=int(config["r"]),
+            train_attn="q_proj" in targets,
+            train_mlp="up_proj" in targets,
+            train_unembed="lm_head" in targets,
+        )
+        return self.base, spec
+
+    def info(self, found: Checkpoint) -> dict[str, Any]:
+        """RestClient's weights info of a checkpoint."""
+        base, spec = self.made_with(found)
+        return {
+            "base_model": base,
+            "is_lora": True,
+            "lora_rank": spec.rank,
+            "train_attn": spec.train_attn,
+            "train_mlp": spec.train_mlp,
+            "train_unembed": spec.train_unembed,
+        }
+
+    def directory(self, client: str, kind: str, name: str) -> Path:
+        """Where a checkpoint goes; Refused for a name that could leave its directory."""
+        if not name or "/" in name or name.startswith(".") or len(name) > 200:
+            raise Refused(
+                f"checkpoint name {name[:60]!r}: a name of at most 200 characters, without '/', "
+                "that does not start with '.'"
+            )
+        return self.root / client / kind / name
+
+    def save(
+        self,
+        tenant: str,
+        client: str,
+        kind: str,
+        name: str,
+        fill: Callable[[Path], object],
+        overwrite: bool,
+    ) -> str:
+        """Write a checkpoint whole (a kill leaves the previous one), then record it: its path."""
+        directory = self.directory(client, kind, name)
+        if directory.exists() and not overwrite:
+            raise Refused(f"a checkpoint named {name!r} exists (pass overwrite)")
+        write_dir(directory, fill, durable=True, replace=overwrite)
+        path = checkpoint_path(client, kind, name)
+        self._record(path, tenant, client, kind, name, directory, time.time())
+        return path
+
+    def _record(
+        self,
+        path: str,
+        tenant: str,
+        client: str,
+        kind: str,
+        name: str,
+        directory: Path,
+        created: float,
+    ) -> None:
+        self.store.add_checkpoint(
+            CheckpointRow(
+                path=path,
+                instance=self.store.instance,
+                tenant=tenant,
+                client=client,
+                kind=kind,
+                name=name,
+                directory=str(directory),
+                created=created,
+                size_bytes=_size(directory),
+            )
+        )
+
+    def get(self, tenant: str, path: str) -> Checkpoint:
+        """The tenant's checkpoint at `path`; NotFound for any other."""
+        parse_path(path)
+        row = self.store.checkpoint(path)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"no checkpoint {path}")
+        return _of(row)
+
+    def of(self, tenant: str, client: str | None = None) -> list[Checkpoint]:
+        """The tenant's checkpoints (of one client), oldest first."""
+        return [_of(r) for r in self.store.checkpoints(tenant, client)]
+
+    def delete(self, tenant: str, path: str) -> None:
+        found = self.get(tenant, path)
+        self.store.drop_checkpoint(path)
+        shutil.rmtree(found.directory, ignore_errors=True)
+
+    def reconcile(self) -> None:
+        """The disk and the store agree after a kill: half-written directories go (and one set aside
+        for an overwrite comes back), rows whose directory is gone go, and a checkpoint written just
+        before a kill, whose row was not yet written, is recorded for its client's tenant."""
+        for kind_dir in self.root.glob("*/*"):
+            recover_dir(kind_dir)
+        known = set()
+        for row in self.store.checkpoints(mine=True):
+            if (Path(row.directory) / "adapter_config.json").is_file():
+                known.add(row.path)
+            else:
+                self.store.drop_checkpoint(row.path)
+        for directory in self.root.glob("*/*/*"):
+            client, kind, name = directory.parent.parent.name, directory.parent.name, directory.name
+            path = checkpoint_path(client, kind, name)
+            owner = self.store.client(client)
+            if path in known or owner is None or kind not in KINDS or name.startswith("."):
+                continue
+            if (directory / "adapter_config.json").is_file():
+                created = directory.stat().st_mtime
+                self._record(path, owner.tenant, client, kind, name, directory, created)

@@ -1,0 +1,127 @@
+"""Sampling sessions: `{session}:sample:{k}`, each bound to the weights it samples (the base model,
+a checkpoint, or an unnamed snapshot of a training client), recorded in the store for its tenant.
+The weights are read once and kept in memory; after a restart a session reads them again from disk
+(a snapshot is written under DIR/snapshots/ for that). A training client's newest `SNAPSHOTS_KEPT`
+snapshots are kept: an RL loop makes one a step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+
+from orbit.host.files import recover_dir, write_dir
+from orbit.serve.checkpoints import Checkpoints
+from orbit.serve.clients import TrainingClient
+from orbit.serve.futures import NotFound
+from orbit.serve.samplers import BASE, Sampler, Weights
+from orbit.serve.store import SamplerRow, Store
+
+SNAPSHOTS_KEPT = 4  # a training client's newest unnamed snapshots kept, in memory and on disk
+
+
+def read_weights(key: str, directory: Path) -> Weights:
+    if not (directory / "adapter_config.json").is_file():
+        raise NotFound(f"the weights of {key} are no longer on disk")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return Weights(key, load_file(directory / "adapter_model.safetensors"), config)
+
+
+class SamplingSessions:
+    """Every tenant's sampling sessions: `snapshots` is where unnamed snapshots go, `sampler` the
+    engines that sample, `base` what the base model is called in a session's row."""
+
+    def __init__(
+        self, snapshots: Path, store: Store, checkpoints: Checkpoints, sampler: Sampler, base: str
+    ) -> None:
+        self.snapshots, self.store, self.checkpoints = snapshots, store, checkpoints
+        self.sampler, self.base = sampler, base
+        self._weights: dict[str, Weights] = {}
+        self._kept: dict[str, deque[str]] = {}  # training client -> its snapshots, oldest first
+        self._lock = threading.Lock()
+        recover_dir(snapshots)
+
+    def open(
+        self, tenant: str, sampler: str, base_model: str, model_path: str | None = None
+    ) -> None:
+        """A session on the base model, or on the tenant's checkpoint at `model_path`."""
+        weights = BASE
+        if model_path:
+            found = self.checkpoints.get(tenant, model_path)
+            weights = read_weights(model_path, found.directory)
+        self._bind(self._row(tenant, sampler, base_model, model_path, None), weights)
+
+    def snapshot(self, tenant: str, sampler: str, trainer: TrainingClient) -> None:
+        """A session on `trainer`'s adapter as it is now (written to disk first)."""
+        directory = self.snapshots / sampler
+        write_dir(directory, lambda d: trainer.save(d, optimizer=False), True, replace=True)
+        tensors, config = trainer.adapter()
+        weights = Weights(f"snapshot:{sampler}:{uuid.uuid4().hex[:8]}", tensors, config)
+        self._bind(self._row(tenant, sampler, self.base, None, str(directory)), weights)
+        with self._lock:
+            kept = self._kept.setdefault(trainer.model_id, deque())
+            kept.append(sampler)
+            old = [kept.popleft() for _ in range(max(0, len(kept) - SNAPSHOTS_KEPT))]
+        for gone in old:
+            self._unbind(gone)
+            shutil.rmtree(self.snapshots / gone, ignore_errors=True)
+
+    def _row(
+        self, tenant: str, sampler: str, base: str, model_path: str | None, snapshot: str | None
+    ) -> SamplerRow:
+        return SamplerRow(
+            id=sampler,
+            instance=self.store.instance,
+            tenant=tenant,
+            base_model=base,
+            model_path=model_path or None,
+            snapshot=snapshot,
+            created=time.time(),
+        )
+
+    def _bind(self, row: SamplerRow, weights: Weights) -> None:
+        self.store.add_sampler(row)
+        with self._lock:
+            self._weights[row.id] = weights
+
+    def _unbind(self, sampler: str) -> None:
+        with self._lock:
+            weights = self._weights.pop(sampler, None)
+        self.store.drop_sampler(sampler)
+        if weights is not None:
+            self.sampler.forget(weights.key)
+
+    def _row_of(self, tenant: str, sampler: str) -> SamplerRow:
+        row = self.store.sampler(sampler)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"no sampling session {sampler!r}")
+        return row
+
+    def weights(self, tenant: str, sampler: str) -> Weights:
+        """The tenant's session's weights (read from disk once after a restart)."""
+        row = self._row_of(tenant, sampler)
+        with self._lock:
+            weights = self._weights.get(sampler)
+        if weights is None:
+            if row.snapshot:
+                weights = read_weights(f"snapshot:{sampler}:{row.created}", Path(row.snapshot))
+            elif row.model_path:
+                found = self.checkpoints.get(tenant, row.model_path)
+                weights = read_weights(row.model_path, found.directory)
+            else:
+                weights = BASE
+            with self._lock:
+                self._weights[sampler] = weights
+        return weights
+
+    def info(self, tenant: str, sampler: str) -> dict[str, Any]:
+        row = self._row_of(tenant, sampler)
+        return {"sampler_id": sampler, "base_model": row.base_model, "model_path": row.model_path}
