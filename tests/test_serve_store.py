@@ -108,7 +108,8 @@ def postgres():
     if not bins or importlib.util.find_spec("psycopg") is None:
         pytest.skip("no PostgreSQL server binaries or no psycopg here")
     bindir = bins[-1].parent
-    with tempfile.TemporaryDirectory(prefix="orbit-pg-") as tmp:
+    # under /tmp itself: the test process's own temporary directory may be one only root can enter
+    with tempfile.TemporaryDirectory(prefix="orbit-pg-", dir="/tmp") as tmp:
         yield from _postgres(bindir, Path(tmp))
 
 
