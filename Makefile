@@ -122,12 +122,16 @@ lint: install
 
 # The installs side by side (-j3: separate virtualenvs and the apt package, each a wait on disk and
 # network more than on a core; 3.8 min one after another here, see the commit), then the linters
-# (after SGLang's install has settled .venv), then the suite. --durations: the slowest tests of every
-# run, printed, to keep the suite inside its budget.
+# (after SGLang's install has settled .venv), then the suite: two test modules at a time (a test keeps
+# about one core busy: engines wait on each other and on their processes' start; a module's shared
+# engines start once, on its worker), then the tests marked `alone` (a time bound, or /dev/shm before
+# and after) one at a time. --durations: the slowest tests
+# of every run, printed, to keep the suite inside its budget.
 test:
 	$(MAKE) -j3 -O --no-print-directory install sglang smollm2 browser verifiers tinker
 	$(MAKE) --no-print-directory lint
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n 2 --dist loadscope --durations=25 -m "not gpu and not alone"
+	$(BIN)/pytest -q --durations=10 -m "alone and not gpu"
 
 # The developer's loop (under a minute here): unit tests of the pipeline, the push, the slot gate,
 # interrupts and episodes, the in-process engine numerics, the trainer and the recipe checks. No

@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from built_once import building
+
 # ChatML with tools in the system turn, tool calls as <tool_call>{json}</tool_call> and tool results
 # as a user turn of <tool_response>, each turn closed by the tokenizer's eos: a Qwen2.5-shaped
 # template for the tiny model.
@@ -35,12 +37,13 @@ def with_chat_template(model: Path, out: Path, template: str = HERMES_TEMPLATE) 
     """A copy of `model` whose tokenizer has `template`."""
     from transformers import AutoTokenizer
 
-    if not (out / "model.safetensors").exists():
-        out.mkdir(parents=True, exist_ok=True)
-        for f in model.iterdir():
-            if f.is_file():
-                shutil.copy(f, out / f.name)
-        tok = AutoTokenizer.from_pretrained(out)
-        tok.chat_template = template
-        tok.save_pretrained(out)
+    with building(out):
+        if not (out / "model.safetensors").exists():
+            out.mkdir(parents=True, exist_ok=True)
+            for f in model.iterdir():
+                if f.is_file():
+                    shutil.copy(f, out / f.name)
+            tok = AutoTokenizer.from_pretrained(out)
+            tok.chat_template = template
+            tok.save_pretrained(out)
     return out

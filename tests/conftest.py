@@ -12,6 +12,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", str(_ROOT / ".cache" / "datasets"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from built_once import building  # noqa: E402
 
 from orbit.models.tiny import build_tiny_model  # noqa: E402
 
@@ -23,8 +24,9 @@ _CACHE = _ROOT / ".cache" / "tiny"
 def tiny_model(arch: str = "llama", seed: int = 0) -> Path:
     """Path of a tiny checkpoint, built on first use (deterministic, so safe to cache)."""
     path = _CACHE / f"{arch}-s{seed}"
-    if not (path / "model.safetensors").exists():
-        build_tiny_model(path, arch=arch, seed=seed)
+    with building(path):
+        if not (path / "model.safetensors").exists():
+            build_tiny_model(path, arch=arch, seed=seed)
     return path
 
 

@@ -115,6 +115,7 @@ def test_floor_arithmetic():
     assert engine_rate([row, row], engines=2) == pytest.approx(2400 / 1.6 / 2)
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 def test_pool_bench_barrier_against_independent(tmp_path, tiny_llama):
     from rich.console import Console
 

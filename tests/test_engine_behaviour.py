@@ -446,6 +446,7 @@ def test_pause_abort_through_the_process(engine):
     engine.continue_generation()
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.slow
 def test_killed_engine_raises_dead_error_promptly(tiny_llama):
     client = start_embedded_engine(tiny_llama, max_running=4)

@@ -70,6 +70,7 @@ def _when(predicate, timeout: float = 60.0) -> None:
 # ---- Ctrl-C --------------------------------------------------------------------------------------
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.timeout(240)
 def test_ctrl_c_never_loses_a_step(tmp_path, tiny_llama):
     """SIGINT at random moments: the saved adapter's version always equals the last metrics line's,
@@ -141,6 +142,7 @@ def test_ctrl_c_during_start_up_on_the_command_line(tmp_path, tiny_llama, after_
 # ---- an engine that dies or goes silent ----------------------------------------------------------
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.timeout(180)
 def test_engine_death_saves_the_newest_adapter_on_the_command_line(tmp_path, tiny_llama):
     """Engine killed after 3 steps: orbit exits within 2 s with one clear line (no traceback),
@@ -227,6 +229,7 @@ def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llam
     assert _gone(engines[0].info.pid)
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.timeout(120)
 def test_a_hung_engine_is_noticed_within_the_bound(tmp_path, tiny_llama, monkeypatch):
     """SIGSTOP: the engine is alive but silent. Whatever the trainer was doing (waiting for rollouts
@@ -317,6 +320,7 @@ def test_a_sample_aborted_too_often_stops_with_its_prompt(tiny_llama):
     assert "last finish reason 'abort'" in cause
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 def test_stall_error_from_a_producer_that_never_gets_an_answer():
     """Unit test of the pipeline's bound: nothing in flight ever answers."""
     from concurrent.futures import Future

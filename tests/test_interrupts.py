@@ -49,6 +49,27 @@ def test_a_ctrl_c_python_dropped_in_a_del_is_raised_again():
 
 
 @pytest.mark.slow
+def test_a_run_started_from_python_remembers_ctrl_c_for_its_duration():
+    """`train()` called from Python (a test, a notebook) has Python's own handler: for the run,
+    Ctrl-C is remembered, so one dropped in a __del__ stops the run at its next step
+    (orbit/run/loop.py); the handler before comes back after."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts.remembered():
+        assert signal.getsignal(signal.SIGINT) is interrupts._remember
+
+        class Dropper:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands here, and Python drops it
+
+        try:
+            Dropper()
+            with pytest.raises(KeyboardInterrupt):
+                interrupts.raise_if_dropped()
+        finally:
+            interrupts.handled()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
     """CPython 3.11 would kill the process with SIGINT at exit (returncode -2) without the reset."""
     (tmp_path / "ctrlc_in_exec.py").write_text(

@@ -90,6 +90,7 @@ def test_a_completion_without_an_answer_gives_none(checker):
     assert not verdict.correct and verdict.given is None
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 def test_a_check_is_bounded_in_time():
     """A check that does not come back in time is cut (its process killed and started again), counts
     as wrong, and says so; the next check works."""

@@ -91,6 +91,7 @@ def _run(model: Path, out: Path, steps: int, **patch) -> dict:
     )
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.timeout(240)
 def test_a_live_page_follows_a_run(tiny_llama, tmp_path):
     """While a run goes, its page shows each new step within a few seconds of its metrics line; its

@@ -66,6 +66,7 @@ def test_every_mode_trains_on_two_engines(tmp_path, tiny_llama, mode):
     assert rows[0]["logprob_diff"] is not None and rows[0]["logprob_diff"] < 1e-3
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.timeout(300)
 def test_a_slow_engine_holds_nobody_with_independent_flips_and_everybody_with_a_barrier(
     tmp_path, tiny_llama, monkeypatch, capsys
@@ -173,6 +174,7 @@ def test_a_started_engine_that_dies_or_hangs_is_restarted_and_rejoins(tmp_path, 
     assert _gone(second.pid)  # the hung one was killed, by its id
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.timeout(180)
 def test_all_engines_killed_is_a_clear_error_with_the_adapter_saved(tmp_path, tiny_llama):
     run_dir = tmp_path / "run"

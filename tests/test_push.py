@@ -203,6 +203,7 @@ def test_a_refused_push_is_warned_and_the_run_stops_only_when_refusals_repeat():
     push.stop()
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 def test_a_serial_push_an_engine_refuses_stops_at_once():
     pool, push, engines = _fleet(wait_all=True, wait_s=30)
 

@@ -301,6 +301,7 @@ def _saved_version(run_dir: Path) -> int:
     return int(json.loads((run_dir / "adapter" / "trainer_state.json").read_text())["version"])
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_on_the_command_line_ctrl_c_and_a_lost_rank(tmp_path, tiny_llama):

@@ -104,6 +104,7 @@ def test_a_failure_says_whose_it_is(turns, store):
         assert err.value.category == category
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 def test_a_poll_waits_for_the_result_up_to_its_bound(store):
     import asyncio
 

@@ -338,6 +338,7 @@ def test_bad_weight_push_is_rejected(engine, tiny_llama):
 # ---- no hang in the orders the modes use ---------------------------------------------------------
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @needs_sglang
 @pytest.mark.timeout(240)
 def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_a):
@@ -397,6 +398,7 @@ def test_pause_flush_load_continue_orders_never_hang(engine, tiny_llama, policy_
 # ---- issue-tracker traps, checked on the real engine ---------------------------------------------
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @needs_sglang
 @pytest.mark.timeout(180)
 def test_unloading_a_slot_after_its_requests_were_aborted_does_not_hang(engine, policy_a, policy_b):

@@ -36,7 +36,8 @@ from orbit.host.net import free_port
 from orbit.run.lifecycle import train
 
 # skips without sglang, fails in CI (tests/sglang_gate.py)
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+# alone: its tests compare /dev/shm before and after, and bound how soon a loss is noticed
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.alone]
 
 KEY = "orbit-test-key-3f9c"
 KEY_ENV = "ORBIT_TEST_SGLANG_KEY"

@@ -238,6 +238,7 @@ def test_ctrl_c_stops_every_run_saved_and_the_sweep_resumes(tmp_path, tiny_llama
         assert [r["step"] for r in run_metrics(run_dir)] == list(range(max(saved) + 2))
 
 
+@pytest.mark.alone  # a time bound: no other test beside it
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_slow_task_does_not_hold_back_a_fast_one(tmp_path, tiny_llama):

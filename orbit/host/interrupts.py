@@ -20,6 +20,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _seen = False
@@ -62,6 +65,23 @@ def catch_ctrl_c() -> None:
     if sys.unraisablehook is not _quiet_about_ctrl_c:
         _previous_hook = sys.unraisablehook
         sys.unraisablehook = _quiet_about_ctrl_c
+
+
+@contextmanager
+def remembered() -> Iterator[None]:
+    """For the block, where this process still has Python's own Ctrl-C handler (a run started from
+    Python, not the command line): Ctrl-C is remembered as `catch_ctrl_c` does, so that one Python
+    drops (raised inside a weakref callback or a __del__) is raised again at the run's next step
+    (`raise_if_dropped`). The handler before comes back after."""
+    own = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if not own or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _remember)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def catch_term() -> None:

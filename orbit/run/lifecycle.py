@@ -110,7 +110,8 @@ def train(
     if ranks is not None and not ranks.leader:
         return _follow(recipe, ranks, t0)
     try:
-        return _lead(checked, resume, live, console, engines or StartedEngines, ranks, t0)
+        with interrupts.remembered():
+            return _lead(checked, resume, live, console, engines or StartedEngines, ranks, t0)
     finally:
         if ranks is not None:
             ranks.close()

@@ -75,6 +75,8 @@ def run_steps(p: LoopParts) -> None:
     serial = p.mode.serial
     with LiveView(p.mode.name, p.steps, p.trainer.version, enabled=p.live) as view:
         while p.trainer.version < p.steps:
+            # a Ctrl-C that Python dropped (it landed in a callback) stops the run here
+            interrupts.raise_if_dropped()
             m, flipped = one_step(p, serial)
             view.update(m, flipped, p.pool.versions())
             if p.on_step is not None:
