@@ -53,21 +53,24 @@ def test_a_run_started_from_python_remembers_ctrl_c_for_its_duration():
     """`train()` called from Python (a test, a notebook) has Python's own handler: for the run,
     Ctrl-C is remembered, so one dropped in a __del__ stops the run at its next step
     (orbit/run/loop.py); the handler before comes back after."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with interrupts.remembered():
-        assert signal.getsignal(signal.SIGINT) is interrupts._remember
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever ran before here
+    try:
+        with interrupts.remembered():
+            assert signal.getsignal(signal.SIGINT) is interrupts._remember
 
-        class Dropper:
-            def __del__(self):
-                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands here, and Python drops it
+            class Dropper:
+                def __del__(self):
+                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands here; Python drops it
 
-        try:
-            Dropper()
-            with pytest.raises(KeyboardInterrupt):
-                interrupts.raise_if_dropped()
-        finally:
-            interrupts.handled()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            try:
+                Dropper()
+                with pytest.raises(KeyboardInterrupt):
+                    interrupts.raise_if_dropped()
+            finally:
+                interrupts.handled()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
