@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from orbit.host import interrupts
 
-interrupts.exit_while_importing()
+# Only as the command itself (`orbit`, `python -m orbit.cli`): a program or a test that imports this
+# module keeps its own Ctrl-C handler.
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orbit":
+    interrupts.exit_while_importing()
 
-import sys  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from enum import Enum  # noqa: E402

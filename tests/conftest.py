@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,22 @@ def tiny_model(arch: str = "llama", seed: int = 0) -> Path:
         if not (path / "model.safetensors").exists():
             build_tiny_model(path, arch=arch, seed=seed)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _own_ctrl_c():
+    """Each test starts and ends with Python's own Ctrl-C handler, however pytest was started (a
+    background job starts with SIGINT ignored) and whatever the test before did (a command run
+    in-process through typer's CliRunner installs the command line's): a test that sends itself
+    SIGINT gets its KeyboardInterrupt."""
+    _python_ctrl_c()
+    yield
+    _python_ctrl_c()
+
+
+def _python_ctrl_c() -> None:
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -107,3 +107,19 @@ def test_a_handled_ctrl_c_inside_exec_exits_130_under_python_m(tmp_path):
     assert run("handled") == 130
     if sys.version_info[:2] == (3, 11):
         assert run() == -2  # the CPython behaviour the reset is for
+
+
+def test_importing_the_command_line_keeps_the_programs_ctrl_c():
+    """Only the `orbit` command exits at once on a Ctrl-C while importing; a program (or a test)
+    that imports orbit.cli still gets its KeyboardInterrupt."""
+    code = textwrap.dedent("""
+        import signal
+        import orbit.cli
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            print("caught")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "caught", done.stderr[-2000:]

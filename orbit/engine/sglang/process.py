@@ -32,6 +32,11 @@ from orbit.engine.sglang.install import INSTALL_HINT
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import read_spec
 
+# On a CPU, SGLang sizes its KV pool from the machine's free memory: what is free after loading the
+# weights, less (1 - this) of what was free before. Other processes (a trainer, a second test
+# worker) allocate meanwhile, so a small fraction fails start-up at random ("Loaded weights leave no
+# GPU memory for the KV cache"); the pool itself is capped by --max-total-tokens anyway.
+CPU_MEM_FRACTION = 0.5
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 sigquits: list[float] = []
@@ -70,7 +75,8 @@ class SGLangOptions:
     # KV pool; None: max_running * context (<= 65536) on CPU, SGLang's on GPU
     max_total_tokens: int | None = None
     memory_saver: bool | None = None  # None: on with CUDA when torch_memory_saver is installed
-    mem_fraction: float | None = None  # GPU: --mem-fraction-static (None: SGLang's default)
+    # --mem-fraction-static; None: SGLang's own on a GPU, CPU_MEM_FRACTION on a CPU
+    mem_fraction: float | None = None
     tp: int = 1  # GPU: --tp-size, GPUs base_gpu_id .. base_gpu_id + tp - 1
     # engine.sglang_args: further ServerArgs, checked at load (args.py)
     extra: tuple[tuple[str, object], ...] = ()
@@ -129,7 +135,7 @@ def launch(model_path: str | Path, opts: SGLangOptions):
             attention_backend="torch_native",
             sampling_backend="pytorch",
             disable_cuda_graph=True,
-            mem_fraction_static=0.05,
+            mem_fraction_static=opts.mem_fraction or CPU_MEM_FRACTION,
             max_total_tokens=opts.max_total_tokens or min(opts.max_running * context, 65536),
         )
         if opts.lora:

@@ -42,7 +42,7 @@ from orbit.engine.sglang.engine import SGLangEngine
 from orbit.engine.sglang.http import PROBE_TIMEOUT_S, HttpTransport
 from orbit.engine.sglang.install import SGLANG_VERSION
 from orbit.engine.sglang.local import remove, sglang_shm_files
-from orbit.engine.sglang.process import SGLangOptions
+from orbit.engine.sglang.process import CPU_MEM_FRACTION, SGLangOptions
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import ModelSpec, checkpoint_file_of, read_spec
 from orbit.host.net import free_port
@@ -202,7 +202,7 @@ def launch_args(
             "pytorch",
             "--disable-cuda-graph",
             "--mem-fraction-static",
-            str(mem_fraction or 0.05),
+            str(mem_fraction or CPU_MEM_FRACTION),
             "--max-total-tokens",
             str(opts.max_total_tokens or min(opts.max_running * context, 65536)),
         ]
