@@ -226,10 +226,12 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path, tiny_llama):
         assert got["adapter"].keys() == want["adapter"].keys()
         worst = _worst(got["adapter"], want["adapter"])
         # AdamW turns rounding in near-zero gradients into visible steps, and a clip's gradient
-        # jumps at its edge (12 optimizer steps in decoupled-minibatches): the adapters agree to
-        # 1e-3 of their own change
+        # jumps at its edge (12 optimizer steps in decoupled-minibatches); and a sample's output
+        # pass is as long as its length bucket's longest, which differs between a rank's share and
+        # the whole batch (batch.length_buckets), so its matmuls round differently: the adapters
+        # agree to 2e-3 of their own change
         change = _worst(want["adapter"], want["init"])
-        assert worst <= max(1e-5, 1e-3 * change), (adapter, shard, algo, worst, change)
+        assert worst <= max(1e-5, 2e-3 * change), (adapter, shard, algo, worst, change)
         if shard == "fsdp":
             assert got["sharded"] and all(local < full for local, full in got["sharded"])
         else:

@@ -10,19 +10,24 @@ result is the whole-sequence forward's, with the prompt's cost paid once per gro
 A real vocabulary. With 49k (SmolLM2) or 152k (Qwen) entries the float32 logits of a batch are the
 biggest tensor of a step, and log-softmax, the truncation and their gradients each make another of
 that size. So the decoder stops at its last hidden state, and the output projection, log-softmax,
-truncation and gather run over `CHUNK_ROWS` output positions at a time under activation
-checkpointing: a chunk's logits live only while that chunk is computed, forward or backward.
+truncation and gather run over `CHUNK_ROWS` output positions at a time; past `KEEP_LOGITS_BYTES` a
+micro-batch's chunks run under activation checkpointing, their logits living only while that chunk
+is computed, forward or backward (below it, keeping them is cheaper than computing them twice).
 
 Micro-batches hold whole prompts with their samples, of similar lengths, as many as fit in
 `micro_batch_tokens` padded tokens, so the step's memory is bounded by the budget, not by the batch.
+Inside one, the samples continue their prompts in a few passes of similar output lengths
+(`length_buckets`), so that a short sample is not padded to the longest.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -30,6 +35,15 @@ from orbit.rl.truncation import truncated_entropy, truncated_logprobs
 from orbit.rollout.sample import Sample
 
 CHUNK_ROWS = 256  # output positions projected to the vocabulary at once
+# The samples of a micro-batch continue their prompts in up to this many passes of similar lengths;
+# a further pass is worth it when it saves more than BUCKET_COST padded tokens (bench/README.md,
+# "Where a trainer step goes": padding was 11-38% of a laptop step's decoder tokens)
+MAX_BUCKETS = 4
+BUCKET_COST = 16
+# A micro-batch's log-softmax is kept for its backward up to this size and recomputed past it
+# (activation checkpointing, a chunk at a time): on a laptop step (about 300 scored positions a
+# micro-batch, a 49k vocabulary: 59 MB) recomputing cost 6% of the step's FLOPs
+KEEP_LOGITS_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -127,33 +141,75 @@ def collate(samples: list[Sample], pad_id: int, version: int, device: torch.devi
     )
 
 
-def output_hidden(decoder, batch: Batch) -> Tensor:
+def output_hidden(decoder, batch: Batch, buckets: int = MAX_BUCKETS) -> Tensor:
     """[N, C, H] the decoder's last hidden state at each position that predicts an output token: the
     prompt's last position for output 0, output j-1 for output j. Each prompt runs once; its samples
-    continue from its keys and values."""
+    continue from its keys and values, in up to `buckets` passes of samples of similar lengths
+    (`length_buckets`: a sample padded to the longest of a batch costs as much as the longest)."""
     prompt = decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, use_cache=True)
     rows = batch.group_of
-    cache = prompt.past_key_values
-    # each sample's own view of its prompt's keys and values (differentiable)
-    for layer in cache.layers:
-        layer.batch_select_indices(rows)
-    width_c = batch.output_ids.shape[1]
+    n, width_c = batch.output_ids.shape
     last = prompt.last_hidden_state[rows, batch.prompt_len[rows] - 1]  # [N, H]
     # The last output token predicts nothing scored. With one output token the second pass still
     # runs (on that token, its result unused): under FSDP every rank must make the same forward
-    # calls (ranks.py).
-    width = max(width_c - 1, 1)
-    inputs = batch.output_ids[:, :width]
+    # calls (ranks.py), which is also why the trainer asks for one bucket there.
+    needed = [max(int(k) - 1, 1) for k in batch.outputs.sum(dim=1).tolist()]
+    parts, order = [], []
+    for members, width in length_buckets(needed, buckets):
+        index = torch.tensor(members, device=rows.device)
+        out = _continue(decoder, batch, prompt.past_key_values, index, width)
+        parts.append(F.pad(out, (0, 0, 0, max(width_c - 1, 1) - width)))
+        order += members
+    rest = torch.cat(parts)[torch.argsort(torch.tensor(order, device=rows.device))]
+    return torch.cat([last[:, None], rest[:, : width_c - 1]], dim=1)
+
+
+def _continue(decoder, batch: Batch, cache, index: Tensor, width: int) -> Tensor:
+    """[n, width, H] the outputs of samples `index` (their first `width` tokens) run on their
+    prompts' keys and values (differentiable). The prompts' cache is left as it was: each bucket
+    takes its own rows of it."""
+    rows = batch.group_of[index]
+    own = copy.copy(cache)
+    own.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in own.layers:
+        layer.batch_select_indices(rows)  # a new tensor: the shared one is not changed
+    inputs = batch.output_ids[index, :width]
     positions = batch.prompt_len[rows, None] + torch.arange(width, device=inputs.device)
-    mask = torch.cat([batch.prompt_mask[rows], batch.outputs[:, :width].long()], dim=1)
-    out = decoder(
+    mask = torch.cat([batch.prompt_mask[rows], batch.outputs[index, :width].long()], dim=1)
+    return decoder(
         input_ids=inputs,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        past_key_values=own,
         use_cache=False,
-    )
-    return torch.cat([last[:, None], out.last_hidden_state[:, : width_c - 1]], dim=1)
+    ).last_hidden_state
+
+
+def length_buckets(widths: list[int], most: int) -> list[tuple[list[int], int]]:
+    """The samples (by index) in at most `most` groups of similar `widths`, each with its widest:
+    the split of the sorted widths that runs the fewest tokens, padding included, counting each
+    further pass as `BUCKET_COST` tokens (exact, by dynamic programming over the cut points)."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    w = [widths[i] for i in order]
+    n = len(w)
+    # best[k][j]: the cost of the first j samples in k buckets; cut[k][j]: where the last one starts
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(most + 1)]
+    cut = [[0] * (n + 1) for _ in range(most + 1)]
+    best[0][0] = 0.0
+    for k in range(1, most + 1):
+        for j in range(1, n + 1):
+            for i in range(j):
+                cost = best[k - 1][i] + (j - i) * w[j - 1] + (BUCKET_COST if k > 1 else 0)
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = min(range(1, most + 1), key=lambda k: best[k][n])
+    out, j = [], n
+    while j > 0:
+        i = cut[k][j]
+        out.append(([order[m] for m in range(i, j)], w[j - 1]))
+        j, k = i, k - 1
+    return out[::-1]
 
 
 Head = (
@@ -180,11 +236,12 @@ def token_logprobs(
     whole."""
     rows = scored.nonzero(as_tuple=True)
     picked_hidden, targets = hidden[rows], token_ids[rows]
+    recompute = _recompute(head, targets.shape[0])
     parts = []
     for i in range(0, targets.shape[0], CHUNK_ROWS):
         h, t = picked_hidden[i : i + CHUNK_ROWS], targets[i : i + CHUNK_ROWS]
         args = (h, head, t, temperature, top_p, top_k, entropy_grad)
-        if torch.is_grad_enabled() and h.requires_grad:
+        if recompute and torch.is_grad_enabled() and h.requires_grad:
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(*args))
@@ -196,6 +253,14 @@ def token_logprobs(
         logp.index_put(rows, torch.cat([p[0] for p in parts])),
         entropy.index_put(rows, torch.cat([p[1] for p in parts])),
     )
+
+
+def _recompute(head: Head, rows: int) -> bool:
+    """Whether to recompute each chunk's logits for the backward rather than keep them: when
+    keeping every chunk's log-softmax (what its backward needs: rows x vocabulary float32) would
+    take more than KEEP_LOGITS_BYTES."""
+    vocab = head.shape[0] if isinstance(head, Tensor) else getattr(head, "out_features", None)
+    return vocab is None or rows * vocab * 4 > KEEP_LOGITS_BYTES
 
 
 def _chunk_logprobs(

@@ -26,6 +26,7 @@ from orbit.rollout.sample import Sample
 from orbit.train import peft_adapter as adapters
 from orbit.train import state
 from orbit.train.batch import (
+    MAX_BUCKETS,
     Batch,
     collate,
     micro_batches,
@@ -127,6 +128,8 @@ class Trainer:
         self._decoder = base.model
         self._head = base.get_output_embeddings().weight
         self._sharded = cfg.shard == "fsdp" and self.ranks.world > 1
+        # FSDP ranks must make the same forward calls: one pass for the outputs of a micro-batch
+        self.buckets = 1 if self._sharded else MAX_BUCKETS
         if self._sharded:
             # The head is frozen and often tied to the (sharded) embedding: every rank keeps it
             # whole.
@@ -391,7 +394,7 @@ class Trainer:
         tokens = int(batch.prompt_mask.sum()) + int(batch.outputs.sum())
         # a backward: 2 more
         self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens
-        hidden = output_hidden(self._decoder, batch)
+        hidden = output_hidden(self._decoder, batch, self.buckets)
         return token_logprobs(
             hidden,
             self._head,
