@@ -9,7 +9,8 @@ Per engine and setting (off; on; on with OMP_WAIT_POLICY=passive, idle OpenMP wo
 once instead of spinning): the median step (steps past the first 2), the engines' tokens per second
 while they generate (Σ tokens / Σ busy seconds: borrowing must not slow generation by more than
 10%), the share of the trainer's thread checks that borrowed, and the trainer's TFLOP/s
-(metrics.jsonl's trainer_tflops: its matmul FLOPs over train_s). The matmul peak is torch.mm on
+(metrics.jsonl's trainer_tflops: its matmul FLOPs over train_s), and its useful rate as issue 39
+counts it (4 x parameters x trained tokens over train_s). The matmul peak is torch.mm on
 float32 matrices of the model's shapes, on 1 and on 2 threads. With 2 cores, run nothing else
 meanwhile.
 """
@@ -76,7 +77,27 @@ def run(args: argparse.Namespace, engine: str, setting: str) -> dict:
         "borrowed": statistics.fmean(r["borrowed_frac"] for r in rows),
         "trainer_tflops": statistics.median(r["trainer_tflops"] for r in rows),
         "train_s": statistics.median(r["train_s"] for r in rows),
+        # issue 39's measure: forward and backward through the frozen base, 4 x parameters a
+        # trained token; recompute, padding and prompts are not counted
+        "useful_gflops": 4
+        * matmul_params(data["model"])
+        * sum(r["trained_tokens"] for r in rows)
+        / sum(r["train_s"] for r in rows)
+        / 1e9,
     }
+
+
+def matmul_params(model: str) -> int:
+    """The weights a token's forward multiplies by: the decoder layers' and the output head."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(
+        ROOT / model if not Path(model).is_absolute() else model
+    )
+    return (
+        sum(p.numel() for p in m.model.layers.parameters())
+        + m.get_output_embeddings().weight.numel()
+    )
 
 
 def main() -> None:
@@ -86,6 +107,7 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, default=Path("recipes/smollm2-math.yaml"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--engines", default="embedded,sglang")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="of: " + ", ".join(SETTINGS))
     parser.add_argument("--out", type=Path, default=Path("runs/bench-cores"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,14 +117,15 @@ def main() -> None:
     )
     results: dict = {"peak_gflops": peak, "runs": {}}
     for engine in args.engines.split(","):
-        for setting in SETTINGS:
+        for setting in args.settings.split(","):
             t0 = time.time()
             r = results["runs"][f"{engine}/{setting}"] = run(args, engine, setting)
             print(
                 f"{engine:9s} {setting:20s} step {r['step_s']:.2f} s (train {r['train_s']:.2f} s), "
                 f"engine {r['engine_tok_per_busy_s']:.0f} tok/s while busy, borrowed "
                 f"{r['borrowed']:.0%}, trainer {r['trainer_tflops'] * 1e3:.1f} GFLOP/s = "
-                f"{r['trainer_tflops'] * 1e3 / peak[2]:.0%} of the 2-thread peak "
+                f"{r['trainer_tflops'] * 1e3 / peak[2]:.0%} of the 2-thread peak; useful "
+                f"{r['useful_gflops']:.1f} GFLOP/s = {r['useful_gflops'] / peak[2]:.2f} of it "
                 f"({time.time() - t0:.0f} s)",
                 flush=True,
             )
