@@ -136,7 +136,7 @@ def profiled_step(
     for chunk, _ in trainer._micro_batches(samples):
         batch = trainer._collate(chunk)
         with phase("decoder forward"):
-            hidden = output_hidden(trainer._decoder, batch, trainer.buckets)
+            hidden = output_hidden(trainer._decoder, batch, trainer.buckets, trainer.bucket_cost)
         cut = hidden.detach().requires_grad_()
         with phase("vocabulary forward"):
             logp, entropy = token_logprobs(
@@ -177,7 +177,9 @@ def decoder_tokens(trainer: Trainer, samples: list[Sample]) -> tuple[int, int]:
         b = trainer._collate(chunk)
         needed = [max(int(k) - 1, 1) for k in b.outputs.sum(dim=1).tolist()]
         run += b.prompt_mask.numel()
-        run += sum(len(m) * w for m, w in length_buckets(needed, trainer.buckets))
+        run += sum(
+            len(m) * w for m, w in length_buckets(needed, trainer.buckets, trainer.bucket_cost)
+        )
         real += int(b.prompt_mask.sum()) + int(b.outputs[:, 1:].sum())
     return run, real
 

@@ -345,30 +345,29 @@ def test_length_buckets_split_where_padding_costs_most():
     from orbit.train import batch
 
     widths = [5, 30, 31, 9, 10, 32, 3, 31]
-    two = batch.length_buckets(widths, 2)
+    two = batch.length_buckets(widths, 2, 16)
     assert [(sorted(m), w) for m, w in two] == [([0, 3, 4, 6], 10), ([1, 2, 5, 7], 32)]
-    assert batch.length_buckets(widths, 1) == [([6, 0, 3, 4, 1, 2, 7, 5], 32)]
+    assert batch.length_buckets(widths, 1, 16) == [([6, 0, 3, 4, 1, 2, 7, 5], 32)]
     # a further pass must save more than it costs: near-equal widths stay in one
-    assert len(batch.length_buckets([30, 31, 32, 32], 4)) == 1
-    assert batch.length_buckets([7], 4) == [([0], 7)]
+    assert len(batch.length_buckets([30, 31, 32, 32], 4, 16)) == 1
+    assert batch.length_buckets([7], 4, 16) == [([0], 7)]
 
 
-def test_passes_of_similar_lengths_give_the_one_pass_result(tiny_llama: Path, monkeypatch):
+def test_passes_of_similar_lengths_give_the_one_pass_result(tiny_llama: Path):
     """Samples of one prompt continuing it in several passes (length buckets) score and train as
     in one padded pass."""
     from orbit.train import batch
 
-    monkeypatch.setattr(batch, "BUCKET_COST", 0)  # split wherever any padding is saved
     outs = ([50, 51], [60] * 9, [70, 71, 72], [80] * 8, [90])
     group = [_sample([1, 40, 41, 42], o, [-3.0] * len(o), 0.5 - i / 4) for i, o in enumerate(outs)]
     results = []
     for buckets in (1, 4):
         trainer = _trainer(tiny_llama)
         _perturb(trainer, 0.05)
-        trainer.buckets = buckets
+        trainer.buckets, trainer.bucket_cost = buckets, 0  # split wherever padding is saved
         b = batch.collate(group, trainer.pad_id, trainer.version, trainer.device)
         widths = [len(o) - 1 or 1 for o in outs]
-        assert len(batch.length_buckets(widths, buckets)) == buckets
+        assert len(batch.length_buckets(widths, buckets, 0)) == buckets
         trainer.model.zero_grad(set_to_none=True)
         logp, _ = trainer._logprobs(b)
         (logp * torch.arange(1.0, 1.0 + logp.shape[1])).sum().backward()

@@ -35,11 +35,13 @@ from orbit.rl.truncation import truncated_entropy, truncated_logprobs
 from orbit.rollout.sample import Sample
 
 CHUNK_ROWS = 256  # output positions projected to the vocabulary at once
-# The samples of a micro-batch continue their prompts in up to this many passes of similar lengths;
-# a further pass is worth it when it saves more than BUCKET_COST padded tokens (bench/README.md,
-# "Where a trainer step goes": padding was 11-38% of a laptop step's decoder tokens)
+# The samples of a micro-batch continue their prompts in up to this many passes of similar lengths
+# (bench/README.md, "Where a trainer step goes": padding was 11-38% of a laptop step's decoder
+# tokens). A further pass has a fixed cost, its small ops: about 2 ms a layer on a CPU, which at
+# 100 GFLOP/s is PASS_FLOPS; it is worth it when it saves more padded tokens than that buys
+# (`bucket_cost`: 28 tokens on SmolLM2-135M, thousands on a test's tiny model, which never splits).
 MAX_BUCKETS = 4
-BUCKET_COST = 16
+PASS_FLOPS = 2e8
 # A micro-batch's log-softmax is kept for its backward up to this size and recomputed past it
 # (activation checkpointing, a chunk at a time): on a laptop step (about 300 scored positions a
 # micro-batch, a 49k vocabulary: 59 MB) recomputing cost 6% of the step's FLOPs
@@ -141,11 +143,12 @@ def collate(samples: list[Sample], pad_id: int, version: int, device: torch.devi
     )
 
 
-def output_hidden(decoder, batch: Batch, buckets: int = MAX_BUCKETS) -> Tensor:
+def output_hidden(decoder, batch: Batch, buckets: int = 1, cost: int = 0) -> Tensor:
     """[N, C, H] the decoder's last hidden state at each position that predicts an output token: the
     prompt's last position for output 0, output j-1 for output j. Each prompt runs once; its samples
     continue from its keys and values, in up to `buckets` passes of samples of similar lengths
-    (`length_buckets`: a sample padded to the longest of a batch costs as much as the longest)."""
+    (`length_buckets`, a further pass counted as `cost` tokens: a sample padded to the longest of a
+    batch costs as much as the longest)."""
     prompt = decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, use_cache=True)
     rows = batch.group_of
     n, width_c = batch.output_ids.shape
@@ -155,7 +158,7 @@ def output_hidden(decoder, batch: Batch, buckets: int = MAX_BUCKETS) -> Tensor:
     # calls (ranks.py), which is also why the trainer asks for one bucket there.
     needed = [max(int(k) - 1, 1) for k in batch.outputs.sum(dim=1).tolist()]
     parts, order = [], []
-    for members, width in length_buckets(needed, buckets):
+    for members, width in length_buckets(needed, buckets, cost):
         index = torch.tensor(members, device=rows.device)
         out = _continue(decoder, batch, prompt.past_key_values, index, width)
         parts.append(F.pad(out, (0, 0, 0, max(width_c - 1, 1) - width)))
@@ -185,10 +188,16 @@ def _continue(decoder, batch: Batch, cache, index: Tensor, width: int) -> Tensor
     ).last_hidden_state
 
 
-def length_buckets(widths: list[int], most: int) -> list[tuple[list[int], int]]:
+def bucket_cost(layer_params: float) -> int:
+    """What a further pass of outputs costs, in tokens, on a model whose layers have this many
+    weights each (a token costs 2 FLOPs a weight a layer; a pass, PASS_FLOPS a layer)."""
+    return max(1, round(PASS_FLOPS / (2 * layer_params)))
+
+
+def length_buckets(widths: list[int], most: int, cost: int) -> list[tuple[list[int], int]]:
     """The samples (by index) in at most `most` groups of similar `widths`, each with its widest:
     the split of the sorted widths that runs the fewest tokens, padding included, counting each
-    further pass as `BUCKET_COST` tokens (exact, by dynamic programming over the cut points)."""
+    further pass as `cost` tokens (exact, by dynamic programming over the cut points)."""
     order = sorted(range(len(widths)), key=lambda i: widths[i])
     w = [widths[i] for i in order]
     n = len(w)
@@ -200,9 +209,9 @@ def length_buckets(widths: list[int], most: int) -> list[tuple[list[int], int]]:
     for k in range(1, most + 1):
         for j in range(1, n + 1):
             for i in range(j):
-                cost = best[k - 1][i] + (j - i) * w[j - 1] + (BUCKET_COST if k > 1 else 0)
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
+                total = best[k - 1][i] + (j - i) * w[j - 1] + (cost if k > 1 else 0)
+                if total < best[k][j]:
+                    best[k][j], cut[k][j] = total, i
     k = min(range(1, most + 1), key=lambda k: best[k][n])
     out, j = [], n
     while j > 0:

@@ -28,6 +28,7 @@ from orbit.train import state
 from orbit.train.batch import (
     MAX_BUCKETS,
     Batch,
+    bucket_cost,
     collate,
     micro_batches,
     minibatches,
@@ -128,8 +129,13 @@ class Trainer:
         self._decoder = base.model
         self._head = base.get_output_embeddings().weight
         self._sharded = cfg.shard == "fsdp" and self.ranks.world > 1
-        # FSDP ranks must make the same forward calls: one pass for the outputs of a micro-batch
-        self.buckets = 1 if self._sharded else MAX_BUCKETS
+        # Outputs in passes of similar lengths (batch.length_buckets), measured on a CPU; not on a
+        # GPU, whose fixed cost of a pass is another matter: one pass there. FSDP ranks must make
+        # the same forward calls: one pass too.
+        on_cpu = torch.device(self.device).type == "cpu"
+        self.buckets = MAX_BUCKETS if on_cpu and not self._sharded else 1
+        layers = self._decoder.layers
+        self.bucket_cost = bucket_cost(sum(p.numel() for p in layers.parameters()) / len(layers))
         if self._sharded:
             # The head is frozen and often tied to the (sharded) embedding: every rank keeps it
             # whole.
@@ -394,7 +400,7 @@ class Trainer:
         tokens = int(batch.prompt_mask.sum()) + int(batch.outputs.sum())
         # a backward: 2 more
         self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens
-        hidden = output_hidden(self._decoder, batch, self.buckets)
+        hidden = output_hidden(self._decoder, batch, self.buckets, self.bucket_cost)
         return token_logprobs(
             hidden,
             self._head,
