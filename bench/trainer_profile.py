@@ -47,7 +47,12 @@ from cores import matmul_peak  # noqa: E402
 from orbit.config import load_recipe  # noqa: E402
 from orbit.rl import policy_loss  # noqa: E402
 from orbit.rollout.sample import Sample  # noqa: E402
-from orbit.train.batch import length_buckets, output_hidden, token_logprobs  # noqa: E402
+from orbit.train.batch import (  # noqa: E402
+    length_buckets,
+    output_hidden,
+    output_widths,
+    token_logprobs,
+)
 from orbit.train.trainer import Trainer, recipe_trainer  # noqa: E402
 
 PHASES = (
@@ -175,11 +180,9 @@ def decoder_tokens(trainer: Trainer, samples: list[Sample]) -> tuple[int, int]:
     run = real = 0
     for chunk, _ in trainer._micro_batches(samples):
         b = trainer._collate(chunk)
-        needed = [max(int(k) - 1, 1) for k in b.outputs.sum(dim=1).tolist()]
         run += b.prompt_mask.numel()
-        run += sum(
-            len(m) * w for m, w in length_buckets(needed, trainer.buckets, trainer.bucket_cost)
-        )
+        buckets = length_buckets(output_widths(b), trainer.buckets, trainer.bucket_cost)
+        run += sum(len(m) * w for m, w in buckets)
         real += int(b.prompt_mask.sum()) + int(b.outputs[:, 1:].sum())
     return run, real
 
@@ -187,7 +190,7 @@ def decoder_tokens(trainer: Trainer, samples: list[Sample]) -> tuple[int, int]:
 def measure(recipe_path: Path, batches: list[list[Sample]], threads: int) -> dict:
     recipe = load_recipe(recipe_path, {"trainer.threads": threads})
     trainer = recipe_trainer(recipe)
-    params = sum(p.numel() for p in trainer._decoder.layers.parameters()) + trainer._head.numel()
+    params = trainer._matmul_params  # the decoder layers' weights and the output head's
     profiled_step(trainer, batches[0], None)  # warm-up: allocator, first-call costs
     phases = Phases()
     plain: list[float] = []

@@ -151,20 +151,25 @@ def output_hidden(decoder, batch: Batch, buckets: int = 1, cost: int = 0) -> Ten
     batch costs as much as the longest)."""
     prompt = decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, use_cache=True)
     rows = batch.group_of
-    n, width_c = batch.output_ids.shape
+    width_c = batch.output_ids.shape[1]
     last = prompt.last_hidden_state[rows, batch.prompt_len[rows] - 1]  # [N, H]
     # The last output token predicts nothing scored. With one output token the second pass still
     # runs (on that token, its result unused): under FSDP every rank must make the same forward
     # calls (ranks.py), which is also why the trainer asks for one bucket there.
-    needed = [max(int(k) - 1, 1) for k in batch.outputs.sum(dim=1).tolist()]
     parts, order = [], []
-    for members, width in length_buckets(needed, buckets, cost):
+    for members, width in length_buckets(output_widths(batch), buckets, cost):
         index = torch.tensor(members, device=rows.device)
         out = _continue(decoder, batch, prompt.past_key_values, index, width)
         parts.append(F.pad(out, (0, 0, 0, max(width_c - 1, 1) - width)))
         order += members
     rest = torch.cat(parts)[torch.argsort(torch.tensor(order, device=rows.device))]
     return torch.cat([last[:, None], rest[:, : width_c - 1]], dim=1)
+
+
+def output_widths(batch: Batch) -> list[int]:
+    """The tokens each sample's pass on its prompt runs: its outputs but the last (which predicts
+    nothing scored), at least one."""
+    return [max(int(k) - 1, 1) for k in batch.outputs.sum(dim=1).tolist()]
 
 
 def _continue(decoder, batch: Batch, cache, index: Tensor, width: int) -> Tensor:
