@@ -345,6 +345,7 @@ def test_kill_mid_step_and_mid_save_then_continue_exactly(tiny_llama, tmp_path):
     try:
         driver = _driver(url, tiny_llama, "before_kill")
         server.wait_for("OPTIM_STEP_RUNNING", 120)
+        server.wait_for("POLLED", 60)  # the SDK holds the request's id (tinker/slow_serve.py)
         _gone(server.kill())
         server = Server(recipe, directory, port, "save")
         first = _result(driver)
@@ -352,6 +353,7 @@ def test_kill_mid_step_and_mid_save_then_continue_exactly(tiny_llama, tmp_path):
 
         driver = _driver(url, tiny_llama, "resume_then_kill", first["state"])
         server.wait_for("SAVE_RUNNING", 120)
+        server.wait_for("POLLED", 60)
         _gone(server.kill())
         server = Server(recipe, directory, port, "none")
         second = _result(driver)
