@@ -75,6 +75,9 @@ class SlowLoads:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def heartbeat(self) -> int | None:
+        return self.engine.heartbeat()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

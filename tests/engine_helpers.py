@@ -181,6 +181,9 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(slot_requests=self.slot_requests, active_slot=self.active_slot)
 
+    def heartbeat(self) -> int | None:
+        return None
+
     def shutdown(self) -> None:
         self.calls.append(("shutdown",))
 

@@ -190,6 +190,12 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def heartbeat(self) -> int | None:
+        """A count the engine's own loop advances as it works (its turns, model layers run), read
+        without waiting for that loop: it moves through a long step that answers no call. None: no
+        such count (only its answers say it is alive)."""
+        ...
+
     def shutdown(self) -> None:
         """Abort what is in flight and stop the engine's own processes (only its own).
         Idempotent."""

@@ -6,9 +6,10 @@ see one pool whether it holds one engine or eight; what each member serves is se
   over its `max_running`), or to the member the caller names (a multi-turn episode stays on its
   engine, whose prefix cache holds its context). `pick(min_version)` says which member a new group
   may start on (admission, §5).
-- Faults: a member whose requests fail with EngineDeadError, or that does not answer a ping within
-  `ping_timeout_s`, leaves the pool at once (`drop`): a warning, a timeline event, its engine killed
-  (only its own processes), and its outstanding requests resubmitted to the others.
+- Faults: a member whose requests fail with EngineDeadError, or that neither answers a ping nor
+  makes progress (its heartbeat: liveness.py) for `ping_timeout_s`, leaves the pool at once
+  (`drop`): a warning, a timeline event, its engine killed (only its own processes), and its
+  outstanding requests resubmitted to the others.
 - Comebacks: with a reviver (orbit/run/revive.py) a member that left is `reviving` until the reviver
   calls `rejoin` (a new engine in its place, serving a given version) or `gave_up`. While no member
   is alive but one may come back, requests are held and fan-out calls wait; only when none is
@@ -39,6 +40,7 @@ from orbit.engine.base import (
     summed,
 )
 from orbit.engine.calls import bounded, outcome, quietly
+from orbit.engine.liveness import Liveness
 from orbit.engine.member import Member, Request
 
 PING_S = 1.0  # liveness check of every member this often
@@ -319,19 +321,21 @@ class EnginePool:
         )
 
     def _watch(self) -> None:
-        """Ping every live member; one that does not answer within ping_timeout_s is hung."""
+        """Every PING_S, each live member's signs of life (liveness.py): one that neither answers
+        nor makes progress for ping_timeout_s is hung; a long step that progresses is not."""
+        watched: dict[int, Liveness] = {}
         while not self._stop.wait(PING_S):
+            now = time.monotonic()
             for member in self.alive():
                 engine = member.engine
-                answer = bounded(engine.stats, self.ping_timeout_s)
+                live = watched.get(member.index)
+                if live is None or live.engine is not engine:  # new, or came back as another
+                    live = watched[member.index] = Liveness(engine, self.ping_timeout_s, now)
+                reason = live.check(now)
                 if self._stop.is_set():
                     return
-                if isinstance(answer, TimeoutError):
-                    self.drop(
-                        member, f"did not answer for {self.ping_timeout_s:g} s (hung)", engine
-                    )
-                elif isinstance(answer, EngineDeadError):
-                    self.drop(member, str(answer), engine)
+                if reason is not None:
+                    self.drop(member, reason, engine)
 
     def _notify(self) -> None:
         for callback in list(self._listeners):

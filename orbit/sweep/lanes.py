@@ -125,6 +125,9 @@ class LaneEngine:
             tokens_generated=tokens,
         )
 
+    def heartbeat(self) -> int | None:
+        return self.engine.heartbeat()
+
     def shutdown(self) -> None:
         # The sweep stops the engines once every run is done. A run that stops early leaves them
         # serving the others; its requests still in flight finish there (the protocol aborts per

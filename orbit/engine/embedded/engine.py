@@ -46,13 +46,6 @@ from orbit.engine.embedded.scheduler import Scheduler, Sequence
 from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
 from orbit.engine.serving import ActiveSlot
 
-# A step's prefill is sized to take about this long at the speed the engine's prefills have run: the
-# loop answers control calls (the pool's liveness ping among them) only between steps, and on a CPU
-# a 135M model prefills a few hundred tokens a second per thread, so 32 prompts at once would hold
-# the loop for many seconds.
-PREFILL_STEP_S = 1.0
-FIRST_PREFILL_TOKENS = 512  # before any prefill was timed
-
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -62,7 +55,9 @@ class EngineOptions:
     device: str = "cpu"
     seed: int = 0
     prefix_cache_size: int = 64  # prompts kept (LRU)
-    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one request)
+    # prompt tokens admitted per step (at least one request). Not less: a long step is not taken for
+    # a hang (orbit/engine/liveness.py), and bench/prefill_step.py measured smaller steps slower
+    max_prefill_tokens: int = 4096
     slots: int = NUM_SLOTS  # adapter slots (engine.slots)
 
 
@@ -102,7 +97,6 @@ class EngineCore:
         self._next_rid = 0
         self._pause_t0 = 0.0
         # prompt tokens per second of the prefills so far (smoothed)
-        self._prefill_rate: float | None = None
         self.counters = {
             "tokens_generated": 0,
             "busy_s": 0.0,
@@ -199,19 +193,12 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         with torch.inference_mode():
-            admitted = self.scheduler.admit(self._prefill_budget())
+            admitted = self.scheduler.admit()
             if admitted:
                 self._prefill(admitted)
             if self.scheduler.running:
                 self._decode()
         self.counters["busy_s"] += time.perf_counter() - t0
-
-    def _prefill_budget(self) -> int:
-        """Prompt tokens for this step's prefill: about PREFILL_STEP_S of work (the scheduler caps
-        it)."""
-        if self._prefill_rate is None:
-            return FIRST_PREFILL_TOKENS
-        return max(1, int(self._prefill_rate * PREFILL_STEP_S))
 
     def _project(self, slots: list[int | None], tokens_per_row: int) -> Project:
         """The adapter application for a batch whose row i is bound to slots[i]."""
@@ -296,7 +283,6 @@ class EngineCore:
         for i, s in enumerate(seqs):
             tokens[i, : lengths[i]] = torch.tensor(s.tokens)
         rows = torch.tensor([s.row for s in seqs], device=device)
-        t0 = time.perf_counter()
         hidden = self.decoder.prefill(
             tokens.to(device),
             self._project([s.slot for s in seqs], width),
@@ -306,10 +292,6 @@ class EngineCore:
             torch.arange(len(seqs), device=device), torch.tensor(lengths, device=device) - 1
         ]
         logits = self.decoder.logits(last, self._head([s.slot for s in seqs]))
-        rate = sum(lengths) / max(time.perf_counter() - t0, 1e-6)
-        self._prefill_rate = (
-            rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
-        )
         self.counters["prefill_tokens"] += sum(lengths)
         return logits
 

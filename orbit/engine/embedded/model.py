@@ -171,6 +171,8 @@ class Decoder:
         inv_freq, self.attention_scaling = rope_frequencies(path, raw, self.spec, self.max_context)
         self._inv_freq = inv_freq
         self._build(load_checkpoint(path))
+        # called after each layer's forward: the engine's heartbeat moves through a long prefill
+        self.on_layer: Callable[[], None] = lambda: None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -316,6 +318,7 @@ class Decoder:
             x = self._norm(h, layer.mlp_norm)
             gate, up = project(i, "gate_up", layer.gate_up, x).chunk(2, dim=-1)
             h = h + project(i, "down", layer.down, F.silu(gate) * up)
+            self.on_layer()
         return h
 
     def logits(self, h: torch.Tensor, delta: HeadDelta | None = None) -> torch.Tensor:

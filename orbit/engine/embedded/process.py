@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
@@ -92,9 +93,10 @@ def start_embedded_engine(
     ctx = mp.get_context("spawn")
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
+    beat = ctx.RawValue("Q", 0)  # the engine's heartbeat, in shared memory (no file left behind)
     process = ctx.Process(
         target=engine_main,
-        args=(str(model_path), options, threads, commands, writer),
+        args=(str(model_path), options, threads, commands, writer, beat),
         daemon=True,
         name="orbit-engine",
     )
@@ -116,7 +118,7 @@ def start_embedded_engine(
     if kind != "ready":
         process.join(5)
         raise payload
-    return EmbeddedClient(process, commands, reader, payload, slots, call_timeout_s)
+    return EmbeddedClient(process, commands, reader, payload, slots, call_timeout_s, beat)
 
 
 class EmbeddedClient:
@@ -132,6 +134,7 @@ class EmbeddedClient:
         info: EngineInfo,
         slots: int,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        beat=None,
     ) -> None:
         self.info = info
         # Everything a push may ask of it: OFT slots, loads under paused requests, flush at any
@@ -140,6 +143,7 @@ class EmbeddedClient:
             slots=slots, oft_slots=True, loads_while_paused=True, flush_while_running=True
         )
         self.call_timeout_s = call_timeout_s
+        self._beat = beat  # a shared ctypes counter the engine's loop advances
         self._process = process
         self._commands = commands
         self._results = results
@@ -292,6 +296,11 @@ class EmbeddedClient:
     def stats(self, timeout: float | None = None) -> EngineStats:
         return self._call("stats", timeout=timeout)  # type: ignore[return-value]
 
+    def heartbeat(self) -> int | None:
+        """The engine loop's turns and model layers run so far (it moves through a long prefill,
+        which answers no call until it ends)."""
+        return None if self._beat is None else int(self._beat.value)
+
     def shutdown(self) -> None:
         """Abort what is in flight, stop the process (killed if it does not stop: a hung or stopped
         process must not hold the caller). Idempotent."""
@@ -344,7 +353,7 @@ _IDLE_POLL_S = 0.5
 
 
 def engine_main(
-    model_path: str, options: EngineOptions, threads: int, commands, out: Connection
+    model_path: str, options: EngineOptions, threads: int, commands, out: Connection, beat=None
 ) -> None:
     """Process entry point (spawned)."""
     # The trainer stops the engine itself, after what a Ctrl-C or a launcher's SIGTERM to its
@@ -375,16 +384,30 @@ def engine_main(
             ),
         )
     )
+    tick = _ticker(beat)
+    core.decoder.on_layer = tick
     try:
-        _serve(core, commands, out)
+        _serve(core, commands, out, tick)
     except BaseException:  # noqa: BLE001 - a bug in the engine: tell the client, then die
         out.send(("crash", None, traceback.format_exc()))
         raise
 
 
-def _serve(core: EngineCore, commands, out: Connection) -> None:
+def _ticker(beat) -> Callable[[], None]:
+    """Advance the heartbeat the client reads (one writer: this process's loop)."""
+    if beat is None:
+        return lambda: None
+
+    def tick() -> None:
+        beat.value += 1
+
+    return tick
+
+
+def _serve(core: EngineCore, commands, out: Connection, tick: Callable[[], None]) -> None:
     parent = parent_process()
     while True:
+        tick()
         for msg in _drain(commands, block=not core.has_work()):
             if not _handle(core, msg, out):
                 return

@@ -14,7 +14,8 @@ servers Orbit starts or attaches to).
 | `server.py`    | starting, attaching to and checking servers                                 |
 | `launch.py`    | a started server's entry point: it stops with the Orbit that started it      |
 | `local.py`     | files of this host's servers: the adapter directory in /dev/shm, clean-up     |
-| `loop.py`      | the event loop every call to SGLang runs on, and its liveness watchdog       |
+| `event_loop.py`| the event loop every call to SGLang runs on, and its liveness watchdog       |
+| `working.py`   | whether a started server's processes are at work (slow, not hung)            |
 | `install.py`   | whether sglang 0.5.23 is installed here, and how to install it               |
 """
 

@@ -331,6 +331,12 @@ class SGLangEngine:
         else:
             self.loop.check_alive()
 
+    def heartbeat(self) -> int | None:
+        """None: stats are this process's own counters, always answered; whether SGLang lives is
+        the loop's watchdog's to say (transport.dead: its processes, a server's /health and the
+        CPU time a started server spends)."""
+        return None
+
     # counters are local
     def stats(self, timeout: float | None = None) -> EngineStats:  # noqa: ARG002
         self.loop.check_alive()

@@ -11,10 +11,12 @@
 | release / resume_memory | POST /release_memory_occupation, /resume_memory_occupation |
 | liveness, start-up checks | GET /health, /model_info, /server_info; POST /get_weights_by_name |
 
-Every call has a timeout. Only idempotent reads (GET) are retried; a POST that fails is reported,
-never sent twice (a second `generate` would sample twice, a second load could load twice). The API
-key goes in the Authorization header and nowhere else: it is never written to the run directory or
-the log, and messages that quote the server are scrubbed of it.
+A started server that does not answer /health is hung only if its processes spend no CPU meanwhile
+(working.py): a long prefill holds /health until it ends. Every call has a timeout. Only idempotent
+reads (GET) are retried; a POST that fails is reported, never sent twice (a second `generate` would
+sample twice, a second load could load twice). The API key goes in the Authorization header and
+nowhere else: it is never written to the run directory or the log, and messages that quote the
+server are scrubbed of it.
 
 Adapters travel as files. To a server on this host they go through a directory of Orbit's own in
 /dev/shm (local.py); to servers elsewhere through `engine.adapter_dir`, a directory both sides read.
@@ -37,10 +39,13 @@ from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.sglang import local
 from orbit.engine.sglang.adapters import write_peft_dir, write_weights_dir
 from orbit.engine.sglang.gate import Outcome
+from orbit.engine.sglang.working import WORKING_SHARE, CpuClock
 from orbit.host.secret import scrub
 
 GET_RETRIES = 3
-PROBE_TIMEOUT_S = 5.0  # a server that does not answer /health this fast is hung
+# a server that does not answer /health this fast is hung, unless Orbit started it and its
+# processes are at work (working.py): a long prefill holds /health until it ends
+PROBE_TIMEOUT_S = 5.0
 
 
 class HttpTransport:
@@ -68,6 +73,7 @@ class HttpTransport:
         self.memory_saver = memory_saver
         self.timeout_s = timeout_s
         self.server = server  # the ServerProcess Orbit started (None: attached, left running)
+        self._clock: CpuClock | None = None  # the started server's CPU time (liveness)
         self.attached = server is None
         self._max_connections = max_connections
         self._client: httpx.AsyncClient | None = None
@@ -209,10 +215,19 @@ class HttpTransport:
                 f"its process {self.server.pid} exited (code {self.server.exited()}); "
                 f"{self.server.log_tail()}"
             )
+        if self.server is not None and self._clock is None:
+            self._clock = CpuClock(self.server.pid, PROBE_TIMEOUT_S)
+        if self._clock is not None:
+            self._clock.share()  # where the probe's window starts
         try:
             res = await self._http().get("/health", timeout=PROBE_TIMEOUT_S)
         except httpx.TimeoutException:
-            return f"did not answer /health within {PROBE_TIMEOUT_S:g} s (hung)"
+            # A long batch holds /health; a server Orbit started is judged by its processes' work
+            share = None if self._clock is None else self._clock.share()
+            if share is not None and share >= WORKING_SHARE:
+                return None  # slow, not hung
+            spent = "" if share is None else f" and its processes spent {share:.0%} of a core"
+            return f"did not answer /health within {PROBE_TIMEOUT_S:g} s{spent} (hung)"
         except httpx.TransportError as e:
             return f"cannot be reached ({type(e).__name__}: {e})"
         return None if res.status_code == 200 else f"/health answered HTTP {res.status_code}"
