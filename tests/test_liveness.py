@@ -166,9 +166,12 @@ def test_a_started_sglang_server_at_work_is_slow_and_stopped_is_hung(tiny_llama,
         t0 = time.monotonic()
         while engine.loop.dead is None and time.monotonic() - t0 < 10:
             time.sleep(0.1)
+        said = str(engine.loop.dead)
         assert engine.loop.dead is not None, "a stopped server was not named hung"
-        assert "did not answer /health within 0.9 s" in str(engine.loop.dead)
-        assert "0% of a core (hung)" in str(engine.loop.dead)
+        assert "did not answer /health within 0.9 s and its processes spent" in said, said
+        # the window may hold the last moments before the stop (SGLang sleeps while idle)
+        share = int(said.split("spent ")[1].split("%")[0])
+        assert share < 10 and said.endswith("of a core (hung)"), said
     finally:
         os.killpg(group, signal.SIGCONT)
         engine.shutdown()
