@@ -154,6 +154,7 @@ def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart()
 
 
 def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
+    """No group has carried signal since the run started: the task gives this model nothing."""
     pipe = _pipeline(
         _pool(),
         batch=1,
@@ -167,9 +168,39 @@ def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
         _complete(pipe, gid, (0.0, 0.0))
     with pytest.raises(
         RolloutError,
-        match="dynamic sampling dropped 3 groups in a row whose rewards were all equal",
+        match="dynamic sampling dropped 3 groups in a row whose rewards were all equal .*none has "
+        "carried signal since the run started",
     ):
         pipe.take(1, version=0, stall_s=5)
+
+
+def test_dynamic_sampling_stands_aside_once_a_learned_policy_gives_no_signal():
+    """After groups that carried signal, a run of silent ones past the limit is a policy that has
+    learned to give one answer a prompt: the run goes on, warned once, every group training as it
+    comes (a silent group adds nothing to the loss)."""
+    warned = []
+    pipe = _pipeline(
+        _pool(),
+        batch=1,
+        k=None,
+        filter_limit=2,
+        keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries,
+        on_warning=warned.append,
+    )
+    pipe.grant(1)
+    [gid] = _start_all(pipe)
+    _complete(pipe, gid)  # signal
+    assert [g.id for g in pipe.take(1, version=0, stall_s=5).groups] == [gid]
+    pipe.grant(1)
+    for _ in range(3):
+        [gid] = _start_all(pipe)
+        _complete(pipe, gid, (1.0, 1.0))
+    assert pipe.counts.filtered == 3 and pipe.keep is None
+    assert len(warned) == 1 and "Dynamic sampling stands aside for the rest of the run" in warned[0]
+    [gid] = _start_all(pipe)
+    _complete(pipe, gid, (1.0, 1.0))  # silent, and trained
+    assert [g.id for g in pipe.take(1, version=1, stall_s=5).groups] == [gid]
+    assert pipe.counts.filtered == 3 and len(warned) == 1
 
 
 def test_lost_episodes_stop_the_run_only_past_the_share_of_a_batchs_worth():

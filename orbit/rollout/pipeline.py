@@ -132,6 +132,7 @@ class Pipeline:
         keep: Callable[[Group], bool] | None = None,
         filter_limit: int = 10,
         max_lost_frac: float = 0.5,
+        on_warning: Callable[[str], None] | None = None,
     ) -> None:
         """`batch`: groups per train step. `max_staleness`: how many versions a group may be trained
         after the one it started on (the mode's: `Mode.max_staleness`); admission keeps groups
@@ -139,13 +140,17 @@ class Pipeline:
         `max_inflight`: requests in flight at most, over all engines. `start_group` /
         `start_version`: where a resumed run's prompt stream and versions stand. `keep`: dynamic
         sampling's test of a complete group; `filter_limit` batches' worth of groups failing it
-        while the trainer waits for one batch stop the run; so does losing more than `max_lost_frac`
-        of the agent episodes since the last batch."""
+        while the trainer waits for one batch stop the run if none has passed it yet, else dynamic
+        sampling stands aside for the rest of the run (`on_warning` says so); losing more than
+        `max_lost_frac` of the agent episodes since the last batch stops the run."""
         self.pool, self.group_size, self.max_inflight = pool, group_size, max_inflight
         self.admission = Admission(batch, max_staleness)
         self.replenish = replenish
         self.keep, self.filter_limit = keep, filter_limit
         self._filtered_since_take = 0
+        # a group has carried signal in this run (or the run resumed one that trained)
+        self._signal_seen = start_version > 0
+        self.on_warning = on_warning or (lambda message: None)
         self.max_lost_frac = max_lost_frac
         self._since_take = (0, 0)  # agent episodes ended and lost when the last batch was taken
         self._last_loss = ""
@@ -206,35 +211,55 @@ class Pipeline:
 
     def complete(self, gid: int, group: Group) -> None:
         # outside the lock: the rewards are the group's own
-        kept = self.keep is None or self.keep(group)
+        keep = self.keep
+        kept = keep is None or keep(group)
+        warning = None
         with self._cond:
             del self.in_flight[gid]
             self._last_progress = time.monotonic()
             if kept:
                 self._complete.append(group)
+                self._signal_seen |= keep is not None
             else:
-                self._filter(group)
+                warning = self._filter(group)
             self._cond.notify_all()
+        if warning:
+            self.on_warning(warning)
         if not kept:
             self.wake()  # its replacement starts now
 
-    def _filter(self, group: Group) -> None:
-        """Dynamic sampling: the group says nothing; another prompt's group takes its place."""
+    def _filter(self, group: Group) -> str | None:
+        """Dynamic sampling: the group says nothing; another prompt's group takes its place. Past
+        the limit: the run stops if no group has carried signal (the task gives this model nothing
+        to learn from), else the filter stands aside (the policy, having learned, now gives one
+        answer a prompt: a run of silent groups that would otherwise end it); what to warn of."""
         self.counts.filtered += 1
         self.counts.filtered_tokens += group.tokens
         self._started -= 1  # its replacement counts as started instead, as a dropped group's does
         self._granted += 1
         self._filtered_since_take += 1
         if (
-            self._filtered_since_take > self.filter_limit * self.admission.batch
-            and self._verdict is None
+            self._filtered_since_take <= self.filter_limit * self.admission.batch
+            or self._verdict is not None
         ):
+            return None
+        dropped = (
+            f"dynamic sampling dropped {self._filtered_since_take} groups in a row whose rewards "
+            f"were all equal (algorithm.filter_limit: {self.filter_limit} batches of "
+            f"{self.admission.batch})"
+        )
+        if not self._signal_seen:
             self._verdict = RolloutError(
-                f"dynamic sampling dropped {self._filtered_since_take} groups in a row whose "
-                f"rewards were all equal (algorithm.filter_limit: {self.filter_limit} batches of "
-                f"{self.admission.batch}); the task gives this model no signal: every answer right "
-                "or every answer wrong"
+                f"{dropped}, and none has carried signal since the run started; the task gives "
+                "this model no signal: every answer right or every answer wrong"
             )
+            return None
+        self.keep = None
+        return (
+            f"{dropped}: the policy now gives one answer to nearly every prompt. Dynamic sampling "
+            "stands aside for the rest of the run: every group trains as it comes (one whose "
+            "rewards are all equal adds nothing)"
+        )
 
     def count(
         self,

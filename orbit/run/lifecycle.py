@@ -275,6 +275,7 @@ def start(
             keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
             filter_limit=recipe.algorithm.filter_limit,
             max_lost_frac=recipe.rollout.max_lost_frac,
+            on_warning=warner(console, run_dir, prefix),
         )
         # a sweep's runs share their engines
         cores = lendable_cores(recipe) if name is None else None
