@@ -154,7 +154,8 @@ def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart()
 
 
 def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
-    """No group has carried signal since the run started: the task gives this model nothing."""
+    """Under a batch of groups has carried signal since the run started: the task gives this model
+    nothing."""
     pipe = _pipeline(
         _pool(),
         batch=1,
@@ -168,7 +169,7 @@ def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
         _complete(pipe, gid, (0.0, 0.0))
     with pytest.raises(
         RolloutError,
-        match="dynamic sampling dropped 3 groups in a row whose rewards were all equal .*none has "
+        match="dynamic sampling dropped 3 groups in a row whose rewards were all equal .*0 "
         "carried signal since the run started",
     ):
         pipe.take(1, version=0, stall_s=5)

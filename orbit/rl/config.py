@@ -125,8 +125,9 @@ class AlgorithmConfig(_Section):
         ge=1,
         le=1000,
         description="with dynamic_sampling: when this many batches' worth of groups were "
-        "dropped while the trainer waited for one batch, stop the run if no group has carried "
-        "signal yet, else dynamic sampling stands aside for the rest of the run (with a warning)",
+        "dropped while the trainer waited for one batch, stop the run if under a batch of "
+        "groups has carried signal yet, else dynamic sampling stands aside for the rest of the "
+        "run (with a warning)",
     )
     overlong: Literal["none", "mask", "penalty"] = Field(
         "none",

@@ -140,16 +140,17 @@ class Pipeline:
         `max_inflight`: requests in flight at most, over all engines. `start_group` /
         `start_version`: where a resumed run's prompt stream and versions stand. `keep`: dynamic
         sampling's test of a complete group; `filter_limit` batches' worth of groups failing it
-        while the trainer waits for one batch stop the run if none has passed it yet, else dynamic
-        sampling stands aside for the rest of the run (`on_warning` says so); losing more than
-        `max_lost_frac` of the agent episodes since the last batch stops the run."""
+        while the trainer waits for one batch stop the run if under a batch's worth has passed it
+        yet, else dynamic sampling stands aside for the rest of the run (`on_warning` says so);
+        losing more than `max_lost_frac` of the agent episodes since the last batch stops the
+        run."""
         self.pool, self.group_size, self.max_inflight = pool, group_size, max_inflight
         self.admission = Admission(batch, max_staleness)
         self.replenish = replenish
         self.keep, self.filter_limit = keep, filter_limit
         self._filtered_since_take = 0
-        # a group has carried signal in this run (or the run resumed one that trained)
-        self._signal_seen = start_version > 0
+        # groups that carried signal in this run (a resumed run has trained batches of them)
+        self._kept = batch if start_version > 0 else 0
         self.on_warning = on_warning or (lambda message: None)
         self.max_lost_frac = max_lost_frac
         self._since_take = (0, 0)  # agent episodes ended and lost when the last batch was taken
@@ -219,7 +220,7 @@ class Pipeline:
             self._last_progress = time.monotonic()
             if kept:
                 self._complete.append(group)
-                self._signal_seen |= keep is not None
+                self._kept += keep is not None
             else:
                 warning = self._filter(group)
             self._cond.notify_all()
@@ -230,9 +231,10 @@ class Pipeline:
 
     def _filter(self, group: Group) -> str | None:
         """Dynamic sampling: the group says nothing; another prompt's group takes its place. Past
-        the limit: the run stops if no group has carried signal (the task gives this model nothing
-        to learn from), else the filter stands aside (the policy, having learned, now gives one
-        answer a prompt: a run of silent groups that would otherwise end it); what to warn of."""
+        the limit: the run stops if under a batch of groups has carried signal (the task gives this
+        model nothing to learn from), else the filter stands aside (the policy has learned and
+        settled on its answers: a run of silent groups that would otherwise end it); what to warn
+        of."""
         self.counts.filtered += 1
         self.counts.filtered_tokens += group.tokens
         self._started -= 1  # its replacement counts as started instead, as a dropped group's does
@@ -248,17 +250,17 @@ class Pipeline:
             f"were all equal (algorithm.filter_limit: {self.filter_limit} batches of "
             f"{self.admission.batch})"
         )
-        if not self._signal_seen:
+        if self._kept < self.admission.batch:
             self._verdict = RolloutError(
-                f"{dropped}, and none has carried signal since the run started; the task gives "
-                "this model no signal: every answer right or every answer wrong"
+                f"{dropped}, and {self._kept} carried signal since the run started; the task "
+                "gives this model no signal: every answer right or every answer wrong"
             )
             return None
         self.keep = None
         return (
-            f"{dropped}: the policy now gives one answer to nearly every prompt. Dynamic sampling "
-            "stands aside for the rest of the run: every group trains as it comes (one whose "
-            "rewards are all equal adds nothing)"
+            f"{dropped}, after {self._kept} that carried signal: the policy has settled on its "
+            "answers. Dynamic sampling stands aside for the rest of the run: every group trains "
+            "as it comes (one whose rewards are all equal adds nothing)"
         )
 
     def count(

@@ -96,7 +96,6 @@ class EngineCore:
         self._finished: list[tuple[int, Completion]] = []
         self._next_rid = 0
         self._pause_t0 = 0.0
-        # prompt tokens per second of the prefills so far (smoothed)
         self.counters = {
             "tokens_generated": 0,
             "busy_s": 0.0,

@@ -39,12 +39,12 @@ from orbit.engine.base import EngineDeadError, EngineError
 from orbit.engine.sglang import local
 from orbit.engine.sglang.adapters import write_peft_dir, write_weights_dir
 from orbit.engine.sglang.gate import Outcome
-from orbit.engine.sglang.working import WORKING_SHARE, CpuClock
+from orbit.engine.sglang.working import MAX_BUSY_S, HealthWatch
 from orbit.host.secret import scrub
 
 GET_RETRIES = 3
 # a server that does not answer /health this fast is hung, unless Orbit started it and its
-# processes are at work (working.py): a long prefill holds /health until it ends
+# processes are at work (working.py): a long batch holds /health until it ends
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -73,7 +73,7 @@ class HttpTransport:
         self.memory_saver = memory_saver
         self.timeout_s = timeout_s
         self.server = server  # the ServerProcess Orbit started (None: attached, left running)
-        self._clock: CpuClock | None = None  # the started server's CPU time (liveness)
+        self._health: HealthWatch | None = None  # its liveness (made on the loop, at first use)
         self.attached = server is None
         self._max_connections = max_connections
         self._client: httpx.AsyncClient | None = None
@@ -215,24 +215,15 @@ class HttpTransport:
                 f"its process {self.server.pid} exited (code {self.server.exited()}); "
                 f"{self.server.log_tail()}"
             )
-        if self.server is not None and self._clock is None:
-            self._clock = CpuClock(self.server.pid, PROBE_TIMEOUT_S)
-        if self._clock is not None:
-            self._clock.share()  # where the probe's window starts
-        try:
-            res = await self._http().get("/health", timeout=PROBE_TIMEOUT_S)
-        except httpx.TimeoutException:
-            # A long batch holds /health; a server Orbit started is judged by its processes' work
-            share = None if self._clock is None else self._clock.share()
-            if share is not None and share >= WORKING_SHARE:
-                return None  # slow, not hung
-            spent = "" if share is None else f" and its processes spent {share:.0%} of a core"
-            return f"did not answer /health within {PROBE_TIMEOUT_S:g} s{spent} (hung)"
-        except httpx.TransportError as e:
-            return f"cannot be reached ({type(e).__name__}: {e})"
-        return None if res.status_code == 200 else f"/health answered HTTP {res.status_code}"
+        if self._health is None:
+            ask = lambda: self._http().get("/health", timeout=MAX_BUSY_S)  # noqa: E731
+            pid = self.server.pid if self.server is not None else None
+            self._health = HealthWatch(ask, pid, PROBE_TIMEOUT_S)
+        return await self._health.check()
 
     async def aclose(self) -> None:
+        if self._health is not None:
+            self._health.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
