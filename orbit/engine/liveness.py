@@ -42,6 +42,7 @@ class Liveness:
         self.beat = engine.heartbeat()
         self.ping: Future[float] | None = None  # one at a time: a slow step holds it
         self._beat_at_ping = self.beat
+        self._ping_at = now
 
     def check(self, now: float) -> str | None:
         """None while the engine is alive; why it is not (it died, or it is hung)."""
@@ -50,14 +51,16 @@ class Liveness:
             self.beat, self.seen = beat, now
         if self.ping is not None and self.ping.done():
             err = self.ping.exception()
-            # a call's own bound (a client's call_timeout_s) can run out in a step that progresses
-            if isinstance(err, EngineDeadError) and self.beat == self._beat_at_ping:
+            # a call's own bound (a client's call_timeout_s) can run out in a step that progresses;
+            # an answer that fails at once (a client that knows its engine is gone) is death
+            bounded = now - self._ping_at >= self.timeout_s and self.beat != self._beat_at_ping
+            if isinstance(err, EngineDeadError) and not bounded:
                 return str(err)
             if err is None:
                 self.seen = max(self.seen, self.ping.result())
             self.ping = None  # another error says nothing of its life: ask again
         if self.ping is None:
-            self.ping, self._beat_at_ping = _ask(self.engine.stats), self.beat
+            self.ping, self._beat_at_ping, self._ping_at = _ask(self.engine.stats), self.beat, now
         if now - self.seen >= self.timeout_s:
             return f"neither answered nor made progress for {now - self.seen:.1f} s (hung)"
         return None

@@ -150,7 +150,7 @@ class Pipeline:
         self.keep, self.filter_limit = keep, filter_limit
         self._filtered_since_take = 0
         # groups that carried signal in this run (a resumed run has trained batches of them)
-        self._kept = batch if start_version > 0 else 0
+        self._kept = start_version * batch
         self.on_warning = on_warning or (lambda message: None)
         self.max_lost_frac = max_lost_frac
         self._since_take = (0, 0)  # agent episodes ended and lost when the last batch was taken

@@ -216,7 +216,8 @@ class HttpTransport:
                 f"{self.server.log_tail()}"
             )
         if self._health is None:
-            ask = lambda: self._http().get("/health", timeout=MAX_BUSY_S)  # noqa: E731
+            # the request's own bound past the watch's, whose verdict says more
+            ask = lambda: self._http().get("/health", timeout=MAX_BUSY_S + 60)  # noqa: E731
             pid = self.server.pid if self.server is not None else None
             self._health = HealthWatch(ask, pid, PROBE_TIMEOUT_S)
         return await self._health.check()

@@ -79,6 +79,8 @@ class HealthWatch:
             self._since = now
         if self._asked is None:
             self._asked = asyncio.ensure_future(self._ask())
+            # a request that fails after the watch stopped looking (the server killed) is not news
+            self._asked.add_done_callback(lambda t: t.cancelled() or t.exception())
         if self._asked.done():
             asked, self._asked = self._asked, None
             try:
