@@ -107,7 +107,7 @@ class HttpTransport:
                 route, json=body or {}, timeout=timeout or self.timeout_s
             )
         except httpx.TransportError as e:
-            reason = await self.dead()
+            reason = await self._gone()
             if reason is not None:
                 raise EngineDeadError(f"{self.label}: {reason}") from None
             raise EngineError(f"{self.label}: {route} failed: {type(e).__name__}: {e}") from None
@@ -208,6 +208,20 @@ class HttpTransport:
 
     async def resume_memory(self) -> None:
         await self._must("/resume_memory_occupation")
+
+    async def _gone(self) -> str | None:
+        """After a broken connection, asked at once (not at the watch's next look): its process
+        exited or it cannot be reached is death; a /health that times out gets the watch's verdict
+        (slow is not hung)."""
+        if self.server is not None and self.server.exited() is not None:
+            return await self.dead()
+        try:
+            await self._http().get("/health", timeout=PROBE_TIMEOUT_S)
+        except httpx.TimeoutException:
+            return await self.dead()
+        except httpx.TransportError as e:
+            return f"cannot be reached ({type(e).__name__}: {e})"
+        return None
 
     async def dead(self) -> str | None:
         if self.server is not None and self.server.exited() is not None:
