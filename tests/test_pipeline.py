@@ -153,16 +153,17 @@ def test_dynamic_sampling_replaces_groups_without_signal_and_counts_them_apart()
     assert [g.id for g in batch.groups] == [1, 2] and batch.stale_dropped == 0
 
 
+def _filtering(**kw) -> Pipeline:
+    """Dynamic sampling on batches of one group, stopping (or standing aside) after 2 batches of
+    silent groups in a row."""
+    keep = Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries
+    return _pipeline(_pool(), batch=1, k=None, filter_limit=2, keep=keep, **kw)
+
+
 def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
     """Under a batch of groups has carried signal since the run started: the task gives this model
     nothing."""
-    pipe = _pipeline(
-        _pool(),
-        batch=1,
-        k=None,
-        filter_limit=2,
-        keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries,
-    )
+    pipe = _filtering()
     pipe.grant(1)
     for _ in range(3):
         [gid] = _start_all(pipe)
@@ -176,18 +177,11 @@ def test_dynamic_sampling_that_finds_no_signal_stops_the_run_saying_so():
 
 
 def test_dynamic_sampling_stands_aside_once_a_learned_policy_gives_no_signal():
-    """After groups that carried signal, a run of silent ones past the limit is a policy that has
-    learned to give one answer a prompt: the run goes on, warned once, every group training as it
-    comes (a silent group adds nothing to the loss)."""
+    """After a batch of groups that carried signal, a run of silent ones past the limit is a policy
+    that has learned and settled on its answers: the run goes on, warned once, every group training
+    as it comes (a silent group adds nothing to the loss)."""
     warned = []
-    pipe = _pipeline(
-        _pool(),
-        batch=1,
-        k=None,
-        filter_limit=2,
-        keep=Signal(AlgorithmConfig(dynamic_sampling=True), 8).carries,
-        on_warning=warned.append,
-    )
+    pipe = _filtering(on_warning=warned.append)
     pipe.grant(1)
     [gid] = _start_all(pipe)
     _complete(pipe, gid)  # signal
