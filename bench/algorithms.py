@@ -13,7 +13,7 @@ The sweeps run the recipe with `trainer.threads: --trainer-threads` (2): a sweep
 trainer-bound, and the engine's core idles meanwhile. Nothing else differs from the recipe.
 
     .venv/bin/python bench/algorithms.py [--seeds 0,1,2] [--presets
-    default,grpo,dr_grpo,dapo,gspo,cispo,rloo]
+    orbit_v1,grpo,dr_grpo,dapo,gspo,cispo,rloo]
                                          [--recipe recipes/smollm2-math.yaml] [--steps 60] [--out
                                          runs/algorithms] [--trainer-threads 2]
     .venv/bin/python bench/algorithms.py --report-only --out runs/algorithms     # the table and
@@ -37,6 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ORBIT = [sys.executable, "-m", "orbit.cli"]
 WINDOW = 8
+# Orbit's default before DAPO: swept as `preset: null` (every field at its own default, the same
+# settings as `orbit_v1`), so its runs keep the directory name of the tables measured before the
+# name existed (`preset=None_seed=N`); "default" is the name those tables gave it.
+OLD_DEFAULT = ("orbit_v1", "default")
 
 
 def moving_mean(xs: list[float], window: int = WINDOW) -> list[float]:
@@ -54,7 +58,9 @@ def worst_drop(rewards: list[float]) -> float:
 
 def run_dir(out: Path, preset: str, seed: int) -> Path:
     """The sweep's directory of one run (`orbit sweep` names it by what varies)."""
-    return out / f"seed-{seed}" / f"preset={'None' if preset == 'default' else preset}_seed={seed}"
+    return (
+        out / f"seed-{seed}" / f"preset={'None' if preset in OLD_DEFAULT else preset}_seed={seed}"
+    )
 
 
 def recipe(args: argparse.Namespace) -> Path:
@@ -73,7 +79,7 @@ def recipe(args: argparse.Namespace) -> Path:
 
 def train_seed(args: argparse.Namespace, seed: int) -> Path:
     out = args.out / f"seed-{seed}"
-    presets = ",".join("null" if p == "default" else p for p in args.presets)
+    presets = ",".join("null" if p in OLD_DEFAULT else p for p in args.presets)
     done = [run_dir(args.out, p, seed) / "metrics.jsonl" for p in args.presets]
     if all(f.is_file() and len(f.read_text().splitlines()) >= args.steps for f in done):
         return out
@@ -225,7 +231,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--presets", default="default,grpo,dr_grpo,dapo,gspo,cispo,rloo")
+    parser.add_argument("--presets", default="orbit_v1,grpo,dr_grpo,dapo,gspo,cispo,rloo")
     parser.add_argument("--recipe", type=Path, default=Path("recipes/smollm2-math.yaml"))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--n", type=int, default=200)

@@ -176,9 +176,12 @@ def test_cli_recipe_check(tmp_path, tiny_llama):
     res = _orbit("recipe", "check", str(good))
     assert (
         res.returncode == 0
-        and "algorithm: default (advantage grpo, aggregation token-mean, ratio truncate"
+        and "algorithm: dapo (advantage grpo, aggregation token-mean, ratio clip"
         in " ".join(res.stdout.split())
     )
+    old = _write(tmp_path, {"model": str(tiny_llama), "algorithm": {"preset": "orbit_v1"}})
+    out = " ".join(_orbit("recipe", "check", str(old)).stdout.split())
+    assert "algorithm: orbit_v1 (advantage grpo, aggregation token-mean, ratio truncate" in out
     dapo = _write(
         tmp_path, {"model": str(tiny_llama), "algorithm": {"preset": "dapo", "clip_eps_high": 0.3}}
     )

@@ -357,10 +357,14 @@ def test_importance_is_the_plain_ratio_times_the_advantage():
     assert stats.clip_frac == 0.0
 
 
-def test_the_default_is_the_truncated_weight_over_the_token_mean():
-    """Orbit's loss before presets, unchanged: -min(r, truncate_max) A log pi per token, over every
-    trained token."""
+def test_orbit_v1_is_the_truncated_weight_over_the_token_mean():
+    """Orbit's default before DAPO, unchanged and reachable by name: -min(r, truncate_max) A log pi
+    per token, over every trained token. `AlgorithmConfig()` in code and `preset: null` give the
+    same."""
     cfg = AlgorithmConfig()
+    named = AlgorithmConfig(preset="orbit_v1")
+    assert named.model_dump() == {**cfg.model_dump(), "preset": "orbit_v1"}
+    assert _recipe(preset=None).algorithm == cfg
     assert (
         cfg.preset,
         cfg.advantage,
@@ -473,6 +477,26 @@ def _recipe(**algorithm):
     return parse_recipe({"model": "m", "algorithm": algorithm})
 
 
+def test_a_recipe_that_names_no_preset_gets_dapo():
+    """The default a recipe gets without asking is the measured best (docs/algorithms.md):
+    DAPO, with or without an `algorithm:` section, the fields it sets winning."""
+    bare = parse_recipe({"model": "m"}).algorithm
+    assert (
+        bare
+        == _recipe(preset="dapo").algorithm
+        == parse_recipe({"model": "m", "algorithm": None}).algorithm
+    )
+    assert (bare.preset, bare.ratio, bare.clip_eps_high, bare.dynamic_sampling) == (
+        "dapo",
+        "clip",
+        0.28,
+        True,
+    )
+    assert _recipe(kl_coef=0.01).algorithm.model_dump() == {**bare.model_dump(), "kl_coef": 0.01}
+    # the run directory's recipe.yaml names the preset: a later default cannot change a resumed run
+    assert parse_recipe({"model": "m"}).model_dump(mode="json")["algorithm"]["preset"] == "dapo"
+
+
 def test_presets_fill_what_the_recipe_leaves_unset():
     dapo = _recipe(preset="dapo").algorithm
     assert (
@@ -503,7 +527,10 @@ def test_presets_fill_what_the_recipe_leaves_unset():
             "algorithm.truncate_max: has no effect with ratio 'clip'",
         ),
         ({"norm_length": 16}, "algorithm.norm_length"),
-        ({"overlong_buffer": 4}, "algorithm.overlong_buffer: the buffer of overlong: penalty"),
+        (
+            {"overlong": "none", "overlong_buffer": 4},
+            "algorithm.overlong_buffer: the buffer of overlong: penalty",
+        ),
         ({"overlong": "penalty", "overlong_buffer": 40}, "algorithm.overlong_buffer: 40 tokens"),
         ({"minibatches": 8}, "algorithm.minibatches: 8 mini-batches of 4 groups"),
         ({"mask": {"low": 1.2}}, "algorithm.mask.low"),

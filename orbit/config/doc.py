@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -24,10 +25,12 @@ A recipe that breaks any of this fails at load, before any compute, naming the f
 """
 
 
-def _default(field: FieldInfo) -> str:
+def _default(field: FieldInfo, given: Any = None) -> str:
     if field.is_required():
         return "required"
     value = field.get_default(call_default_factory=True, validated_data={})
+    if given is not None:
+        value = given
     if isinstance(value, BaseModel):
         return "(section)"
     if isinstance(value, Path):
@@ -42,13 +45,21 @@ def _type(field: FieldInfo) -> str:
     return text.replace("NoneType", "None").replace("|", "\\|")
 
 
-def _table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
+def _table(
+    model: type[BaseModel],
+    prefix: str,
+    skip: tuple[str, ...] = (),
+    defaults: BaseModel | None = None,
+) -> list[str]:
+    """One row per field; `defaults`: the section as a recipe that leaves it out gets it (the
+    algorithm's preset filled in), where that differs from the field's own default."""
     rows = ["| field | type | default | what |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
         if name in skip:
             continue
         what = (field.description or "").replace("\n", " ").replace("|", "\\|")
-        rows.append(f"| `{prefix}{name}` | {_type(field)} | {_default(field)} | {what} |")
+        given = getattr(defaults, name) if defaults is not None else None
+        rows.append(f"| `{prefix}{name}` | {_type(field)} | {_default(field, given)} | {what} |")
     return rows
 
 
@@ -56,12 +67,23 @@ def render() -> str:
     out = [HEAD, "## Top level", ""]
     sections: dict[str, type[BaseModel]] = {}
     for n, f in Recipe.model_fields.items():
-        make = f.default_factory
-        if n != "task" and isinstance(make, type) and issubclass(make, BaseModel):
-            sections[n] = make
+        kind = f.annotation
+        if n != "task" and isinstance(kind, type) and issubclass(kind, BaseModel):
+            sections[n] = kind
     out += _table(Recipe, "", skip=(*sections, "task"))
     for name, section in sections.items():
-        out += ["", f"## `{name}:`", ""] + _table(section, f"{name}.")
+        out += ["", f"## `{name}:`", ""]
+        if name == "algorithm":
+            given = Recipe.model_fields[name].get_default(call_default_factory=True)
+            out += [
+                f"A recipe that names no `preset` gets `{given.preset}`'s settings: the defaults "
+                "below. `preset: orbit_v1` gives Orbit's default before it (each field's own "
+                "default: `advantage: grpo`, `token-mean`, `ratio: truncate`, no filters).",
+                "",
+            ]
+            out += _table(section, f"{name}.", defaults=given)
+        else:
+            out += _table(section, f"{name}.")
         if name == "algorithm":
             out += ["", "### `algorithm.mask:`", ""] + _table(MaskBand, "algorithm.mask.")
     out += [

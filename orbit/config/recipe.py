@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit.config.modes import MODE_NAMES, MODES
 from orbit.config.task import BUILTIN_TASKS, BUILTINS, PatternTaskConfig, TaskConfig, TaskSection  # noqa: F401
 from orbit.rl import AlgorithmConfig
+from orbit.rl.config import recipe_section
+from orbit.rl.presets import DEFAULT_PRESET
 
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -349,7 +351,10 @@ class Recipe(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = Field(
+        default_factory=lambda: AlgorithmConfig.model_validate(recipe_section(None)),
+        description=f"the estimator, loss and filters; unset: preset {DEFAULT_PRESET}",
+    )
     task: TaskSection = Field(default_factory=PatternTaskConfig)
     mode: Literal[MODE_NAMES] = Field(  # type: ignore[valid-type]  # the names from modes.py
         "double-buffer",
@@ -366,6 +371,11 @@ class Recipe(_Section):
         "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; WANDB_MODE=offline works); [] = "
         "none",
     )
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _default_preset(cls, data: Any) -> Any:
+        return recipe_section(data)
 
     @model_validator(mode="after")
     # twice: two writers into one directory, every step logged twice

@@ -2,8 +2,10 @@
 
 A `preset` fills the fields the recipe leaves unset (presets.py). A field that has no effect with
 the chosen loss (a clip range with `ratio: truncate`) is refused when the recipe sets it, and so is
-a combination that means nothing (a sequence-level ratio with CISPO's token weights). The default is
-Orbit's loss as it was before presets: GRPO advantages, the token mean, the truncated IS weight.
+a combination that means nothing (a sequence-level ratio with CISPO's token weights). A recipe whose
+section names no preset gets DEFAULT_PRESET (`recipe_section`); the class itself, built in code
+(`AlgorithmConfig(ratio=...)`, as `orbit serve`'s losses are), takes only what it is given, every
+other field at its own default: `orbit_v1`'s settings.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from orbit.rl.presets import PRESET_NAMES, PRESETS
+from orbit.rl.presets import DEFAULT_PRESET, PRESET_NAMES, PRESETS
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "batch")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -54,10 +56,10 @@ class MaskBand(_Section):
 class AlgorithmConfig(_Section):
     preset: Literal[PRESET_NAMES] | None = Field(  # type: ignore[valid-type]
         None,
-        description="grpo | dr_grpo | dapo | gspo | cispo | rloo: the paper's settings for the "
-        "fields "
-        "left unset (docs/algorithms.md); none: Orbit's default (GRPO advantages, token mean, "
-        "truncated IS)",
+        description="orbit_v1 | grpo | dr_grpo | dapo | gspo | cispo | rloo: the paper's settings "
+        "for the fields left unset (docs/algorithms.md); a recipe that names none gets "
+        f"{DEFAULT_PRESET}; orbit_v1 (or null): Orbit's default before it (GRPO advantages, token "
+        "mean, truncated IS)",
     )
     advantage: Literal[ADVANTAGES] = Field(  # type: ignore[valid-type]
         "grpo",
@@ -212,7 +214,7 @@ class AlgorithmConfig(_Section):
         if self.overlong == "penalty":
             fields["overlong_buffer"] = self.buffer(max_new_tokens)
         shown = ", ".join(f"{k} {v}" for k, v in fields.items())
-        return f"algorithm: {self.preset or 'default'} ({shown})"
+        return f"algorithm: {self.preset or 'orbit_v1'} ({shown})"
 
     def norm(self, max_new_tokens: int) -> int:
         """seq-mean-token-sum-norm's constant."""
@@ -226,3 +228,13 @@ class AlgorithmConfig(_Section):
     def optimizer_steps(self) -> int:
         """Optimizer steps per batch."""
         return self.minibatches * self.epochs
+
+
+def recipe_section(data: Any) -> Any:
+    """A recipe's `algorithm:` section as written (a mapping, or nothing): one that names no preset
+    gets DEFAULT_PRESET, so a recipe without the section trains with the measured best."""
+    if data is None:
+        return {"preset": DEFAULT_PRESET}
+    if isinstance(data, dict) and "preset" not in data:
+        return {"preset": DEFAULT_PRESET, **data}
+    return data

@@ -1,8 +1,10 @@
 """The algorithms users ask for by name, as the settings of `algorithm:` their papers give.
 
-A preset fills the fields a recipe leaves unset; a field set in the recipe wins. No preset (the
-default) is Orbit's own choice before presets existed: GRPO advantages, the token mean, a truncated
-importance weight against the engine's policy.
+A preset fills the fields a recipe leaves unset; a field set in the recipe wins. A recipe that names
+none gets DEFAULT_PRESET: of the presets measured on the three laptop recipes it held out best and
+fell least (docs/algorithms.md). `orbit_v1` is Orbit's default before that: GRPO advantages, the
+token mean, a truncated importance weight against the engine's policy; it is also what
+`AlgorithmConfig()` and `preset: null` give, every field at its own default.
 """
 
 from __future__ import annotations
@@ -10,6 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # Orbit's default until DAPO measured better (issue 40): the fields' own defaults, named so that
+    # a recipe written for it keeps it
+    "orbit_v1": {
+        "advantage": "grpo",
+        "aggregation": "token-mean",
+        "ratio": "truncate",
+        "truncate_max": 2.0,
+        "dynamic_sampling": False,
+        "overlong": "none",
+        "kl_coef": 0.0,
+    },
     # DeepSeekMath (Shao et al. 2024): group-normalised advantages, each sequence's token mean, PPO
     # clip, KL to the reference (beta 0.04)
     "grpo": {
@@ -77,3 +90,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRESET_NAMES = tuple(PRESETS)
+
+# What a recipe gets when its `algorithm:` section names no preset (or it has none).
+DEFAULT_PRESET = "dapo"
