@@ -28,27 +28,14 @@ from pathlib import Path
 
 import yaml
 
+from orbit.measure.flops import matmul_params, matmul_peak
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {
     "off": (False, {}),
     "on": (True, {}),
     "on, passive OpenMP": (True, {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
-
-
-def matmul_peak(
-    threads: int, hidden: int = 576, inner: int = 1536, rows: int = 2048, reps: int = 20
-) -> float:
-    """GFLOP/s of torch.mm [rows, hidden] x [hidden, inner] in float32 on `threads` threads (a fresh
-    process)."""
-    code = (
-        f"import time, torch; torch.set_num_threads({threads}); a = torch.randn({rows}, {hidden}); "
-        f"b = torch.randn({hidden}, {inner}); [a @ b for _ in range(3)]; t = time.perf_counter(); "
-        f"[a @ b for _ in range({reps})]; print(2 * {rows} * {hidden} * {inner} * {reps} / "
-        "(time.perf_counter() - t) / 1e9)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip())
 
 
 def run(args: argparse.Namespace, engine: str, setting: str) -> dict:
@@ -80,24 +67,11 @@ def run(args: argparse.Namespace, engine: str, setting: str) -> dict:
         # issue 39's measure: forward and backward through the frozen base, 4 x parameters a
         # trained token; recompute, padding and prompts are not counted
         "useful_gflops": 4
-        * matmul_params(data["model"])
+        * matmul_params(ROOT / data["model"])
         * sum(r["trained_tokens"] for r in rows)
         / sum(r["train_s"] for r in rows)
         / 1e9,
     }
-
-
-def matmul_params(model: str) -> int:
-    """The weights a token's forward multiplies by: the decoder layers' and the output head."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(
-        ROOT / model if not Path(model).is_absolute() else model
-    )
-    return (
-        sum(p.numel() for p in m.model.layers.parameters())
-        + m.get_output_embeddings().weight.numel()
-    )
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ import argparse
 import os
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -41,10 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from cores import matmul_peak  # noqa: E402
-
 from orbit.config import load_recipe  # noqa: E402
+from orbit.measure.flops import matmul_peak  # noqa: E402
 from orbit.rl import policy_loss  # noqa: E402
 from orbit.rollout.sample import Sample  # noqa: E402
 from orbit.train.batch import (  # noqa: E402

@@ -17,6 +17,7 @@ from straggler import Slowing
 from orbit.config import RecipeError
 from orbit.config.modes import MODE_NAMES, MODES
 from orbit.measure.bench import HEADLINE, TIMED, engine_rate, floor_s, p90, run_bench, summarize
+from orbit.measure.flops import flop_floor_s, matmul_params
 from orbit.metrics.gantt import pack_lanes
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
@@ -74,6 +75,16 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
         # a floor is a bound: no mode's window is faster than its floor, on the summary's own
         # numbers
         assert s["floor_ratio"] >= 1.0, (mode, s["floor_ratio"])
+        # the FLOP floor: the steps' useful FLOPs at the section's measured peak; a bound too
+        work = (
+            sum(4 * r["trained_tokens"] + 2 * r["tokens_generated"] for r in rows)
+            * section["matmul_params"]
+        )
+        flop_floor = work / len(rows) / (section["peak_gflops"] * 1e9)
+        assert flop_floor > 0 and s["flop_floor_s"] == pytest.approx(flop_floor)
+        assert (
+            s["flop_floor_ratio"] == pytest.approx(step / flop_floor) and s["flop_floor_ratio"] > 1
+        )
     assert section["modes"]["sync"]["staleness_max"] == 0
     assert section["ratios"]["double-buffer"]["step_s"]["vs_sync"] > 0
     assert {t["target"] for t in section["targets"]} and all("met" in t for t in section["targets"])
@@ -88,6 +99,7 @@ def test_short_bench_writes_summary_table_and_panels(tmp_path, tiny_llama):
         "useful tok/s",
         "waste",
         "floor",
+        "FLOP floor (mean step/it)",
         "engine / trainer busy",
         "flip lag",
         "train wait",
@@ -113,6 +125,20 @@ def test_floor_arithmetic():
     assert floor_s([row, other], False, 1) == pytest.approx(max(0.6 + 1.6, 1.6 + 0.4) / 2)
     # an engine's rate: tokens per second of busy time, per engine
     assert engine_rate([row, row], engines=2) == pytest.approx(2400 / 1.6 / 2)
+    # the FLOP floor: 4 P a trained token, 2 P a generated one, at the peak
+    assert flop_floor_s([row, other], params=1000, peak_gflops=2.0) == pytest.approx(
+        (4 * 900 + 2 * 1200) * 1000 / 2e9
+    )
+
+
+def test_matmul_params_from_the_config_alone(tiny_llama):
+    """P counts the decoder layers' weights and the output head, as the trainer's FLOP count does,
+    without reading a weight."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    want = sum(p.numel() for p in m.model.layers.parameters()) + m.lm_head.weight.numel()
+    assert matmul_params(tiny_llama) == want
 
 
 @pytest.mark.alone  # a time bound: no other test beside it

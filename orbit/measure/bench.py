@@ -12,6 +12,7 @@ own: bench/pool.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from orbit.config import Recipe, RecipeError
 from orbit.config.modes import MODE_NAMES, MODES
+from orbit.measure.flops import flop_floor_s, matmul_params, matmul_peak
 from orbit.run.preflight import Checked, preflight
 from orbit.run.trackers import log_images
 
@@ -246,6 +248,14 @@ def table(section: dict, engine: str) -> Table:
         "floor (mean step/floor)",
         *[f"{modes[m]['floor_s']:.3f} s ({modes[m]['floor_ratio']:.2f}×)" for m in MODE_NAMES],
     )
+    if modes[MODE_NAMES[0]].get("flop_floor_s"):
+        t.add_row(
+            "FLOP floor (mean step/it)",
+            *[
+                f"{modes[m]['flop_floor_s']:.3f} s ({modes[m]['flop_floor_ratio']:.1f}×)"
+                for m in MODE_NAMES
+            ],
+        )
     t.add_row("train wait", *[secs(modes[m]["train_wait_s"]) for m in MODE_NAMES])
     t.add_row("train", *[secs(modes[m]["train_s"]) for m in MODE_NAMES])
     t.add_row("flip lag", *[secs(modes[m]["flip_lag_s"]) for m in MODE_NAMES])
@@ -329,12 +339,16 @@ def _bench_engine(
 
     per_mode, windows = {}, {}
     engines = recipe.engine.engines
+    flops = _flop_scale(recipe, console)
     for mode in MODE_NAMES:
         rows, windows[mode] = run_mode(recipe, mode, out / mode, steps, warmup, console, live)
         per_mode[mode] = summarize(
             rows, engines, floor_s(rows, MODES[mode].loop == "serial", engines)
         )
         per_mode[mode]["engine_tok_per_busy_s"] = engine_rate(rows, engines)
+        if flops:
+            per_mode[mode]["flop_floor_s"] = floor = flop_floor_s(rows, *flops)
+            per_mode[mode]["flop_floor_ratio"] = per_mode[mode]["step_mean_s"] / floor
     floors = {m: per_mode[m]["floor_s"] for m in MODE_NAMES}
     draw_panels(
         out, windows, out / "panels.png", floors=floors, title=f"{recipe.engine.backend} engine"
@@ -353,7 +367,29 @@ def _bench_engine(
         "ratios": ratios(per_mode),
         "targets": targets(per_mode),
         "panels": str(out / "panels.png"),
+        "matmul_params": flops[0] if flops else None,
+        "peak_gflops": flops[1] if flops else None,
     }
+
+
+def _flop_scale(recipe: Recipe, console: Console) -> tuple[int, float] | None:
+    """The model's matmul weights and this machine's float32 matmul peak on the cores the run uses
+    (trainer and engine threads), for each mode's FLOP floor; on a CPU run only (a GPU's peak is
+    its own)."""
+    from transformers import AutoConfig
+
+    if recipe.trainer.device != "cpu" or recipe.engine.device != "cpu":
+        return None
+    threads = recipe.trainer.threads + recipe.engine.threads * recipe.engine.engines
+    threads = min(threads, os.cpu_count() or 1)
+    params = matmul_params(recipe.model)
+    cfg = AutoConfig.from_pretrained(recipe.model)
+    peak = matmul_peak(threads, cfg.hidden_size, cfg.intermediate_size)
+    console.print(
+        f"FLOP floor: {params / 1e6:.1f}M matmul weights, float32 matmul peak {peak:.1f} GFLOP/s "
+        f"on {threads} threads"
+    )
+    return params, peak
 
 
 def run_mode(
