@@ -5,8 +5,7 @@ model, LoRA adapter, prompts (Orbit's stream, in its order) and grader (the task
 batch, sampling and optimisation; bench/trl_grpo.py maps each onto GRPOConfig and lists what has no
 counterpart (OUT/table.md). TRL runs with `use_vllm: false` and torch on `--trl-threads` threads;
 Orbit as the recipe says. Both save a checkpoint every 10 steps, and `orbit eval CHECKPOINT --n N`
-reads them the same way: every one of Orbit's, and of TRL's those the table compares (its last, and
-its newest at each of Orbit's checkpoint times).
+reads them all the same way.
 
     pip install -c constraints.txt -e '.[trl]'              # TRL 1.16.0, never part of make test
     .venv/bin/python bench/vs_trl.py [--seeds 0,1,2] [--steps 60] [--recipe
@@ -15,9 +14,11 @@ its newest at each of Orbit's checkpoint times).
 Printed and written to OUT/table.md and OUT/summary.json, per seed and as the median over the seeds:
 wall time (launch to exit) and per step (steps 1-10 and all), generated tokens/s, the largest
 process's peak resident memory, the reward per step (OUT/curves.png: both reward curves on one
-wall-clock axis), held-out accuracy of the final adapters, and held-out accuracy at equal wall-clock
-points (at each Orbit checkpoint's time, TRL's newest checkpoint by then). A system and seed already
-run in OUT is not run again. With 2 cores, run nothing else.
+wall-clock axis), held-out accuracy of the final adapters, held-out accuracy at equal wall-clock
+points (at each Orbit checkpoint's time, TRL's newest checkpoint by then), and the time to accuracy:
+the wall-clock time (from launch) of each run's first checkpoint at `--reach` (50%) held out or
+better, the figure a user compares. A system and seed already run in OUT is not run again. With 2
+cores, run nothing else.
 """
 
 from __future__ import annotations
@@ -157,14 +158,12 @@ def run_trl(args: argparse.Namespace, seed: int) -> dict:
     return result
 
 
-def evaluate(args: argparse.Namespace, result: dict, steps: set[int] | None = None) -> None:
-    """Held-out accuracy through `orbit eval` (2 engine threads: nothing else runs) of the
-    checkpoints at `steps` (all when None). The base model is read once for the whole OUT (the same
-    held-out prompts, greedy)."""
+def evaluate(args: argparse.Namespace, result: dict) -> None:
+    """Held-out accuracy through `orbit eval` (2 engine threads: nothing else runs) of every
+    checkpoint (the time to accuracy needs them all). The base model is read once for the whole
+    OUT (the same held-out prompts, greedy)."""
     base = args.out / "base.json"
     for c in result["checkpoints"]:
-        if steps is not None and c["step"] not in steps:
-            continue
         with_base = not base.is_file()
         # the adapter alone: no base again
         target = Path(c["dir"]) if with_base else Path(c["dir"]) / "adapter"
@@ -183,13 +182,6 @@ def evaluate(args: argparse.Namespace, result: dict, steps: set[int] | None = No
     result["base_accuracy"] = json.loads(base.read_text())["accuracy"]
 
 
-def compared(orbit: dict, trl: dict) -> set[int]:
-    """TRL's checkpoints the report reads: the final one, and the newest by each Orbit checkpoint's
-    time."""
-    newest = (newest_by(trl, c["t"]) for c in orbit["checkpoints"])
-    return {trl["checkpoints"][-1]["step"]} | {c["step"] for c in newest if c is not None}
-
-
 def newest_by(result: dict, t: float) -> dict | None:
     """The newest checkpoint saved by wall-clock time `t`, or None before the first."""
     ready = [c for c in result["checkpoints"] if c["t"] <= t]
@@ -203,9 +195,16 @@ def at(result: dict, t: float) -> float:
     return c["accuracy"] if c is not None else result["base_accuracy"]
 
 
-def figures(result: dict) -> dict:
+def time_to(result: dict, reach: float) -> float | None:
+    """Wall-clock seconds from launch to the first checkpoint held out at `reach` or better (None:
+    never within the run)."""
+    return next((c["t"] for c in result["checkpoints"] if c["accuracy"] >= reach), None)
+
+
+def figures(result: dict, reach: float) -> dict:
     steps = result["steps"]
     return {
+        "time_to_reach_s": time_to(result, reach),
         "wall_s": result["wall_s"],
         "step_first10_s": statistics.median(s["step_s"] for s in steps[:10]),
         "step_all_s": statistics.median(s["step_s"] for s in steps),
@@ -214,6 +213,17 @@ def figures(result: dict) -> dict:
         "final_accuracy": result["checkpoints"][-1]["accuracy"],
         "base_accuracy": result["base_accuracy"],
     }
+
+
+def cell(fmt: str, value: float | None) -> str:
+    return "not reached" if value is None else fmt.format(value)
+
+
+def median_ratio(runs: dict, key: str) -> str:
+    """TRL's figure over Orbit's, the median over the seeds where both have one."""
+    pairs = [(r["trl"]["figures"][key], r["orbit"]["figures"][key]) for r in runs.values()]
+    ratios = [t / o for t, o in pairs if t is not None and o]
+    return f"{statistics.median(ratios):.2f}×" if ratios else "-"
 
 
 def report(args: argparse.Namespace, runs: dict) -> str:
@@ -228,6 +238,7 @@ def report(args: argparse.Namespace, runs: dict) -> str:
             "final_accuracy",
             "{:.1%}",
         ),
+        (f"time to {args.reach:.0%} held out, from launch (s)", "time_to_reach_s", "{:.0f}"),
     ]
     seeds = sorted(runs)
     head = (
@@ -245,11 +256,8 @@ def report(args: argparse.Namespace, runs: dict) -> str:
     for label, key, fmt in rows:
         cells = []
         for s in seeds:
-            cells += [fmt.format(runs[s][k]["figures"][key]) for k in ("orbit", "trl")]
-        ratio = statistics.median(
-            runs[s]["trl"]["figures"][key] / runs[s]["orbit"]["figures"][key] for s in seeds
-        )
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+            cells += [cell(fmt, runs[s][k]["figures"][key]) for k in ("orbit", "trl")]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {median_ratio(runs, key)} |")
     lines += [
         "",
         "Held-out accuracy at equal wall-clock points (at each Orbit checkpoint's time, TRL's "
@@ -307,6 +315,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--trl-threads", type=int, default=2)
+    parser.add_argument(
+        "--reach", type=float, default=0.5, help="held-out accuracy whose first crossing is timed"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/vs-trl"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -314,10 +325,9 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         runs[seed] = {"orbit": run_orbit(args, seed), "trl": run_trl(args, seed)}
         # Evaluated before the next seed trains, so that a cut-short sweep keeps whole seeds.
-        evaluate(args, runs[seed]["orbit"])
-        evaluate(args, runs[seed]["trl"], compared(runs[seed]["orbit"], runs[seed]["trl"]))
         for result in runs[seed].values():
-            result["figures"] = figures(result)
+            evaluate(args, result)
+            result["figures"] = figures(result, args.reach)
     text = report(args, runs)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps(runs, indent=1))

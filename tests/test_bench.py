@@ -306,3 +306,18 @@ def test_bench_stops_cleanly_on_task_errors_and_ctrl_c(tmp_path, tiny_llama, mon
     assert res.exit_code == 130 and "nothing was trained" in " ".join(res.output.split()), (
         res.output
     )
+
+
+def test_vs_trl_times_each_run_to_its_first_checkpoint_at_the_accuracy():
+    """bench/vs_trl.py's time to accuracy: the first checkpoint at or above `--reach`, from launch;
+    a run that never reaches it says so, and the ratio is over the seeds where both did."""
+    from vs_trl import median_ratio, time_to
+
+    run = {"checkpoints": [{"t": 60.0, "accuracy": 0.3}, {"t": 120.0, "accuracy": 0.55}]}
+    assert time_to(run, 0.5) == 120.0 and time_to(run, 0.3) == 60.0 and time_to(run, 0.6) is None
+    runs = {
+        s: {"orbit": {"figures": {"k": o}}, "trl": {"figures": {"k": t}}}
+        for s, (o, t) in enumerate([(100.0, 400.0), (200.0, None), (100.0, 300.0)])
+    }
+    assert median_ratio(runs, "k") == "3.50×"
+    assert median_ratio({0: runs[1]}, "k") == "-"
