@@ -180,3 +180,17 @@ def test_eval_jsonl_dataset_stops_at_its_held_out_rows(tmp_path, tiny_task_token
     assert report["n"] == 3 and report["task"] == {"name": "jsonl", "path": str(data)}
     records = [json.loads(line) for line in (model / "eval_samples.jsonl").read_text().splitlines()]
     assert sorted(r["prompt"] for r in records) == ["19+1=", "29+1=", "9+1="]
+
+
+def test_eval_sizes_the_engine_to_the_runs_context(tmp_path, tiny_llama):
+    """A run's engine.max_context bounds the eval's engine too (its KV pool: 64 rows of SmolLM2 at
+    the engine's own 4096 took 13 GB for the agent recipe's eval, at the run's 512 under 2)."""
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    recipe = {"model": str(tiny_llama), "engine": {"max_context": 256}, "task": {"name": "arith"}}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert resolve_target(run).max_context == 256
+    del recipe["engine"]
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert resolve_target(run).max_context is None

@@ -62,6 +62,9 @@ class Target:
     out: Path  # where eval.json goes
     # an agent episode's bound: the run's rollout.episode_timeout_s
     episode_timeout_s: float = 300.0
+    # the run's engine.max_context: the context it trained within, and the size of the engine's KV
+    # pool (unset: the engine's default, up to 4096 a row; 64 rows of SmolLM2 at 4096 is 11 GB)
+    max_context: int | None = None
 
 
 def run_episodes(
@@ -317,6 +320,7 @@ def resolve_target(
         int(max_new_tokens),
         out,
         float(rollout.get("episode_timeout_s") or 300.0),
+        ((recipe or {}).get("engine") or {}).get("max_context"),
     )
 
 
@@ -370,7 +374,13 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
         )
         n = len(prompts)
     running = min(n, 64)
-    engine = start_embedded_engine(target.model, max_running=running, threads=threads, seed=seed)
+    engine = start_embedded_engine(
+        target.model,
+        max_running=running,
+        threads=threads,
+        seed=seed,
+        max_context=target.max_context,
+    )
     results, samples = {}, {}
     version = None
     try:
