@@ -32,6 +32,7 @@ import json
 import statistics
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,11 +218,12 @@ def picture(summary: dict, path: Path) -> None:
         ax.axis("off")
     fig.supxlabel("step")
     fig.supylabel(f"reward, {WINDOW}-step mean")
-    fig.suptitle(
+    title = (
         f"{Path(summary['recipe']).name}, seeds {', '.join(map(str, summary['seeds']))}: median "
-        "(line) and range (band) over seeds; grey, the other presets' medians",
-        fontsize=10,
+        "(line) and range (band) over seeds; grey, the other presets' medians"
     )
+    # wrapped to the figure's width: one panel is narrower than the line
+    fig.suptitle(textwrap.fill(title, width=int(3.2 * cols * 13)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
