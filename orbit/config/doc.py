@@ -82,10 +82,9 @@ def render() -> str:
                 "",
             ]
             out += _table(section, f"{name}.", defaults=given)
+            out += ["", "### `algorithm.mask:`", ""] + _table(MaskBand, "algorithm.mask.")
         else:
             out += _table(section, f"{name}.")
-        if name == "algorithm":
-            out += ["", "### `algorithm.mask:`", ""] + _table(MaskBand, "algorithm.mask.")
     out += [
         "",
         "## `task:`",
