@@ -198,6 +198,33 @@ def test_dynamic_sampling_stands_aside_once_a_learned_policy_gives_no_signal():
     assert pipe.counts.filtered == 3 and len(warned) == 1
 
 
+def test_a_resumed_run_keeps_dynamic_sampling_standing_aside():
+    """The checkpoint's run state says the filter stood aside; the resumed run's pipeline trains a
+    silent group as it comes instead of filtering again until it trips again. A run whose filter
+    never stood aside filters again."""
+    pipe = _filtering()
+    assert pipe.run_state() == {"next_group": 0, "filter_stood_aside": False}
+    pipe.grant(1)
+    [gid] = _start_all(pipe)
+    _complete(pipe, gid)  # signal
+    pipe.take(1, version=0, stall_s=5)
+    pipe.grant(1)
+    for _ in range(3):
+        [gid] = _start_all(pipe)
+        _complete(pipe, gid, (1.0, 1.0))
+    state = pipe.run_state()
+    assert state == {"next_group": 4, "filter_stood_aside": True}
+
+    resumed = _filtering(stood_aside=state["filter_stood_aside"])
+    assert resumed.keep is None and resumed.run_state()["filter_stood_aside"]
+    resumed.grant(1)
+    [gid] = _start_all(resumed)
+    _complete(resumed, gid, (1.0, 1.0))
+    assert [g.id for g in resumed.take(1, version=1, stall_s=5).groups] == [gid]
+    assert resumed.counts.filtered == 0
+    assert _filtering(stood_aside=False).keep is not None
+
+
 def test_lost_episodes_stop_the_run_only_past_the_share_of_a_batchs_worth():
     """Losses are judged once a batch's worth of episodes (2 groups of 2) ended since the last
     batch, each loss counted with its episode's end: three losses ending together first (a timed-out

@@ -130,6 +130,7 @@ class Pipeline:
         start_group: int = 0,
         start_version: int = 0,
         keep: Callable[[Group], bool] | None = None,
+        stood_aside: bool = False,
         filter_limit: int = 10,
         max_lost_frac: float = 0.5,
         on_warning: Callable[[str], None] | None = None,
@@ -142,12 +143,14 @@ class Pipeline:
         sampling's test of a complete group; `filter_limit` batches' worth of groups failing it
         while the trainer waits for one batch stop the run if under a batch's worth has passed it
         yet, else dynamic sampling stands aside for the rest of the run (`on_warning` says so);
-        losing more than `max_lost_frac` of the agent episodes since the last batch stops the
+        `stood_aside`: it did so before the run was resumed (`run_state` keeps it). Losing more than `max_lost_frac` of the agent episodes since the last batch stops the
         run."""
         self.pool, self.group_size, self.max_inflight = pool, group_size, max_inflight
         self.admission = Admission(batch, max_staleness)
         self.replenish = replenish
-        self.keep, self.filter_limit = keep, filter_limit
+        self.keep = None if stood_aside else keep
+        self.filter_limit = filter_limit
+        self.stood_aside = stood_aside
         self._filtered_since_take = 0
         # groups that carried signal in this run (a resumed run has trained batches of them)
         self._kept = start_version * batch
@@ -256,7 +259,7 @@ class Pipeline:
                 "gives this model no signal: every answer right or every answer wrong"
             )
             return None
-        self.keep = None
+        self.keep, self.stood_aside = None, True
         return (
             f"{dropped}, after {self._kept} that carried signal: the policy has settled on its "
             "answers. Dynamic sampling stands aside for the rest of the run: every group trains "
@@ -332,6 +335,12 @@ class Pipeline:
         self._events.put(None)
 
     # ---- the loop's side -----------------------------------------------------------------------
+
+    def run_state(self) -> dict:
+        """What a checkpoint keeps of the producer: where the prompt stream stands, and whether
+        dynamic sampling stood aside (a resumed run must not filter again until it trips again)."""
+        with self._cond:
+            return {"next_group": self.next_group, "filter_stood_aside": self.stood_aside}
 
     def grant(self, n_groups: int) -> None:
         """Allow `n_groups` more groups to start."""
