@@ -187,7 +187,7 @@ def decoder_tokens(trainer: Trainer, samples: list[Sample]) -> tuple[int, int]:
 def measure(recipe_path: Path, batches: list[list[Sample]], threads: int) -> dict:
     recipe = load_recipe(recipe_path, {"trainer.threads": threads})
     trainer = recipe_trainer(recipe)
-    params = trainer._matmul_params  # the decoder layers' weights and the output head's
+    params = trainer.matmul_params  # the decoder layers' weights and the output head's
     profiled_step(trainer, batches[0], None)  # warm-up: allocator, first-call costs
     phases = Phases()
     plain: list[float] = []

@@ -132,13 +132,23 @@ def test_floor_arithmetic():
 
 
 def test_matmul_params_from_the_config_alone(tiny_llama):
-    """P counts the decoder layers' weights and the output head, as the trainer's FLOP count does,
-    without reading a weight."""
+    """P counts the decoder layers' weights and the output head without reading a weight, and the
+    trainer's FLOP count takes the same P: its adapter's own weights (LoRA's A and B, inside the
+    layers it wraps) are not in it."""
     from transformers import AutoModelForCausalLM
+
+    from orbit.config import AdapterConfig, TrainerConfig
+    from orbit.train.trainer import Trainer
 
     m = AutoModelForCausalLM.from_pretrained(tiny_llama)
     want = sum(p.numel() for p in m.model.layers.parameters()) + m.lm_head.weight.numel()
     assert matmul_params(tiny_llama) == want
+    trainer = Trainer(tiny_llama, AdapterConfig(), TrainerConfig(), temperature=1.0, seed=0)
+    try:
+        lora = sum(p.numel() for p in trainer.params)
+        assert lora > 0 and trainer.matmul_params == want
+    finally:
+        trainer.close()
 
 
 @pytest.mark.alone  # a time bound: no other test beside it

@@ -17,12 +17,10 @@ def matmul_params(model: str | Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from orbit.train.measure import matmul_params as of_model
+
     with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-    return (
-        sum(p.numel() for p in m.model.layers.parameters())
-        + m.get_output_embeddings().weight.numel()
-    )
+        return of_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)))
 
 
 def matmul_peak(

@@ -143,8 +143,8 @@ class Pipeline:
         sampling's test of a complete group; `filter_limit` batches' worth of groups failing it
         while the trainer waits for one batch stop the run if under a batch's worth has passed it
         yet, else dynamic sampling stands aside for the rest of the run (`on_warning` says so);
-        `stood_aside`: it did so before the run was resumed (`run_state` keeps it). Losing more than `max_lost_frac` of the agent episodes since the last batch stops the
-        run."""
+        `stood_aside`: it did so before the run was resumed (`run_state` keeps it). Losing more
+        than `max_lost_frac` of the agent episodes since the last batch stops the run."""
         self.pool, self.group_size, self.max_inflight = pool, group_size, max_inflight
         self.admission = Admission(batch, max_staleness)
         self.replenish = replenish

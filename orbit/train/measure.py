@@ -7,12 +7,30 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from orbit.rl import LossStats
 from orbit.rollout.sample import Sample
 from orbit.train.batch import Batch
 from orbit.train.ranks import Alone, Ranks
+
+
+def matmul_params(model: PreTrainedModel) -> int:
+    """P, the weights a token's forward multiplies by, of a causal LM (loaded, or built on the
+    meta device): its decoder layers' and its output head's, without any adapter's own (LoRA's and
+    OFT's matmuls are overhead to the FLOP counts, not work)."""
+    layers = model.get_decoder().layers
+    adapters = {
+        id(p)
+        for m in layers.modules()
+        if isinstance(m, BaseTunerLayer)
+        for name in m.adapter_layer_names
+        for p in getattr(m, name).parameters()
+    }
+    frozen = sum(p.numel() for p in layers.parameters() if id(p) not in adapters)
+    return frozen + model.get_output_embeddings().weight.numel()
 
 
 @dataclass

@@ -37,7 +37,7 @@ from orbit.train.batch import (
     token_logprobs,
 )
 from orbit.train.cores import Cores
-from orbit.train.measure import StepResult, Totals, saved_rows
+from orbit.train.measure import StepResult, Totals, matmul_params, saved_rows
 from orbit.train.ranks import Alone, RankLost, Ranks
 from orbit.train.schedule import scheduler
 from orbit.train.shared import SharedBase
@@ -128,6 +128,8 @@ class Trainer:
         # The decoder stack (with its final norm) and the output projection, run apart (batch.py).
         self._decoder = base.model
         self._head = base.get_output_embeddings().weight
+        # the weights a token's forward multiplies by, counted before sharding: FLOP counts
+        self.matmul_params = matmul_params(base)
         self._sharded = cfg.shard == "fsdp" and self.ranks.world > 1
         # Outputs in passes of similar lengths (batch.length_buckets), measured on a CPU; not on a
         # GPU, whose fixed cost of a pass is another matter: one pass there. FSDP ranks must make
@@ -152,11 +154,6 @@ class Trainer:
         self._snapshots: dict[int, list[Tensor]] = {}
         self._snapshot()
         self.cores: Cores | None = None
-        # the weights every token's forward multiplies by (the decoder's and the output projection):
-        # FLOP counts
-        self._matmul_params = (
-            sum(p.numel() for p in self._decoder.layers.parameters()) + self._head.numel()
-        )
         self._flops = 0.0
 
     def share_cores(self, cores: Cores) -> None:
@@ -399,7 +396,7 @@ class Trainer:
             self.cores.apply()
         tokens = int(batch.prompt_mask.sum()) + int(batch.outputs.sum())
         # a backward: 2 more
-        self._flops += (4 if torch.is_grad_enabled() else 2) * self._matmul_params * tokens
+        self._flops += (4 if torch.is_grad_enabled() else 2) * self.matmul_params * tokens
         hidden = output_hidden(self._decoder, batch, self.buckets, self.bucket_cost)
         return token_logprobs(
             hidden,
