@@ -201,6 +201,28 @@ def test_truncated_logprobs_hand_values():
     )
 
 
+def test_truncated_entropy_hand_values_and_gradient():
+    """-sum p log p of each row, as the elementwise formula gives it: untruncated (a row dot
+    product), with a logit of -inf (its 0 x -inf dropped), and truncated to top_p 0.8's {0, 1};
+    differentiable (an entropy bonus)."""
+    from orbit.rl.truncation import truncated_entropy
+
+    def plain(row: list[float]) -> float:
+        z = sum(math.exp(x) for x in row)
+        return -sum(math.exp(x) / z * (x - math.log(z)) for x in row if x > -math.inf)
+
+    rows = [[2.0, 1.0, 0.0, -1.0], [0.5, -math.inf, 0.5, 0.0]]
+    logits = torch.tensor(rows, requires_grad=True)
+    got = truncated_entropy(torch.log_softmax(logits, -1), 1.0, 0)
+    assert got.tolist() == pytest.approx([plain(r) for r in rows], rel=1e-6)
+    got[0].backward()  # dH/dz_i = -p_i (log p_i + H)
+    p = torch.softmax(logits[0].detach(), -1)
+    want = -p * (p.log() + got[0].detach())
+    assert logits.grad[0].tolist() == pytest.approx(want.tolist(), abs=1e-6)
+    truncated = truncated_entropy(torch.log_softmax(logits.detach(), -1)[:1], 0.8, 0)
+    assert truncated.item() == pytest.approx(plain([2.0, 1.0]), rel=1e-6)
+
+
 def test_loss_on_truncated_logprobs_pins_the_sampled_policy():
     """Engine and trainer on the same truncated distribution: ratio 1, and the gradient is the
     truncated policy's: -A (onehot - kept softmax) / tokens, not the untruncated one's."""

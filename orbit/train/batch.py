@@ -287,7 +287,9 @@ def _chunk_logprobs(
     entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     logits = (head(h) if callable(head) else torch.nn.functional.linear(h, head)).float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    # in place: the projection's backward does not need its output, and a fresh [rows, V] tensor
+    # costs as much as the division
+    logp = torch.log_softmax(logits.div_(temperature), dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = truncated_entropy(logp, top_p, top_k)
     return truncated_logprobs(logp, targets, top_p, top_k), entropy
