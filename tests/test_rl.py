@@ -544,6 +544,17 @@ def test_combinations_that_mean_nothing_are_refused_at_load(algorithm, words):
     assert words in str(err.value)
 
 
+def test_a_one_token_rollout_under_the_default_says_how_to_drop_its_overlong_penalty():
+    """DAPO's overlong penalty (the default's) has no room under max_new_tokens 1: the error names
+    the field and the ways out, and overlong: none loads."""
+    recipe = {"model": "m", "rollout": {"max_new_tokens": 1}}
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(recipe)
+    assert "algorithm.overlong_buffer: 1 tokens leaves no length unpunished" in str(err.value)
+    assert "algorithm.overlong: none" in str(err.value) and "the dapo preset" in str(err.value)
+    assert parse_recipe({**recipe, "algorithm": {"overlong": "none"}}).algorithm.preset == "dapo"
+
+
 def test_the_old_loss_section_says_where_it_went():
     with pytest.raises(
         RecipeError, match="trainer.loss: the loss moved to the recipe's own `algorithm:` section"

@@ -394,9 +394,12 @@ class Recipe(_Section):
             algo.overlong == "penalty"
             and algo.buffer(rollout.max_new_tokens) >= rollout.max_new_tokens
         ):
+            why = " (the dapo preset, the default, sets it)" if algo.preset == "dapo" else ""
             raise ValueError(
                 f"algorithm.overlong_buffer: {algo.buffer(rollout.max_new_tokens)} tokens leaves "
-                f"no length unpunished under rollout.max_new_tokens {rollout.max_new_tokens}"
+                f"no length unpunished under rollout.max_new_tokens {rollout.max_new_tokens}; set "
+                f"a smaller buffer or a larger max_new_tokens, or algorithm.overlong: none to "
+                f"drop the overlong penalty{why}"
             )
         if algo.minibatches > rollout.prompts_per_step:  # each mini-batch holds whole groups
             raise ValueError(
