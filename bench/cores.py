@@ -3,7 +3,7 @@ the idle engines' cores (`trainer.borrow_cores`) and without, side by side in on
 engine; and the trainer's achieved FLOP rate against this machine's measured matmul peak.
 
     .venv/bin/python bench/cores.py [--recipe recipes/smollm2-math.yaml] [--steps 20] [--engines
-    embedded,sglang]
+    embedded,sglang] [--settings off,on] [--seeds 0,1,2]
 
 Per engine and setting (off; on; on with OMP_WAIT_POLICY=passive, idle OpenMP workers sleeping at
 once instead of spinning): the median step (steps past the first 2), the engines' tokens per second
@@ -11,8 +11,10 @@ while they generate (Σ tokens / Σ busy seconds: borrowing must not slow genera
 10%), the share of the trainer's thread checks that borrowed, and the trainer's TFLOP/s
 (metrics.jsonl's trainer_tflops: its matmul FLOPs over train_s), and its useful rate as issue 39
 counts it (4 x parameters x trained tokens over train_s). The matmul peak is torch.mm on
-float32 matrices of the model's shapes, on 1 and on 2 threads. With 2 cores, run nothing else
-meanwhile.
+float32 matrices of the model's shapes, on 1 and on 2 threads. With several `--seeds` each seed's
+settings run one after another (the recipe's `seed` set to it), and OUT/table.md gives the median
+over the seeds, the range in brackets, and each engine's on/off ratios (median of the seeds' own).
+With 2 cores, run nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ SETTINGS = {
 }
 
 
-def run(args: argparse.Namespace, engine: str, setting: str) -> dict:
+def run(args: argparse.Namespace, engine: str, setting: str, seed: int) -> dict:
     borrow, env = SETTINGS[setting]
     data = yaml.safe_load(args.recipe.read_text())
     data["trainer"].update({"borrow_cores": borrow, "steps": args.steps, "save_every": 10_000})
     data["engine"]["backend"] = engine
-    out = args.out / f"{engine}-{setting.replace(', ', '-').replace(' ', '-')}"
+    data["seed"] = seed
+    out = args.out / f"{engine}-{setting.replace(', ', '-').replace(' ', '-')}-seed{seed}"
     data["out"] = str(out)
     path = args.out / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -74,6 +77,60 @@ def run(args: argparse.Namespace, engine: str, setting: str) -> dict:
     }
 
 
+FIGURES = (  # (key, column, format)
+    ("step_s", "step (s)", "{:.2f}"),
+    ("train_s", "train (s)", "{:.2f}"),
+    ("engine_tok_per_busy_s", "engine tok/s while generating", "{:.0f}"),
+    ("borrowed", "borrowed", "{:.0%}"),
+    ("useful_gflops", "useful GFLOP/s", "{:.1f}"),
+)
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """The median, with the range in brackets when there are several."""
+    mid = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return mid
+    return f"{mid} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def table(results: dict, engines: list[str], settings: list[str], seeds: list[int]) -> str:
+    """Per engine and setting, each figure's median over the seeds; per engine, the seeds' own
+    on/off ratios of step and train time, their median."""
+    runs, peak = results["runs"], results["peak_gflops"][2]
+    head = (
+        "| engine | borrow_cores | "
+        + " | ".join(c for _, c, _ in FIGURES)
+        + " | useful / 2-thread peak |"
+    )
+    lines = [head, "|" + "---|" * (len(FIGURES) + 3)]
+    for engine in engines:
+        for setting in settings:
+            rs = [runs[f"{engine}/{setting}/{seed}"] for seed in seeds]
+            cells = [spread([r[k] for r in rs], fmt) for k, _, fmt in FIGURES]
+            useful = spread([r["useful_gflops"] / peak for r in rs], "{:.2f}")
+            lines.append(f"| {engine} | {setting} | " + " | ".join(cells) + f" | {useful} |")
+    if "off" in settings and "on" in settings:
+        lines += ["", "| engine | step on/off | train on/off |", "|---|---|---|"]
+        for engine in engines:
+            ratio = {
+                k: [
+                    runs[f"{engine}/on/{seed}"][k] / runs[f"{engine}/off/{seed}"][k]
+                    for seed in seeds
+                ]
+                for k in ("step_s", "train_s")
+            }
+            lines.append(
+                f"| {engine} | {spread(ratio['step_s'], '{:.3f}×')} | "
+                f"{spread(ratio['train_s'], '{:.3f}×')} |"
+            )
+    seeds_text = ", ".join(map(str, seeds))
+    return (
+        f"Seeds {seeds_text}; matmul peak {results['peak_gflops'][1]:.1f} GFLOP/s on 1 thread, "
+        f"{peak:.1f} on 2.\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,34 +139,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--engines", default="embedded,sglang")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="of: " + ", ".join(SETTINGS))
+    parser.add_argument("--seeds", default="0", help="comma-separated; each runs every setting")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-cores"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    engines, settings = args.engines.split(","), args.settings.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
     peak = {n: matmul_peak(n) for n in (1, 2)}
     print(
         f"matmul peak, float32: {peak[1]:.1f} GFLOP/s on 1 thread, {peak[2]:.1f} on 2", flush=True
     )
     results: dict = {"peak_gflops": peak, "runs": {}}
-    for engine in args.engines.split(","):
-        for setting in args.settings.split(","):
-            t0 = time.time()
-            r = results["runs"][f"{engine}/{setting}"] = run(args, engine, setting)
-            print(
-                f"{engine:9s} {setting:20s} step {r['step_s']:.2f} s (train {r['train_s']:.2f} s), "
-                f"engine {r['engine_tok_per_busy_s']:.0f} tok/s while busy, borrowed "
-                f"{r['borrowed']:.0%}, trainer {r['trainer_tflops'] * 1e3:.1f} GFLOP/s = "
-                f"{r['trainer_tflops'] * 1e3 / peak[2]:.0%} of the 2-thread peak; useful "
-                f"{r['useful_gflops']:.1f} GFLOP/s = {r['useful_gflops'] / peak[2]:.2f} of it "
-                f"({time.time() - t0:.0f} s)",
-                flush=True,
-            )
-        off, on = results["runs"][f"{engine}/off"], results["runs"][f"{engine}/on"]
-        print(
-            f"{engine}: step on/off {on['step_s'] / off['step_s']:.3f}x, engine tok/s while busy "
-            f"on/off {on['engine_tok_per_busy_s'] / off['engine_tok_per_busy_s']:.3f}x",
-            flush=True,
-        )
-    (args.out / "summary.json").write_text(json.dumps(results, indent=1))
+    for seed in seeds:
+        for engine in engines:
+            for setting in settings:
+                t0 = time.time()
+                r = run(args, engine, setting, seed)
+                results["runs"][f"{engine}/{setting}/{seed}"] = r
+                print(
+                    f"seed {seed} {engine:9s} {setting:20s} step {r['step_s']:.2f} s (train "
+                    f"{r['train_s']:.2f} s), engine {r['engine_tok_per_busy_s']:.0f} tok/s while "
+                    f"busy, borrowed {r['borrowed']:.0%}, trainer "
+                    f"{r['trainer_tflops'] * 1e3:.1f} GFLOP/s = "
+                    f"{r['trainer_tflops'] * 1e3 / peak[2]:.0%} of the 2-thread peak; useful "
+                    f"{r['useful_gflops']:.1f} GFLOP/s = {r['useful_gflops'] / peak[2]:.2f} of it "
+                    f"({time.time() - t0:.0f} s)",
+                    flush=True,
+                )
+            (args.out / "summary.json").write_text(json.dumps(results, indent=1))
+    text = table(results, engines, settings, seeds)
+    (args.out / "table.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -331,3 +331,32 @@ def test_vs_trl_times_each_run_to_its_first_checkpoint_at_the_accuracy():
     }
     assert median_ratio(runs, "k") == "3.50×"
     assert median_ratio({0: runs[1]}, "k") == "-"
+
+
+def test_cores_table_gives_medians_over_seeds_and_each_seeds_own_ratio():
+    """bench/cores.py over several seeds: a figure's median [range], and the on/off ratio is the
+    median of each seed's own ratio (not the ratio of the medians)."""
+    from cores import table
+
+    def run(step: float, train: float) -> dict:
+        return {
+            "step_s": step,
+            "train_s": train,
+            "engine_tok_per_busy_s": 100.0,
+            "borrowed": 0.5,
+            "useful_gflops": 50.0,
+        }
+
+    steps = {"off": (10.0, 12.0, 20.0), "on": (9.0, 12.0, 10.0)}
+    runs = {
+        f"embedded/{setting}/{seed}": run(steps[setting][seed], 8.0)
+        for setting in steps
+        for seed in range(3)
+    }
+    text = table(
+        {"peak_gflops": {1: 90.0, 2: 100.0}, "runs": runs}, ["embedded"], ["off", "on"], [0, 1, 2]
+    )
+    assert "| embedded | off | 12.00 [10.00–20.00] | 8.00 [8.00–8.00] |" in text
+    assert "| 0.50 [0.50–0.50] |" in text  # useful over the 2-thread peak
+    # ratios 0.9, 1.0, 0.5: the median is 0.9 (the medians' ratio would be 10/12)
+    assert "| embedded | 0.900× [0.500×–1.000×] | 1.000× [1.000×–1.000×] |" in text
