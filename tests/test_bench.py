@@ -342,6 +342,7 @@ def test_cores_table_gives_medians_over_seeds_and_each_seeds_own_ratio():
         return {
             "step_s": step,
             "train_s": train,
+            "train_ms_per_token": train,
             "engine_tok_per_busy_s": 100.0,
             "borrowed": 0.5,
             "useful_gflops": 50.0,
@@ -356,7 +357,7 @@ def test_cores_table_gives_medians_over_seeds_and_each_seeds_own_ratio():
     text = table(
         {"peak_gflops": {1: 90.0, 2: 100.0}, "runs": runs}, ["embedded"], ["off", "on"], [0, 1, 2]
     )
-    assert "| embedded | off | 12.00 [10.00–20.00] | 8.00 [8.00–8.00] |" in text
+    assert "| embedded | off | 12.00 [10.00–20.00] | 8.00 [8.00–8.00] | 8.0 [8.0–8.0] |" in text
     assert "| 0.50 [0.50–0.50] |" in text  # useful over the 2-thread peak
     # ratios 0.9, 1.0, 0.5: the median is 0.9 (the medians' ratio would be 10/12)
     assert "| embedded | 0.900× [0.500×–1.000×] | 1.000× [1.000×–1.000×] |" in text
