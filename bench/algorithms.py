@@ -35,6 +35,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from seeds import spread
+
 ROOT = Path(__file__).resolve().parents[1]
 ORBIT = [sys.executable, "-m", "orbit.cli"]
 WINDOW = 8
@@ -149,10 +151,6 @@ def summarise(args: argparse.Namespace) -> dict:
     }
 
 
-def _med(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 def table(summary: dict) -> str:
     seeds = ", ".join(str(s) for s in summary["seeds"])
     lines = [
@@ -165,14 +163,16 @@ def table(summary: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for preset, runs in summary["presets"].items():
-        acc, drop, reward, step = (
-            _med([r[k] for r in runs])
-            for k in ("accuracy", "worst_drop", "final_reward", "train_s")
+        acc, drop, reward = (
+            spread([r[k] for r in runs], fmt)
+            for k, fmt in (
+                ("accuracy", "{:.1%}"),
+                ("worst_drop", "{:.3f}"),
+                ("final_reward", "{:.3f}"),
+            )
         )
-        lines.append(
-            f"| {preset} | {acc[0]:.1%} [{acc[1]:.1%}–{acc[2]:.1%}] | {drop[0]:.3f} [{drop[1]:.3f}–"
-            f"{drop[2]:.3f}] | {reward[0]:.3f} [{reward[1]:.3f}–{reward[2]:.3f}] | {step[0]:.2f} |"
-        )
+        step = statistics.median(r["train_s"] for r in runs)
+        lines.append(f"| {preset} | {acc} | {drop} | {reward} | {step:.2f} |")
     return "\n".join(lines)
 
 
@@ -208,11 +208,8 @@ def picture(summary: dict, path: Path) -> None:
         steps = range(1, len(median) + 1)
         ax.fill_between(steps, low, high, color="C0", alpha=0.2)
         ax.plot(steps, median, color="C0", linewidth=2)
-        accuracy = _med([r["accuracy"] for r in summary["presets"][preset]])
-        ax.set_title(
-            f"{preset}: {accuracy[0]:.1%} [{accuracy[1]:.1%}–{accuracy[2]:.1%}] held out",
-            fontsize=9,
-        )
+        accuracy = spread([r["accuracy"] for r in summary["presets"][preset]], "{:.1%}")
+        ax.set_title(f"{preset}: {accuracy} held out", fontsize=9)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(bands) :]:
         ax.axis("off")

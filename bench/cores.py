@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import yaml
+from seeds import spread
 
 from orbit.measure.flops import matmul_params, matmul_peak
 
@@ -90,14 +91,6 @@ FIGURES = (  # (key, column, format)
     ("borrowed", "borrowed", "{:.0%}"),
     ("useful_gflops", "useful GFLOP/s", "{:.1f}"),
 )
-
-
-def spread(values: list[float], fmt: str) -> str:
-    """The median, with the range in brackets when there are several."""
-    mid = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return mid
-    return f"{mid} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
 def table(results: dict, engines: list[str], settings: list[str], seeds: list[int]) -> str:
