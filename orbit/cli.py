@@ -508,13 +508,19 @@ def eval_cmd(
     ),
     seed: int = typer.Option(0, help="which held-out prompts (the eval split's stream seed)"),
     threads: int = typer.Option(1, help="engine threads"),
+    fresh_base: bool = typer.Option(
+        False,
+        "--fresh-base",
+        help="evaluate the base model again (default: reuse its stored result for the same model, "
+        "prompts and code)",
+    ),
 ) -> None:
     """Held-out accuracy, format rate, turns, tool calls and failure modes; writes eval.json."""
     with _run_errors("the evaluation", on_ctrl_c="stopped before writing eval.json"):
         from orbit.measure.eval import resolve_target, run_eval
 
         t = resolve_target(target, task, model, max_new_tokens)
-        run_eval(t, n=n, seed=seed, threads=threads, console=console)
+        run_eval(t, n=n, seed=seed, threads=threads, console=console, fresh_base=fresh_base)
     console.print(f"wrote {t.out / 'eval.json'}")
 
 

@@ -194,3 +194,28 @@ def test_eval_sizes_the_engine_to_the_runs_context(tmp_path, tiny_llama):
     del recipe["engine"]
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     assert resolve_target(run).max_context is None
+
+
+def test_eval_reuses_the_base_result_until_model_or_prompts_change(
+    warm_arith, tmp_path, monkeypatch
+):
+    """The base's held-out result is stored and reused (orbit/measure/eval_cache.py); a different
+    model file, other prompts or `--fresh-base` evaluate it again."""
+    monkeypatch.setenv("ORBIT_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "arith"
+    shutil.copytree(warm_arith, model)
+    first = run_eval(resolve_target(model, task="arith"), n=20)
+    assert first["base_from"] is None
+    stored = list((tmp_path / "cache" / "eval").glob("*.json"))
+    assert len(stored) == 1
+    again = run_eval(resolve_target(model, task="arith"), n=20)
+    assert again["base_from"] == str(stored[0])
+    assert again["results"]["base"] == first["results"]["base"]
+    samples = (model / "eval_samples.jsonl").read_text().splitlines()
+    assert len(samples) == 20 and all(json.loads(s)["model"] == "base" for s in samples)
+    assert run_eval(resolve_target(model, task="arith"), n=20, fresh_base=True)["base_from"] is None
+    assert run_eval(resolve_target(model, task="arith"), n=10)["base_from"] is None  # other prompts
+    config = model / "config.json"
+    config.write_text(config.read_text())  # the same bytes, a new modification time
+    assert run_eval(resolve_target(model, task="arith"), n=20)["base_from"] is None
+    assert len(list((tmp_path / "cache" / "eval").glob("*.json"))) == 3

@@ -12,6 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """Where Orbit keeps what it can build again (warm starts, base evaluations): $ORBIT_CACHE,
+    or `.cache` under the working directory."""
+    return Path(os.environ.get("ORBIT_CACHE", ".cache"))
+
+
 def fsync(path: Path) -> None:
     """Flush a file's (or a directory's entries') writes to disk: a node that dies keeps them
     too."""

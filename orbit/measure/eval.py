@@ -27,6 +27,7 @@ from rich.table import Table
 
 from orbit.config import RecipeError, TaskConfig, parse_recipe
 from orbit.engine.base import Engine, SamplingParams
+from orbit.measure import eval_cache
 from orbit.rollout.episode import Episode, continue_episode, with_task_stops
 from orbit.rollout.groups import score as score_sample
 from orbit.run.preflight import check_task
@@ -363,7 +364,37 @@ def _load_adapter(engine, adapter: Path) -> int:
 # ---- the command --------------------------------------------------------------------------------
 
 
-def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int, console: Console):
+def _evaluate_base(
+    engine: Engine,
+    task: Task,
+    prompts: list[Prompt],
+    target: Target,
+    bounds: dict[str, Any],
+    fresh: bool,
+) -> tuple[EvalSummary, list[dict], Path | None]:
+    """The base model's result: stored from an earlier `orbit eval` of the same model, prompts and
+    code (orbit/measure/eval_cache.py), or evaluated and stored. The third item names the stored
+    file when it was reused."""
+    key = eval_cache.base_key(
+        target.model, prompts, {**bounds, "max_new_tokens": target.max_new_tokens}
+    )
+    stored = None if fresh else eval_cache.load(key)
+    if stored is not None:
+        return EvalSummary(**stored["summary"]), stored["records"], eval_cache.path_for(key)
+    summary, records = evaluate(engine, task, prompts, None, target.max_new_tokens, **bounds)
+    eval_cache.store(key, asdict(summary), records)
+    return summary, records, None
+
+
+def _evaluate_target(
+    target: Target,
+    task: Task,
+    n: int,
+    seed: int,
+    threads: int,
+    console: Console,
+    fresh_base: bool = False,
+):
     """Base (unless the target is an adapter alone) and trained, on the embedded engine."""
     from orbit.engine.embedded import start_embedded_engine
 
@@ -382,7 +413,7 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
         max_context=target.max_context,
     )
     results, samples = {}, {}
-    version = None
+    version, cached = None, None
     try:
         bounds: dict[str, Any] = {
             "max_context": engine.info.max_context,
@@ -390,9 +421,11 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
             "concurrent": running,
         }
         if target.kind != "adapter":
-            results["base"], samples["base"] = evaluate(
-                engine, task, prompts, None, target.max_new_tokens, **bounds
+            results["base"], samples["base"], cached = _evaluate_base(
+                engine, task, prompts, target, bounds, fresh_base
             )
+            if cached is not None:
+                console.print(f"base: the stored result {cached} (--fresh-base evaluates again)")
         if target.adapter is not None:
             version = _load_adapter(engine, target.adapter)
             results["trained"], samples["trained"] = evaluate(
@@ -400,7 +433,7 @@ def _evaluate_target(target: Target, task: Task, n: int, seed: int, threads: int
             )
     finally:
         engine.shutdown()
-    return results, samples, version, n
+    return results, samples, version, n, cached
 
 
 def run_eval(
@@ -409,9 +442,11 @@ def run_eval(
     seed: int = 0,
     threads: int = 1,
     console: Console | None = None,
+    fresh_base: bool = False,
 ) -> dict:
     """Evaluate the target, print the table, write eval.json and eval_samples.jsonl; return the
-    report."""
+    report. The base model's result is reused from an earlier evaluation of the same model and
+    prompts unless `fresh_base`."""
     from transformers import AutoTokenizer
 
     if n < 1:
@@ -420,7 +455,9 @@ def run_eval(
     tokenizer = AutoTokenizer.from_pretrained(target.model)
     task = make_task(target.task, tokenizer)
     try:
-        results, samples, version, n = _evaluate_target(target, task, n, seed, threads, console)
+        results, samples, version, n, base_from = _evaluate_target(
+            target, task, n, seed, threads, console, fresh_base
+        )
     finally:
         close_task(task)
     report = {
@@ -429,6 +466,8 @@ def run_eval(
         "model": str(target.model),
         "adapter": str(target.adapter) if target.adapter else None,
         "adapter_version": version,
+        # the base's stored result when it was reused, not evaluated again (measure/eval_cache.py)
+        "base_from": str(base_from) if base_from else None,
         "task": target.task.model_dump(mode="json"),
         "split": "eval",
         "n": n,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -32,7 +31,7 @@ import orbit.tasks.arith
 import orbit.tasks.base
 import orbit.tasks.common
 import orbit.tasks.zorplex
-from orbit.host.files import write_dir
+from orbit.host.files import cache_root, write_dir
 from orbit.tasks.base import Prompt, Segment
 
 WARM_TASKS = ("arith", "zorplex")
@@ -70,10 +69,6 @@ def _code_version() -> str:
     h.update(Path(__file__).read_bytes())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ORBIT_CACHE", ".cache"))
 
 
 def cache_dir(
