@@ -36,6 +36,8 @@ from orbit.tasks.base import Prompt, Score, Task, TaskError, is_agent, is_multi_
 
 DEFAULT_N = 200
 DEFAULT_MAX_NEW_TOKENS = 32
+# what `orbit eval` writes into the target's directory (a model directory too)
+REPORT, SAMPLES = "eval.json", "eval_samples.jsonl"
 
 
 @dataclass
@@ -376,7 +378,10 @@ def _evaluate_base(
     code (orbit/measure/eval_cache.py), or evaluated and stored. The third item names the stored
     file when it was reused."""
     key = eval_cache.base_key(
-        target.model, prompts, {**bounds, "max_new_tokens": target.max_new_tokens}
+        target.model,
+        prompts,
+        {**bounds, "max_new_tokens": target.max_new_tokens},
+        skip=(REPORT, SAMPLES),
     )
     stored = None if fresh else eval_cache.load(key)
     if stored is not None:
@@ -482,8 +487,8 @@ def run_eval(
             for k in ("accuracy", "format_rate", "reward_mean", "avg_turns", "avg_tool_calls")
         }
     target.out.mkdir(parents=True, exist_ok=True)
-    (target.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
-    with (target.out / "eval_samples.jsonl").open("w") as f:
+    (target.out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    with (target.out / SAMPLES).open("w") as f:
         for which, records in samples.items():
             for r in records:
                 f.write(json.dumps({"model": which, **r}) + "\n")

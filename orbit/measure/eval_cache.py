@@ -35,23 +35,20 @@ def _code_version() -> str:
     return h.hexdigest()
 
 
-# what `orbit eval` itself writes into a model directory it evaluates: not the model
-WRITTEN = ("eval.json", "eval_samples.jsonl")
-
-
-def _model_files(model: Path) -> list[tuple[str, int, int]]:
+def _model_files(model: Path, skip: tuple[str, ...]) -> list[tuple[str, int, int]]:
     return [
         (f.name, f.stat().st_size, f.stat().st_mtime_ns)
         for f in sorted(Path(model).iterdir())
-        if f.is_file() and f.name not in WRITTEN
+        if f.is_file() and f.name not in skip
     ]
 
 
-def base_key(model: Path, prompts: list, bounds: dict[str, Any]) -> str:
-    """The hash that names one base result: model files, prompts, episode bounds, code."""
+def base_key(model: Path, prompts: list, bounds: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """The hash that names one base result: model files, prompts, episode bounds, code. `skip`:
+    files in the model directory that are not the model (what `orbit eval` writes there)."""
     data = {
         "model": str(Path(model).resolve()),
-        "files": _model_files(model),
+        "files": _model_files(model, skip),
         "prompts": [[p.id, p.text, p.answer, list(p.prompt_ids)] for p in prompts],
         "bounds": bounds,
         "code": _code_version(),
