@@ -10,10 +10,11 @@ layer's forward and as its gradient arrives) with the time and the thread count 
 time the pipeline says the engines went idle or busy. The time from one check to the next of the
 same kind is one layer's forward (or backward) on the threads the first set. Printed: a layer's
 median forward and backward time on 1 thread and on 2 threads, and how long the engines' idle
-spells last. `--probe-every N` also times a torch.mm of a layer's shape on 1 and on 2 threads at
-every Nth check (what the cores give at that moment); `--hold 2` keeps the trainer on 2 threads
-throughout and tags each layer by whether the engines were idle instead. With 2 cores, run nothing
-else meanwhile.
+spells last, and the CPU seconds that each thread of this process, each engine's process and the
+machine's idle and stolen time took while the engines were idle and while they were busy.
+`--probe-every N` also times a torch.mm of a layer's shape on 1 and on 2 threads at every Nth check
+(what the cores give at that moment); `--hold 2` keeps the trainer on 2 threads throughout and
+tags each layer by whether the engines were idle instead. With 2 cores, run nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import yaml
 
@@ -38,6 +42,49 @@ from orbit.train import cores
 EVENTS: list[tuple[float, str, int, int]] = []
 # (engines idle, torch.mm GFLOP/s on 1 thread, on 2) at every --probe-every'th check
 PROBES: list[tuple[bool, float, float]] = []
+# (time, engines idle from now, each of this process's threads' [user s, system s, minor faults])
+SWITCHES: list[tuple[float, bool, dict[str, list[float]]]] = []
+
+
+def thread_cpu() -> dict[str, list[float]]:
+    """[user CPU seconds, system CPU seconds, minor page faults] of each thread of this process so
+    far, by name (Python's threads by their names, the others, OpenMP's workers among them, by their
+    kernel name and id)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name), f"{comm} {task.name}")
+        # fields 10, 14 and 15 of proc_pid_stat(5): minflt, utime, stime
+        out[name] = [int(stat[11]) / tick, int(stat[12]) / tick, float(stat[7])]
+    # the engines' processes, whole, and the machine's idle and stolen time (proc_stat(5))
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+            out[f"process {child.pid} {child.name()}"] = [times.user, times.system, 0.0]
+        except psutil.Error:
+            continue
+    cpu = [int(x) / tick for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    out["machine: idle"], out["machine: stolen"] = [cpu[3] + cpu[4], 0.0, 0.0], [cpu[7], 0.0, 0.0]
+    return out
+
+
+def cpu_by_thread(switches: list) -> dict[bool, dict[str, list[float]]]:
+    """{engines idle: {thread: [user s, system s, minor faults]}} summed over the spells between
+    switches."""
+    out: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    for (_, idle, before), (_, _, after) in itertools.pairwise(switches):
+        for name, now in after.items():
+            then = before.get(name, [0.0, 0.0, 0.0])
+            total = out[idle].setdefault(name, [0.0, 0.0, 0.0])
+            for i in range(3):
+                total[i] += now[i] - then[i]
+    return out
 
 
 def _mm_rate(a: torch.Tensor, b: torch.Tensor, threads: int, reps: int = 20) -> float:
@@ -85,7 +132,9 @@ def _traced(cls: type[cores.Cores], hold: int | None, probe_every: int, hidden: 
 
     def idle(self: cores.Cores, flag: bool) -> None:
         engines_idle(self, flag)
-        EVENTS.append((time.perf_counter(), "idle", int(flag), 0))
+        now = time.perf_counter()
+        EVENTS.append((now, "idle", int(flag), 0))
+        SWITCHES.append((now, flag, thread_cpu()))
 
     cls.hook = hook  # type: ignore[method-assign]
     cls.engines_idle = idle  # type: ignore[method-assign,assignment]
@@ -187,6 +236,16 @@ def main() -> None:
                 f"{statistics.median(r for r, _ in rates):.1f} GFLOP/s, 2 threads "
                 f"{statistics.median(r for _, r in rates):.1f}"
             )
+    spent = cpu_by_thread([s for s in SWITCHES if s[0] >= since])
+    for flag, by_thread in spent.items():
+        busiest = sorted(by_thread.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+        shown = "; ".join(
+            f"{name} {user:.1f} user + {system:.1f} sys, {faults:.0f} faults"
+            for name, (user, system, faults) in busiest
+            if user + system >= 0.05
+        )
+        print(f"CPU seconds by thread, engines {'idle' if flag else 'busy'}: {shown}")
+    report["thread_cpu"] = {"idle" if f else "busy": by for f, by in spent.items()}
     report["probes"] = PROBES
     report["idle_switches"] = [[t, flag] for t, kind, flag, _ in events if kind == "idle"]
     (args.out / "trace.json").write_text(json.dumps(report, indent=1))

@@ -8,6 +8,7 @@ torch.mm's rate on the model's shapes in the same dtype, and with --profile one 
 torch.profiler: the GPU's kernel time against the step's wall time and the kernel launches.
 
     python bench/trainer_gpu.py [--model .cache/smollm2-135m-instruct] [--steps 10] [--profile]
+        [--compile]    # each dtype also with compile_layers: step, warm-up, logprob agreement
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def mm_peak(
     return 2 * rows * hidden * inner * reps / (time.perf_counter() - t)
 
 
+def compile_layers(trainer: Trainer) -> None:
+    """Compile each decoder layer's MLP in place (torch.compile's regional compilation: one graph
+    serves every layer, for any number of tokens). Not the whole layer: its attention reads the
+    prompts' keys and values, whose strides differ from pass to pass, and each new stride
+    recompiles until torch gives up and runs it eagerly (32 recompiles in 3 steps on a GPU). The
+    MLP runs in a few variants (grad on or off, inputs that need grad or not): a few more than
+    torch's default limit of 8 are allowed, so that none falls back to eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    for layer in trainer._decoder.layers:
+        layer.mlp.compile(dynamic=True)
+
+
 def batch(rng: random.Random, vocab: int, groups: int = 4, size: int = 8) -> list[Sample]:
     """The math recipe's shape: `groups` prompts of 40 tokens, `size` completions of 12-36."""
     out = []
@@ -81,44 +94,61 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2-135m-instruct")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--compile", action="store_true", help="also each dtype with its MLPs compiled")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     cfg = AutoConfig.from_pretrained(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         model = random_model(args.model, Path(tmp) / "model")
         params = matmul_params(model)
-        for dtype in ("bfloat16", "float32"):
+        probe = batch(random.Random(1), cfg.vocab_size)  # the same batch scored by every trainer
+        for dtype in args.dtypes.split(","):
             peak = mm_peak(getattr(torch, dtype), cfg.hidden_size, cfg.intermediate_size)
-            trainer = Trainer(
-                model,
-                AdapterConfig(r=16, alpha=32, target_modules=TARGETS),
-                TrainerConfig(device="cuda", dtype=dtype, micro_batch_tokens=2048, lr=3e-4),
-                temperature=0.7,
-                seed=0,
-            )
-            rng = random.Random(0)
-            for _ in range(3):  # warm-up: allocator, kernels' first launches
-                trainer.step(batch(rng, cfg.vocab_size))
-            times, tokens = [], 0
-            for _ in range(args.steps):
-                b = batch(rng, cfg.vocab_size)
-                tokens += sum(len(s.output_ids) for s in b)
-                torch.cuda.synchronize()
+            eager: list[list[float]] = []
+            for compiled in (False, True) if args.compile else (False,):
+                trainer = Trainer(
+                    model,
+                    AdapterConfig(r=16, alpha=32, target_modules=TARGETS),
+                    TrainerConfig(device="cuda", dtype=dtype, micro_batch_tokens=2048, lr=3e-4),
+                    temperature=0.7,
+                    seed=0,
+                )
+                if compiled:
+                    compile_layers(trainer)
                 t = time.perf_counter()
-                trainer.step(b)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            useful = 4 * params * tokens / sum(times)
-            print(
-                f"{torch.cuda.get_device_name()} {dtype}: step {1e3 * sum(times) / len(times):.0f} "
-                f"ms (fastest {1e3 * min(times):.0f}), {tokens / len(times):.0f} trained tokens, "
-                f"useful {useful / 1e12:.2f} TFLOP/s of torch.mm's {peak / 1e12:.1f}: "
-                f"{useful / peak:.4f}",
-                flush=True,
-            )
-            if args.profile:
-                profile_step(trainer, batch(rng, cfg.vocab_size))
-            trainer.close()
+                logprobs = trainer.logprobs(probe)  # the same adapter init: the same logprobs
+                rng = random.Random(0)
+                for _ in range(3):  # warm-up: allocator, kernels' first launches, the compile
+                    trainer.step(batch(rng, cfg.vocab_size))
+                warm = time.perf_counter() - t
+                times, tokens = [], 0
+                for _ in range(args.steps):
+                    b = batch(rng, cfg.vocab_size)
+                    tokens += sum(len(s.output_ids) for s in b)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    trainer.step(b)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                useful = 4 * params * tokens / sum(times)
+                agree = ""
+                if compiled:
+                    pairs = zip(eager, logprobs, strict=True)
+                    diff = max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True))
+                    agree = f", logprobs vs eager max |diff| {diff:.1e}"
+                eager = logprobs
+                print(
+                    f"{torch.cuda.get_device_name()} {dtype}{' compiled' if compiled else ''}: "
+                    f"step {1e3 * sum(times) / len(times):.0f} ms (fastest "
+                    f"{1e3 * min(times):.0f}), {tokens / len(times):.0f} trained tokens, useful "
+                    f"{useful / 1e12:.2f} TFLOP/s of torch.mm's {peak / 1e12:.1f}: "
+                    f"{useful / peak:.4f}; warm-up {warm:.1f} s{agree}",
+                    flush=True,
+                )
+                if args.profile:
+                    profile_step(trainer, batch(rng, cfg.vocab_size))
+                trainer.close()
 
 
 def profile_step(trainer: Trainer, samples: list[Sample]) -> None:

@@ -2,7 +2,7 @@
 step's floor (its useful FLOPs at this machine's measured matmul peak).
 
     .venv/bin/python bench/trainer_profile.py [--recipe recipes/smollm2-math.yaml] [--steps 6]
-        [--threads 1,2] [--record]
+        [--threads 1,2] [--record] [--compile]
 
 The batches are real: the recipe's own first steps, recorded once (`--record`, or when none are
 saved) into .cache/bench/ with the samples exactly as its trainer received them. Each batch is then
@@ -40,6 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+from trainer_gpu import compile_layers  # noqa: E402  (bench/: the script's own folder)
+
 from orbit.config import load_recipe  # noqa: E402
 from orbit.measure.flops import matmul_peak  # noqa: E402
 from orbit.rl import policy_loss  # noqa: E402
@@ -184,11 +186,17 @@ def decoder_tokens(trainer: Trainer, samples: list[Sample]) -> tuple[int, int]:
     return run, real
 
 
-def measure(recipe_path: Path, batches: list[list[Sample]], threads: int) -> dict:
+def measure(
+    recipe_path: Path, batches: list[list[Sample]], threads: int, compiled: bool = False
+) -> dict:
     recipe = load_recipe(recipe_path, {"trainer.threads": threads})
     trainer = recipe_trainer(recipe)
+    if compiled:
+        compile_layers(trainer)
     params = trainer.matmul_params  # the decoder layers' weights and the output head's
-    profiled_step(trainer, batches[0], None)  # warm-up: allocator, first-call costs
+    t = time.perf_counter()
+    profiled_step(trainer, batches[0], None)  # warm-up: allocator, first-call costs, the compile
+    warm_s = time.perf_counter() - t
     phases = Phases()
     plain: list[float] = []
     trained = run = real = 0
@@ -202,6 +210,8 @@ def measure(recipe_path: Path, batches: list[list[Sample]], threads: int) -> dic
     n = len(batches)
     return {
         "threads": threads,
+        "compiled": compiled,
+        "warm_s": warm_s,
         "step_s": statistics.median(plain),
         "seconds": {k: v / n for k, v in phases.seconds.items()},
         "flops": {k: v / n for k, v in phases.flops.items()},
@@ -216,7 +226,8 @@ def measure(recipe_path: Path, batches: list[list[Sample]], threads: int) -> dic
 def show(console: Console, r: dict, peak: float) -> None:
     total_s = sum(r["seconds"].values())
     total_f = sum(r["flops"].values())
-    t = Table(title=f"trainer step, {r['threads']} thread(s): phases summed {total_s:.2f} s")
+    how = f"{r['threads']} thread(s){', compiled' if r['compiled'] else ''}"
+    t = Table(title=f"trainer step, {how}: phases summed {total_s:.2f} s")
     for c in ("phase", "seconds", "share of time", "GFLOP", "share of FLOPs", "GFLOP/s"):
         t.add_column(c, justify="left" if c == "phase" else "right")
     for p in PHASES:
@@ -244,7 +255,8 @@ def show(console: Console, r: dict, peak: float) -> None:
         f"padding {r['padding']:.0%} of decoder tokens; useful {r['useful_flops'] / 1e9:.1f} GFLOP"
         f" -> {r['useful_flops'] / 1e9 / r['step_s']:.1f} GFLOP/s = "
         f"{r['useful_flops'] / 1e9 / r['step_s'] / peak:.2f} of the {peak:.0f} GFLOP/s peak; "
-        f"floor {floor:.2f} s, step/floor {r['step_s'] / floor:.1f}x"
+        f"floor {floor:.2f} s, step/floor {r['step_s'] / floor:.1f}x; "
+        f"first step {r['warm_s']:.1f} s"
     )
 
 
@@ -254,6 +266,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="batches recorded (and profiled)")
     p.add_argument("--threads", default="1,2", help="trainer threads to profile with, in turn")
     p.add_argument("--record", action="store_true", help="record the batches again")
+    p.add_argument(
+        "--compile", action="store_true", help="each also with its MLPs compiled (trainer_gpu.py)"
+    )
     args = p.parse_args()
     saved = ROOT / ".cache" / "bench" / f"{args.recipe.stem}-batches.pkl"
     if args.record or not saved.exists():
@@ -264,7 +279,8 @@ def main() -> None:
     for threads in (int(x) for x in args.threads.split(",")):
         peak = matmul_peak(threads)
         console.print(f"torch.mm peak, float32, {threads} thread(s): {peak:.1f} GFLOP/s")
-        show(console, measure(args.recipe, batches, threads), peak)
+        for compiled in (False, True) if args.compile else (False,):
+            show(console, measure(args.recipe, batches, threads, compiled), peak)
 
 
 if __name__ == "__main__":
