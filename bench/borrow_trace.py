@@ -87,6 +87,20 @@ def cpu_by_thread(switches: list) -> dict[bool, dict[str, list[float]]]:
     return out
 
 
+def describe(by_thread: dict[str, list[float]]) -> str:
+    """One line: the machine's idle and stolen seconds (which have no system time or faults), then
+    each thread and process that ran 0.05 s or more, busiest first."""
+    machine = {k: v for k, v in by_thread.items() if k.startswith("machine: ")}
+    ran = sorted(
+        ((k, v) for k, v in by_thread.items() if k not in machine and v[0] + v[1] >= 0.05),
+        key=lambda kv: -(kv[1][0] + kv[1][1]),
+    )
+    return "; ".join(
+        [f"{name} {seconds:.1f}" for name, (seconds, _, _) in machine.items()]
+        + [f"{name} {u:.1f} user + {s:.1f} sys, {f:.0f} faults" for name, (u, s, f) in ran]
+    )
+
+
 def _mm_rate(a: torch.Tensor, b: torch.Tensor, threads: int, reps: int = 20) -> float:
     torch.set_num_threads(threads)
     torch.mm(a, b)
@@ -238,13 +252,7 @@ def main() -> None:
             )
     spent = cpu_by_thread([s for s in SWITCHES if s[0] >= since])
     for flag, by_thread in spent.items():
-        busiest = sorted(by_thread.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
-        shown = "; ".join(
-            f"{name} {user:.1f} user + {system:.1f} sys, {faults:.0f} faults"
-            for name, (user, system, faults) in busiest
-            if user + system >= 0.05
-        )
-        print(f"CPU seconds by thread, engines {'idle' if flag else 'busy'}: {shown}")
+        print(f"CPU seconds, engines {'idle' if flag else 'busy'}: {describe(by_thread)}")
     report["thread_cpu"] = {"idle" if f else "busy": by for f, by in spent.items()}
     report["probes"] = PROBES
     report["idle_switches"] = [[t, flag] for t, kind, flag, _ in events if kind == "idle"]
