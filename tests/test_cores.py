@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,68 @@ def test_the_trainer_takes_the_engines_threads_only_while_they_are_idle():
         assert cores.take_share() == 0.0
     finally:
         torch.set_num_threads(before)
+
+
+# In a fresh interpreter: the main thread on 2 torch threads, a second thread that will train on 2,
+# and a tensor copy on a thread that does not call `helper_thread()` and on one that does; each
+# copying thread reports the process's threads while it runs (its OpenMP workers among them).
+THREADS = """
+import os, threading, time, torch
+from orbit.host.threads import compute_threads, helper_thread
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+compute_threads(2)
+x = torch.randn(4_000_000)
+x + 1  # the main thread's OpenMP team
+seen = {}
+
+def copy(name, helper):
+    if helper:
+        helper_thread()
+    torch.empty_like(x).copy_(x)
+    seen[name] = (tasks() - base, torch.get_num_threads())
+
+# a thread that trains fixes its count, then a helper starts before the trainer's first op
+ready, helped = threading.Event(), threading.Event()
+
+def train():
+    compute_threads(2)
+    ready.set()
+    helped.wait(60)
+    x + 1
+    seen["trainer"] = torch.get_num_threads()
+
+trainer = threading.Thread(target=train)
+trainer.start()
+ready.wait(60)
+base = tasks()
+for name, helper in (("plain", False), ("helper", True)):
+    t = threading.Thread(target=copy, args=(name, helper))
+    t.start()
+    t.join()
+    # its OpenMP workers leave after it: wait for them (bounded) before the next thread counts
+    for _ in range(100):
+        if tasks() == base:
+            break
+        time.sleep(0.1)
+helped.set()
+trainer.join()
+print(*seen["plain"], *seen["helper"], torch.get_num_threads(), seen["trainer"])
+"""
+
+
+def test_a_helper_thread_makes_no_openmp_team_and_leaves_the_trainers_threads():
+    out = subprocess.run(
+        [sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    plain, plain_threads, helper, helper_threads, main, trainer = map(int, out.stdout.split())
+    # a thread that copies on torch's 2 threads brings an OpenMP worker of its own (2 more threads
+    # than before it: the case helper_thread prevents); a helper thread comes alone, on one
+    assert (plain, plain_threads) == (2, 2)
+    assert (helper, helper_threads) == (1, 1)
+    # the threads that compute keep their 2, though the helper set torch's process-wide count to 1
+    # before the second one's first op
+    assert (main, trainer) == (2, 2)

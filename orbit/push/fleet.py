@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from orbit.engine.base import Engine, EngineDeadError, EngineError
 from orbit.engine.pool import EnginePool, Member
+from orbit.host.threads import helper_thread
 from orbit.metrics.steps import Timeline
 from orbit.push.phases import PolicySource, Push, PushResult, Target, make_push, run_phases
 
@@ -130,6 +131,7 @@ class Updater:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        helper_thread()  # it copies tensors; the trainer's OpenMP team alone (orbit/host)
         while True:
             with self._cond:
                 while self._next is None and not self._stop:

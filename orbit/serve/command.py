@@ -15,12 +15,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from orbit.config import Recipe
 from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.host.net import ThreadServer
+from orbit.host.threads import compute_threads
 from orbit.run.placement import colocate
 from orbit.serve.app import MAX_BODY, app
 from orbit.serve.clients import ATTN, MLP, UNEMBED
@@ -105,7 +105,7 @@ def serving(
     `model:` and its absolute path."""
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(recipe.trainer.threads)
+    compute_threads(recipe.trainer.threads)
     engine_cfg, note = colocate(recipe, 1)
     if note:
         say(note)
@@ -143,6 +143,7 @@ def serving(
             vocab_size=info.vocab_size,
             limits=limits(recipe),
             quotas=options.quotas,
+            threads=recipe.trainer.threads,
         )
         api = app(service, options.keys, options.max_body)
         server = ThreadServer(api, options.host, options.port, name="orbit serve").start()

@@ -63,7 +63,8 @@ class Quotas:
 
 class Service:
     """One base model (`model`, also known by the names in `names`), its engines (`sampler`), and
-    the state of every tenant's clients, in `store`; checkpoints under `directory`."""
+    the state of every tenant's clients, in `store`; checkpoints under `directory`; `threads`: the
+    trainer's torch threads."""
 
     def __init__(
         self,
@@ -77,13 +78,14 @@ class Service:
         vocab_size: int = 0,
         limits: EngineLimits = EngineLimits(),
         quotas: Quotas = Quotas(),
+        threads: int = 1,
     ) -> None:
         self.model, self.names, self.sampler, self.limits = model, names, sampler, limits
         self.directory, self.store, self.quotas = directory, store, quotas
         self.max_context, self.vocab_size = max_context, vocab_size
         self.base = SharedBase(model, dtype)
         self.futures = Futures(store)
-        self.turns = Turns()
+        self.turns = Turns(threads)
         self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
         self.checkpoints = Checkpoints(directory / "checkpoints", store, str(model))
         self.sessions = SamplingSessions(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orbit.host.threads import compute_threads
 from orbit.serve.futures import Record, Refused, RequestFailed
 
 # The SDK sends a client's requests one after another, but for the chunks of one forward_backward
@@ -40,7 +41,8 @@ class Queue:
 class Turns:
     """The trainer thread and every client's queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = threads  # the trainer's torch threads, on its own thread
         self._queues: dict[str, Queue] = {}
         self._order: list[str] = []  # clients in round-robin order
         self._cond = threading.Condition()
@@ -136,6 +138,7 @@ class Turns:
         queue.gap_since = 0.0
 
     def _run(self) -> None:
+        compute_threads(self.threads)
         while True:
             with self._cond:
                 job = self._next()

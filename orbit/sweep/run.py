@@ -36,6 +36,7 @@ from orbit.config import AdapterConfig, Recipe, RecipeError
 from orbit.engine import EngineStarter, start_engines, stop_engines
 from orbit.engine.base import Engine
 from orbit.host import interrupts
+from orbit.host.threads import compute_threads
 from orbit.rl.truncation import truncates
 from orbit.run.directory import prepare_run_dir, resumable, undo_start
 from orbit.run.ends import judge
@@ -279,6 +280,7 @@ def _lane_main(lane: _Lane, console: Console) -> None:
     """One run's loop (orbit/run/lifecycle.py's `finish`); however it ends, its status says how and
     why."""
     status, run = lane.status, lane.run
+    compute_threads(lane.recipe.trainer.threads)  # this thread trains (orbit/host/threads.py)
     trace = ""
     try:
         finish(run, lane.recipe, status.run_dir, lane.created, lane.resume)

@@ -21,6 +21,7 @@ from torch import Tensor
 from transformers import set_seed
 
 from orbit.config import AdapterConfig, Recipe, TrainerConfig
+from orbit.host.threads import compute_threads
 from orbit.rl import AlgorithmConfig, Norm, policy_loss
 from orbit.rollout.sample import Sample
 from orbit.train import peft_adapter as adapters
@@ -104,7 +105,7 @@ class Trainer:
         """`algorithm`: the loss and its optimizer steps (default: Orbit's default loss);
         `max_new_tokens`: the rollout's, seq-mean-token-sum-norm's default constant."""
         # The engine runs in its own process with its own threads; don't let torch take every core.
-        torch.set_num_threads(cfg.threads)
+        compute_threads(cfg.threads)
         self.cfg = cfg
         self.algo = algorithm or AlgorithmConfig()
         self.norm_length = self.algo.norm(max_new_tokens)
