@@ -64,12 +64,10 @@ class StartedEngines:
 def lendable_cores(recipe: Recipe) -> Cores | None:
     """The engines' threads the trainer may borrow while they are idle: with the trainer and every
     engine on this machine's CPU (one trainer rank; servers Orbit started, not attached ones),
-    `trainer.borrow_cores` on (unset: by engine)."""
+    `trainer.borrow_cores` on (the default: it took 9% off the trainer's time per token beside the
+    embedded engine and 6% beside SGLang, bench/README.md "The trainer borrowing idle cores")."""
     t, e = recipe.trainer, recipe.engine
     local = e.servers is None and all(d == "cpu" for d in e.engine_devices())
-    # unset: where it measured faster (bench/README.md, "The trainer borrowing idle cores"): with
-    # SGLang the trainer's time fell 11%; beside the embedded engine the step was 1.01-1.06x slower
-    borrow = t.borrow_cores if t.borrow_cores is not None else e.backend != "embedded"
-    if not borrow or not local or t.rank_devices() != ["cpu"]:
+    if not t.borrow_cores or not local or t.rank_devices() != ["cpu"]:
         return None
     return Cores(own=t.threads, lend=e.threads * e.engines)

@@ -12,7 +12,8 @@ it: hence the checks, not a watcher.
 
 Idle OpenMP workers spin for a while before they sleep (GOMP_SPINCOUNT), so a borrowed worker keeps
 the engines' core busy for a moment after the trainer gives it back; bench/cores.py measures what
-that costs the engines.
+that costs the engines. They spin only while the trainer's OpenMP team is the process's one team
+(orbit/host/threads.py); with a second, every op of a borrowed layer waited for a woken worker.
 """
 
 from __future__ import annotations
