@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from orbit.engine.base import SamplingParams
+from orbit.host.threads import helper_thread
 from orbit.serve import wire
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, iso, rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
@@ -93,7 +94,11 @@ class Service:
         )
         self._lock = threading.Lock()
         self._adapters = 0
-        self._sampling = ThreadPoolExecutor(8, thread_name_prefix="orbit-serve-sample")
+        # they load adapters into engine slots (tensor copies): helpers, so that the trainer's
+        # OpenMP team stays the process's only one (orbit/host/threads.py)
+        self._sampling = ThreadPoolExecutor(
+            8, thread_name_prefix="orbit-serve-sample", initializer=helper_thread
+        )
         self.recovered = store.recover(RESTARTED)  # (futures failed, clients lost)
         self.checkpoints.reconcile()
 
