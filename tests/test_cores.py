@@ -103,6 +103,30 @@ print(*seen["plain"], *seen["helper"], torch.get_num_threads(), seen["trainer"])
 """
 
 
+POOL_THREADS = """
+import sys, torch
+sys.path.insert(0, "tests")
+from engine_helpers import FakeEngine
+from orbit.engine.pool import EnginePool
+from orbit.host.threads import compute_threads
+
+compute_threads(2)
+pool = EnginePool([FakeEngine(), FakeEngine()], [8, 8], monitor=False)
+print(*pool.each(lambda m: torch.get_num_threads()), torch.get_num_threads())
+pool.shutdown()
+"""
+
+
+def test_a_pools_calls_to_several_engines_run_on_helper_threads():
+    """A push to several engines copies each engine's tensors on a thread of its own: those are
+    helpers (one torch thread), not threads that start OpenMP teams beside the trainer's."""
+    out = subprocess.run(
+        [sys.executable, "-c", POOL_THREADS], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert [int(x) for x in out.stdout.split()] == [1, 1, 2]
+
+
 def test_a_helper_thread_makes_no_openmp_team_and_leaves_the_trainers_threads():
     out = subprocess.run(
         [sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=120, cwd=ROOT

@@ -42,6 +42,7 @@ from orbit.engine.base import (
 from orbit.engine.calls import bounded, outcome, quietly
 from orbit.engine.liveness import Liveness
 from orbit.engine.member import Member, Request
+from orbit.host.threads import helper_thread
 
 PING_S = 1.0  # liveness check of every member this often
 
@@ -353,7 +354,9 @@ class EnginePool:
         if len(members) == 1:
             outcomes = [outcome(call, members[0])]
         else:
-            with ThreadPoolExecutor(len(members)) as ex:
+            # the calls move tensors (a push's copy into shared memory): helpers, so that the
+            # trainer's OpenMP team stays the process's only one (orbit/host/threads.py)
+            with ThreadPoolExecutor(len(members), initializer=helper_thread) as ex:
                 outcomes = list(ex.map(lambda m: outcome(call, m), members))
         results = []
         for member, engine, (value, err) in zip(members, engines, outcomes, strict=True):
