@@ -13,6 +13,8 @@ be timed apart (the same computation as Trainer.step, in the same order):
 - vocabulary forward: the output projection, log-softmax and truncation, chunk by chunk;
 - loss; vocabulary backward (with the recompute of each chunk that activation checkpointing makes);
 - decoder backward (the input gradients through the frozen base, and LoRA's own gradients);
+- agreement re-score: the no-grad forward over a few samples that a step with no fresh sample runs
+  for `logprob_diff` (every double-buffer step: Trainer._rescore, here under the current weights);
 - optimizer: gradient clipping, AdamW, the schedule.
 
 FLOPs are torch.profiler's (matmuls) per phase. LoRA's own matmuls are those with the adapter's rank
@@ -50,9 +52,15 @@ from orbit.train.batch import (  # noqa: E402
     length_buckets,
     output_hidden,
     output_widths,
+    spread_over_groups,
     token_logprobs,
 )
-from orbit.train.trainer import Trainer, recipe_trainer  # noqa: E402
+from orbit.train.trainer import (  # noqa: E402
+    RESCORE_GROUPS,
+    RESCORE_SAMPLES,
+    Trainer,
+    recipe_trainer,
+)
 
 PHASES = (
     "decoder forward",
@@ -60,6 +68,7 @@ PHASES = (
     "loss",
     "vocabulary backward + recompute",
     "decoder backward",
+    "agreement re-score",
     "optimizer",
 )
 
@@ -119,10 +128,11 @@ class Phases:
 
 
 def profiled_step(
-    trainer: Trainer, samples: list[Sample], out: Phases | None, flops: bool = False
+    trainer: Trainer, samples: list[Sample], out: Phases | None, flops: bool = False, step: int = 0
 ) -> float:
     """One optimizer step of `trainer` on `samples`, phase by phase (timed into `out`, or their
-    FLOPs counted); its seconds."""
+    FLOPs counted); its seconds. `step`: which groups the re-score takes (they turn step by
+    step)."""
     rank = trainer.adapter.r
 
     @contextmanager
@@ -166,6 +176,8 @@ def profiled_step(
             loss.backward()
         with phase("decoder backward"):
             hidden.backward(cut.grad)
+    with phase("agreement re-score"):
+        rescore(trainer, samples, step)
     with phase("optimizer"):
         torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.max_grad_norm)
         trainer.optimizer.step()
@@ -200,9 +212,9 @@ def measure(
     phases = Phases()
     plain: list[float] = []
     trained = run = real = 0
-    for samples in batches:
-        plain.append(profiled_step(trainer, samples, phases))
-        profiled_step(trainer, samples, phases, flops=True)
+    for i, samples in enumerate(batches):
+        plain.append(profiled_step(trainer, samples, phases, step=i))
+        profiled_step(trainer, samples, phases, flops=True, step=i)
         trained += sum(sum(1 for m in s.loss_mask if m) for s in samples if not s.left_out)
         r, k = decoder_tokens(trainer, samples)
         run, real = run + r, real + k
@@ -221,6 +233,18 @@ def measure(
         "trained_tokens": trained / n,
         "padding": 1 - real / run,
     }
+
+
+def rescore(trainer: Trainer, samples: list[Sample], step: int) -> None:
+    """The forward of Trainer._rescore on the samples it would take this step (the weights it
+    swaps in are the same size, so the current ones cost the same)."""
+    chosen = spread_over_groups(samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=step)
+    trainer.model.eval()
+    try:
+        with torch.no_grad():
+            trainer._logprobs(trainer._collate(chosen))
+    finally:
+        trainer.model.train()
 
 
 def show(console: Console, r: dict, peak: float) -> None:

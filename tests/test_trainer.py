@@ -206,7 +206,7 @@ def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
     (engine logprobs equal to the eval-mode ones read 0, not the dropout noise). Re-scored stale
     samples are spread over the step's groups, not the first few samples of the first group."""
     from orbit.train.batch import spread_over_groups
-    from orbit.train.trainer import RESCORE_SAMPLES
+    from orbit.train.trainer import RESCORE_GROUPS, RESCORE_SAMPLES
 
     trainer = _trainer(
         tiny_llama, adapter=AdapterConfig(type="lora", r=4, alpha=8.0, dropout=0.5), seed=3
@@ -225,9 +225,37 @@ def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
     ]
     for i, s in enumerate(samples):
         s.group_id = i // 4
-    picked = spread_over_groups(samples, RESCORE_SAMPLES)
-    assert len(picked) == RESCORE_SAMPLES and sorted({s.group_id for s in picked}) == [0, 1, 2, 3]
-    assert [s.group_id for s in picked[:4]] == [0, 1, 2, 3]
+    picked = spread_over_groups(samples, 8)
+    assert len(picked) == 8 and [s.group_id for s in picked[:4]] == [0, 1, 2, 3]
+    # a few groups a step, counted from a group that turns with the step: all of them over steps
+    turns = [spread_over_groups(samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=v) for v in (0, 1)]
+    assert [[s.group_id for s in p] for p in turns] == [[0, 1, 0, 1], [1, 2, 1, 2]]
+    seen = {s.group_id for v in range(4) for s in spread_over_groups(samples, 4, 2, first=v)}
+    assert seen == {0, 1, 2, 3}
+
+
+def test_rescore_turns_over_the_groups_step_by_step(tiny_llama: Path):
+    """Stale steps re-score RESCORE_GROUPS groups each, a different set each step (the first turns
+    with the version): over a few steps every group's tokens are measured."""
+    from orbit.train.trainer import RESCORE_GROUPS
+
+    trainer = _trainer(tiny_llama)
+    trainer.step(_scored([1.0, -1.0, 0.5]))  # version 0 -> 1: version 0's adapter is kept
+    # 4 groups of 2 samples from version 0, group g's outputs g + 1 tokens long
+    batch = [
+        _sample([1, 40 + g], list(range(50, 51 + g)), [-4.0] * (g + 1), (-1.0) ** i, (0, 0))
+        for g in range(4)
+        for i in range(2)
+    ]
+    for i, s in enumerate(batch):
+        s.group_id = i // 2
+    # 3 steps: version 0's adapter is kept until version 4 (SNAPSHOTS)
+    counts = [trainer.step(batch).logprob_diff_tokens for _ in range(3)]
+    # each step: 2 samples of each of 2 groups -> 2 x (lengths of the two groups)
+    lengths = [g + 1 for g in range(4)]
+    assert counts == [
+        2 * sum(lengths[(v + k) % 4] for k in range(RESCORE_GROUPS)) for v in range(1, 4)
+    ]  # versions 1, 2, 3: groups (1, 2), (2, 3), (3, 0)
 
 
 def test_truncated_sampling_is_scored_truncated(tiny_llama: Path):

@@ -295,15 +295,25 @@ def _chunk_logprobs(
     return truncated_logprobs(logp, targets, top_p, top_k), entropy
 
 
-def spread_over_groups(samples: list[Sample], n: int) -> list[Sample]:
+def spread_over_groups(
+    samples: list[Sample], n: int, groups: int | None = None, first: int = 0
+) -> list[Sample]:
     """Up to `n` samples taken round-robin over their groups (the first of each group, then the
-    second, ...), so a measurement on a few samples sees every group rather than the first one."""
+    second, ...), so a measurement on a few samples sees every group rather than the first one.
+    With `groups`, only that many groups, counted from the `first`-th (modulo the number of
+    groups): a caller that turns `first` step by step sees every group over a few steps while
+    running each step's prompts only for a few (a prompt costs a group's forward however few of
+    its samples are taken)."""
     by_group: dict[int, list[Sample]] = {}
     for s in samples:
         by_group.setdefault(s.group_id, []).append(s)
+    chosen = list(by_group.values())
+    if groups is not None and chosen:
+        start = first % len(chosen)
+        chosen = (chosen[start:] + chosen[:start])[:groups]
     out: list[Sample] = []
-    for rank in range(max((len(g) for g in by_group.values()), default=0)):
-        out += [g[rank] for g in by_group.values() if rank < len(g)]
+    for rank in range(max((len(g) for g in chosen), default=0)):
+        out += [g[rank] for g in chosen if rank < len(g)]
     return out[:n]
 
 

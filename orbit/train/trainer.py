@@ -45,7 +45,13 @@ from orbit.train.shared import SharedBase
 from orbit.train.state import DEFAULT_ADAPTER
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
-RESCORE_SAMPLES = 8  # at most this many samples re-scored per step (one extra no-grad forward)
+# The engine-agreement re-score of a step without fresh samples is one more no-grad forward, whose
+# cost is its decoder tokens: each group's prompt once, each sample's outputs. Two groups a step
+# (turning with the version, so every group of a batch is seen over its steps) and two samples of
+# each: 0.09-0.11 of a laptop step, where all four groups and 8 samples took 0.17-0.21
+# (bench/README.md, "Where a trainer step goes").
+RESCORE_GROUPS = 2
+RESCORE_SAMPLES = 4
 
 
 def _keep(samples: list[Sample], logp: Tensor) -> None:
@@ -324,14 +330,16 @@ class Trainer:
 
     @torch.no_grad()
     def _rescore(self, samples: list[Sample], totals: Totals) -> None:
-        """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples, spread
-        over the step's groups, each under the exact adapter version that generated it, so
-        `logprob_diff` measures numerics every step (not policy drift) even when every sample is
-        stale."""
+        """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples of a few
+        of the step's groups (others each step), each under the exact adapter version that
+        generated it, so `logprob_diff` measures numerics every step (not policy drift) even when
+        every sample is stale."""
         versions = {id(s): s.versions() for s in samples}
         chosen = spread_over_groups(
             [s for s in samples if any(v in self._snapshots for v in versions[id(s)])],
             RESCORE_SAMPLES,
+            RESCORE_GROUPS,
+            first=self.version,
         )
         current = [p.detach().clone() for p in self.params]
         was_training = self.model.training
