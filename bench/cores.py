@@ -11,9 +11,10 @@ while they generate (Σ tokens / Σ busy seconds: borrowing must not slow genera
 10%), the share of the trainer's thread checks that borrowed, and the trainer's TFLOP/s
 (metrics.jsonl's trainer_tflops: its matmul FLOPs over train_s), and its useful rate as issue 39
 counts it (4 x parameters x trained tokens over train_s). The matmul peak is torch.mm on
-float32 matrices of the model's shapes, on 1 and on 2 threads. With several `--seeds` each seed's
-settings run one after another (the recipe's `seed` set to it), and OUT/table.md gives the median
-over the seeds, the range in brackets, and each engine's on/off ratios (median of the seeds' own).
+float32 matrices of the model's shapes, on 1 and on 2 threads, the best of 5 timings. With several
+`--seeds` each seed's settings run one after another (the recipe's `seed` set to it), and
+OUT/table.md gives the median over the seeds, the range in brackets, and each engine's on/off
+ratios (median of the seeds' own).
 With 2 cores, run nothing else meanwhile.
 """
 
