@@ -140,7 +140,7 @@ test:
 FAST = not slow and not sglang and not gpu
 test-fast: install lint
 	$(BIN)/pytest -q -n 2 --dist loadscope --durations=10 -m "$(FAST) and not alone"
-	$(BIN)/pytest -q -m "$(FAST) and alone"
+	$(BIN)/pytest -q -m "$(FAST) and alone" || [ $$? -eq 5 ]  # 5: none of them left in this tier
 
 # The tests marked `gpu` (tests/test_gpu.py: engine and trainer on CUDA in bf16, SGLang on CUDA);
 # `make test` deselects them. No CUDA GPU: one line and success, nothing installed; with

@@ -238,7 +238,9 @@ def measure(
 def rescore(trainer: Trainer, samples: list[Sample], step: int) -> None:
     """The forward of Trainer._rescore on the samples it would take this step (the weights it
     swaps in are the same size, so the current ones cost the same)."""
-    chosen = spread_over_groups(samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=step)
+    chosen = spread_over_groups(
+        samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=step * RESCORE_GROUPS
+    )
     trainer.model.eval()
     try:
         with torch.no_grad():

@@ -227,16 +227,14 @@ def test_logprob_diff_has_dropout_off_and_sees_every_group(tiny_llama: Path):
         s.group_id = i // 4
     picked = spread_over_groups(samples, 8)
     assert len(picked) == 8 and [s.group_id for s in picked[:4]] == [0, 1, 2, 3]
-    # a few groups a step, counted from a group that turns with the step: all of them over steps
-    turns = [spread_over_groups(samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=v) for v in (0, 1)]
-    assert [[s.group_id for s in p] for p in turns] == [[0, 1, 0, 1], [1, 2, 1, 2]]
-    seen = {s.group_id for v in range(4) for s in spread_over_groups(samples, 4, 2, first=v)}
-    assert seen == {0, 1, 2, 3}
+    # a few groups, counted from the `first`-th (modulo the groups)
+    turns = [spread_over_groups(samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=f) for f in (2, 5)]
+    assert [[s.group_id for s in p] for p in turns] == [[2, 3, 2, 3], [1, 2, 1, 2]]
 
 
 def test_rescore_turns_over_the_groups_step_by_step(tiny_llama: Path):
-    """Stale steps re-score RESCORE_GROUPS groups each, a different set each step (the first turns
-    with the version): over a few steps every group's tokens are measured."""
+    """Stale steps re-score RESCORE_GROUPS groups each, their place in the batch moving on by as
+    many each version: over a few steps every place is measured, not only the batch's first."""
     from orbit.train.trainer import RESCORE_GROUPS
 
     trainer = _trainer(tiny_llama)
@@ -254,8 +252,9 @@ def test_rescore_turns_over_the_groups_step_by_step(tiny_llama: Path):
     # each step: 2 samples of each of 2 groups -> 2 x (lengths of the two groups)
     lengths = [g + 1 for g in range(4)]
     assert counts == [
-        2 * sum(lengths[(v + k) % 4] for k in range(RESCORE_GROUPS)) for v in range(1, 4)
-    ]  # versions 1, 2, 3: groups (1, 2), (2, 3), (3, 0)
+        2 * sum(lengths[(v * RESCORE_GROUPS + k) % 4] for k in range(RESCORE_GROUPS))
+        for v in range(1, 4)
+    ]  # versions 1, 2, 3: groups (2, 3), (0, 1), (2, 3)
 
 
 def test_truncated_sampling_is_scored_truncated(tiny_llama: Path):

@@ -301,9 +301,9 @@ def spread_over_groups(
     """Up to `n` samples taken round-robin over their groups (the first of each group, then the
     second, ...), so a measurement on a few samples sees every group rather than the first one.
     With `groups`, only that many groups, counted from the `first`-th (modulo the number of
-    groups): a caller that turns `first` step by step sees every group over a few steps while
-    running each step's prompts only for a few (a prompt costs a group's forward however few of
-    its samples are taken)."""
+    groups): a caller that moves `first` on step by step measures every place in its batches over
+    a few steps while running only a few prompts a step (a prompt costs a group's forward however
+    few of its samples are taken)."""
     by_group: dict[int, list[Sample]] = {}
     for s in samples:
         by_group.setdefault(s.group_id, []).append(s)

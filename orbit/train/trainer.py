@@ -46,10 +46,11 @@ from orbit.train.state import DEFAULT_ADAPTER
 
 SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weights that made them
 # The engine-agreement re-score of a step without fresh samples is one more no-grad forward, whose
-# cost is its decoder tokens: each group's prompt once, each sample's outputs. Two groups a step
-# (turning with the version, so every group of a batch is seen over its steps) and two samples of
-# each: 0.09-0.11 of a laptop step, where all four groups and 8 samples took 0.17-0.21
-# (bench/README.md, "Where a trainer step goes").
+# cost is its decoder tokens: each group's prompt once, each sample's outputs. RESCORE_GROUPS of the
+# step's groups, their place in the batch moving on by as many each version (so no place, such as
+# the batch's first group, is the only one ever measured), and up to RESCORE_SAMPLES samples of
+# them, round-robin: about 0.10-0.13 of a laptop step alone, where 8 samples over all 4 groups took
+# about 0.17 (bench/README.md, "Where a trainer step goes").
 RESCORE_GROUPS = 2
 RESCORE_SAMPLES = 4
 
@@ -339,7 +340,7 @@ class Trainer:
             [s for s in samples if any(v in self._snapshots for v in versions[id(s)])],
             RESCORE_SAMPLES,
             RESCORE_GROUPS,
-            first=self.version,
+            first=self.version * RESCORE_GROUPS,
         )
         current = [p.detach().clone() for p in self.params]
         was_training = self.model.training
