@@ -52,15 +52,9 @@ from orbit.train.batch import (  # noqa: E402
     length_buckets,
     output_hidden,
     output_widths,
-    spread_over_groups,
     token_logprobs,
 )
-from orbit.train.trainer import (  # noqa: E402
-    RESCORE_GROUPS,
-    RESCORE_SAMPLES,
-    Trainer,
-    recipe_trainer,
-)
+from orbit.train.trainer import Trainer, recipe_trainer, rescore_choice  # noqa: E402
 
 PHASES = (
     "decoder forward",
@@ -238,9 +232,7 @@ def measure(
 def rescore(trainer: Trainer, samples: list[Sample], step: int) -> None:
     """The forward of Trainer._rescore on the samples it would take this step (the weights it
     swaps in are the same size, so the current ones cost the same)."""
-    chosen = spread_over_groups(
-        samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=step * RESCORE_GROUPS
-    )
+    chosen = rescore_choice(samples, step)
     trainer.model.eval()
     try:
         with torch.no_grad():

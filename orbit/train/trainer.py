@@ -55,6 +55,13 @@ RESCORE_GROUPS = 2
 RESCORE_SAMPLES = 4
 
 
+def rescore_choice(samples: list[Sample], version: int) -> list[Sample]:
+    """The samples the agreement re-score takes at `version`, of those it can score."""
+    return spread_over_groups(
+        samples, RESCORE_SAMPLES, RESCORE_GROUPS, first=version * RESCORE_GROUPS
+    )
+
+
 def _keep(samples: list[Sample], logp: Tensor) -> None:
     """Each sample's trainer logprobs, as measured against the engine's (samples.jsonl shows where
     they differ)."""
@@ -332,15 +339,13 @@ class Trainer:
     @torch.no_grad()
     def _rescore(self, samples: list[Sample], totals: Totals) -> None:
         """Engine-vs-trainer agreement in eval mode (dropout off): re-score a few samples of a few
-        of the step's groups (others each step), each under the exact adapter version that
+        of the step's groups (`rescore_choice`), each under the exact adapter version that
         generated it, so `logprob_diff` measures numerics every step (not policy drift) even when
         every sample is stale."""
         versions = {id(s): s.versions() for s in samples}
-        chosen = spread_over_groups(
+        chosen = rescore_choice(
             [s for s in samples if any(v in self._snapshots for v in versions[id(s)])],
-            RESCORE_SAMPLES,
-            RESCORE_GROUPS,
-            first=self.version * RESCORE_GROUPS,
+            self.version,
         )
         current = [p.detach().clone() for p in self.params]
         was_training = self.model.training
