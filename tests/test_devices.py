@@ -37,6 +37,29 @@ def test_server_launch_args_map_the_device(tiny_llama):
     assert "cuda:2" not in joined
 
 
+@pytest.mark.parametrize("cpu", [True, False])
+def test_a_started_server_forks_its_children_on_a_cpu_only(cpu):
+    """launch.py's `fork_on_cpu`: SGLang's `set_start_method("spawn", force=True)` gives fork on a
+    CPU (SGLANG_USE_CPU_ENGINE=1), and spawn, as SGLang asks, otherwise (CUDA)."""
+    import os
+    import subprocess
+    import sys
+
+    from orbit.engine.sglang.server import LAUNCH
+
+    program = (
+        "import multiprocessing, runpy; "
+        f"runpy.run_path({str(LAUNCH)!r}, run_name='launch')['fork_on_cpu'](); "
+        "multiprocessing.set_start_method('spawn', force=True); "
+        "print(multiprocessing.get_start_method())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == ("fork" if cpu else "spawn"), out.stderr
+
+
 def test_auto_backend_choice():
     assert choose_backend(["cuda:0"], sglang_installed=True)[0] == "sglang"
     backend, why = choose_backend(["cuda:0"], sglang_installed=False)

@@ -6,6 +6,7 @@ sys.path). Two things besides `python -m sglang.launch_server ARGS`:
 - the server watches Orbit (ORBIT_PARENT_PID): if Orbit is gone without stopping it (SIGKILL, the
   OOM killer), it stops its own processes and removes its directory (TMPDIR), as Orbit would have
   (ServerProcess.stop in server.py), so that nothing Orbit started outlives it.
+On a CPU it also forks SGLang's scheduler and detokenizer rather than spawning them (`fork_on_cpu`).
 """
 
 import os
@@ -48,6 +49,21 @@ def watch_parent(parent: int) -> None:
     os._exit(0)
 
 
+def fork_on_cpu() -> None:
+    """SGLang starts its scheduler and detokenizer as spawned interpreters, each importing SGLang
+    again (7-9 s of a core each here), because a CUDA context does not survive a fork. A CPU server
+    (SGLANG_USE_CPU_ENGINE, which Orbit sets for no other) has no CUDA context, and this process has
+    run no parallel torch op whose OpenMP workers a fork would lose: its children are forked from
+    it, SGLang imported already. A tiny model's server answers /health in 12.8 s, not 19.2."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return
+    import multiprocessing
+
+    default = multiprocessing.set_start_method
+    # what SGLang calls, asking for "spawn"
+    multiprocessing.set_start_method = lambda method, force=False: default("fork", force=True)
+
+
 def _open_files(proc) -> list:
     try:
         return proc.open_files()
@@ -64,4 +80,5 @@ if __name__ == "__main__":
         threading.Thread(
             target=watch_parent, args=(int(parent),), name="orbit-parent-watch", daemon=True
         ).start()
+    fork_on_cpu()
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
