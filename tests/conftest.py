@@ -158,6 +158,24 @@ TINKER_ENGINES = [
 ]
 
 
+# `make test` hands each worker whole modules (--dist loadscope); these two are one unit, so that
+# one worker starts `tinker_served`'s engines once instead of each worker starting its own
+ONE_UNIT = {"tests/test_cookbook.py": "tinker_served", "tests/test_tinker.py": "tinker_served"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedEngines(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return ONE_UNIT.get(module, module)
+
+    return SharedEngines(config, log)
+
+
 @pytest.fixture(scope="session", params=TINKER_ENGINES)
 def tinker_served(request, tiny_llama, tmp_path_factory):
     """(its address, the service, the model) of `orbit serve` on `request.param`'s engine."""
