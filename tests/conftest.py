@@ -163,6 +163,7 @@ TINKER_ENGINES = [
 ONE_UNIT = {"tests/test_cookbook.py": "tinker_served", "tests/test_tinker.py": "tinker_served"}
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: nothing without it
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadscope":
         return None
@@ -170,8 +171,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedEngines(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid)
-            return ONE_UNIT.get(module, module)
+            unit = super()._split_scope(nodeid)  # a module, or a class in it
+            return ONE_UNIT.get(nodeid.split("::")[0], unit)
 
     return SharedEngines(config, log)
 

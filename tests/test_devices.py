@@ -37,11 +37,17 @@ def test_server_launch_args_map_the_device(tiny_llama):
     assert "cuda:2" not in joined
 
 
-@pytest.mark.parametrize("cpu", [True, False])
-def test_a_started_server_forks_its_children_on_a_cpu_only(cpu):
-    """launch.py's `fork_on_cpu`: SGLang's `set_start_method("spawn", force=True)` gives fork on a
-    CPU (SGLANG_USE_CPU_ENGINE=1), and spawn, as SGLang asks, otherwise (CUDA)."""
-    import os
+@pytest.mark.parametrize(
+    "args, method",
+    [
+        (["--device", "cpu"], "fork"),
+        (["--device", "cuda", "--base-gpu-id", "1"], "spawn"),
+        (["--device", "cpu", "--numa-node", "0"], "spawn"),  # SGLang's NUMA binding asserts spawn
+    ],
+)
+def test_sglangs_spawn_is_a_fork_in_a_cpu_server_orbit_starts(args, method):
+    """launch.py's `fork_on_cpu`: SGLang's `set_start_method("spawn", force=True)`, in the process
+    that starts a server's scheduler and detokenizer, gives fork on a CPU and spawn otherwise."""
     import subprocess
     import sys
 
@@ -49,15 +55,12 @@ def test_a_started_server_forks_its_children_on_a_cpu_only(cpu):
 
     program = (
         "import multiprocessing, runpy; "
-        f"runpy.run_path({str(LAUNCH)!r}, run_name='launch')['fork_on_cpu'](); "
+        f"runpy.run_path({str(LAUNCH)!r}, run_name='launch')['fork_on_cpu']({args!r}); "
         "multiprocessing.set_start_method('spawn', force=True); "
         "print(multiprocessing.get_start_method())"
     )
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    if cpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
-    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == ("fork" if cpu else "spawn"), out.stderr
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert out.stdout.strip() == method, out.stderr
 
 
 def test_auto_backend_choice():

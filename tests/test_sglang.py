@@ -48,6 +48,31 @@ def test_recipe_with_sglang_missing_fails_before_compute(tiny_llama, monkeypatch
     assert "install_sglang.sh" in str(err.value)
 
 
+@needs_sglang
+def test_sglang_args_are_checked_against_sglangs_parser_at_load(tiny_llama):
+    """`engine.sglang_args`: a real argument becomes its flag; an unknown name, one Orbit sets and a
+    value SGLang refuses each fail at load, naming the field."""
+    from orbit.engine.sglang.args import server_flags
+
+    def checked(args: dict, backend: str = "sglang"):
+        engine = {"backend": backend, "sglang_args": args}
+        return preflight(parse_recipe({"model": str(tiny_llama), "engine": engine}))
+
+    ok = checked({"chunked_prefill_size": 512})
+    assert server_flags(dict(ok.recipe.engine.sglang_args)) == ["--chunked-prefill-size", "512"]
+    for args, says in [
+        ({"chunked_prefil_size": 512}, "engine.sglang_args.chunked_prefil_size: not an argument"),
+        ({"max_running_requests": 3}, "engine.sglang_args.max_running_requests: Orbit sets"),
+        ({"chunked_prefill_size": "x"}, "engine.sglang_args.chunked_prefill_size: SGLang refuses"),
+    ]:
+        with pytest.raises(RecipeError) as err:
+            checked(args)
+        assert says in str(err.value), err.value
+    with pytest.raises(RecipeError) as err:
+        checked({"chunked_prefill_size": 512}, backend="embedded")
+    assert "engine.sglang_args: for the SGLang engines Orbit starts" in str(err.value)
+
+
 # ---- fixtures ------------------------------------------------------------------------------------
 
 

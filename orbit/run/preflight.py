@@ -62,7 +62,7 @@ def check_sglang_args(recipe: Recipe) -> None:
         )
     from orbit.engine.sglang.args import check
 
-    problems = check(args)
+    problems = check(args, on_cpu="cpu" in recipe.engine.engine_devices())
     if problems:
         raise RecipeError("\n".join(problems))
 

@@ -54,13 +54,16 @@ def server_flags(args: dict[str, object]) -> list[str]:
     return flags
 
 
-def check(args: dict[str, object]) -> list[str]:
-    """What is wrong with `engine.sglang_args`, one line per field (nothing: an empty list)."""
+def check(args: dict[str, object], on_cpu: bool = True) -> list[str]:
+    """What is wrong with `engine.sglang_args`, one line per field (nothing: an empty list).
+    `on_cpu`: an engine runs on the CPU (SGLang's CPU shims first; never for a GPU's engines, whose
+    processes and servers would inherit SGLANG_USE_CPU_ENGINE)."""
     if not args:
         return []
-    from orbit.engine.sglang_cpu import prepare_cpu_environment
+    if on_cpu:
+        from orbit.engine.sglang_cpu import prepare_cpu_environment
 
-    prepare_cpu_environment()  # before anything imports sglang (on a CPU machine, its shims)
+        prepare_cpu_environment()  # before anything imports sglang
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser(exit_on_error=False)

@@ -49,13 +49,15 @@ def watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def fork_on_cpu() -> None:
+def fork_on_cpu(args: list[str]) -> None:
     """SGLang starts its scheduler and detokenizer as spawned interpreters, each importing SGLang
-    again (7-9 s of a core each here), because a CUDA context does not survive a fork. A CPU server
-    (SGLANG_USE_CPU_ENGINE, which Orbit sets for no other) has no CUDA context, and this process has
-    run no parallel torch op whose OpenMP workers a fork would lose: its children are forked from
-    it, SGLang imported already. A tiny model's server answers /health in 12.8 s, not 19.2."""
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+    again (7-9 s of a core each here), because a CUDA context does not survive a fork. A server on
+    a CPU (`--device cpu`) has no CUDA context, and this process has run no parallel torch op whose
+    OpenMP workers a fork would lose: its children are forked from it, SGLang imported already. A
+    tiny model's server answers /health in 12.8 s, not 19.2. Not with --numa-node: SGLang's NUMA
+    binding asserts spawn."""
+    device = args[args.index("--device") + 1] if "--device" in args[:-1] else None
+    if device != "cpu" or "--numa-node" in args:
         return
     import multiprocessing
 
@@ -80,5 +82,5 @@ if __name__ == "__main__":
         threading.Thread(
             target=watch_parent, args=(int(parent),), name="orbit-parent-watch", daemon=True
         ).start()
-    fork_on_cpu()
+    fork_on_cpu(sys.argv)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

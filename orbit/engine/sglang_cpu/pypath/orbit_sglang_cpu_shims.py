@@ -2,10 +2,11 @@
 
 This file lives in a directory that `orbit.engine.sglang_cpu.prepare_cpu_environment()` puts on
 PYTHONPATH, so it is importable (and installed by the `sitecustomize.py` beside it) in Orbit's
-own process and in every process SGLang spawns (scheduler, detokenizer: multiprocessing
-"spawn"). It must not import `orbit` (a subprocess need not be able to) and must stay cheap at
-start-up: `install()` only adds an import hook; torch is touched only when torchvision, one of
-SGLang's LoRA modules or its sampling modules is actually imported.
+own process and in every process SGLang spawns (scheduler, detokenizer: multiprocessing "spawn";
+a CPU server Orbit starts forks them, and they inherit the shims). It must not import `orbit` (a
+subprocess need not be able to) and must stay cheap at start-up: `install()` only adds an import
+hook; torch is touched only when torchvision, one of SGLang's LoRA modules or its sampling
+modules is actually imported.
 
 Nothing here runs unless ORBIT_SGLANG_CPU_SHIMS=1, and no shim acts when a CUDA device is
 visible. All are idempotent. Nothing here replaces a function in torch's own namespace: torch

@@ -1,9 +1,10 @@
 """Installs Orbit's SGLang CPU shims at interpreter start-up, in every process that has this
 directory on PYTHONPATH and ORBIT_SGLANG_CPU_SHIMS=1 (both set by
 `orbit.engine.sglang_cpu.prepare_cpu_environment()` and inherited by SGLang's spawned scheduler
-and detokenizer processes). Installing costs nothing: it adds an import hook that acts only
-when torchvision or SGLang's LoRA modules are imported. Afterwards it hands over to any other
-`sitecustomize` further down sys.path, which this file would otherwise shadow.
+and detokenizer processes; forked ones, in a CPU server Orbit starts, inherit the shims).
+Installing costs nothing: it adds an import hook that acts only when torchvision or SGLang's
+LoRA modules are imported. Afterwards it hands over to any other `sitecustomize` further down
+sys.path, which this file would otherwise shadow.
 """
 
 import os
