@@ -54,8 +54,8 @@ def fork_on_cpu(args: list[str]) -> None:
     again (7-9 s of a core each here), because a CUDA context does not survive a fork. A server on
     a CPU (`--device cpu`) has no CUDA context, and this process has run no parallel torch op whose
     OpenMP workers a fork would lose: its children are forked from it, SGLang imported already. A
-    tiny model's server answers /health in 12.8 s, not 19.2. Not with --numa-node: SGLang's NUMA
-    binding asserts spawn."""
+    tiny model's server answers /health in 12.8 s, not 19.3 (medians of 3). Not with --numa-node:
+    SGLang's NUMA binding asserts spawn."""
     device = args[args.index("--device") + 1] if "--device" in args[:-1] else None
     if device != "cpu" or "--numa-node" in args:
         return
