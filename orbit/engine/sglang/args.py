@@ -54,7 +54,7 @@ def server_flags(args: dict[str, object]) -> list[str]:
     return flags
 
 
-def check(args: dict[str, object], on_cpu: bool = True) -> list[str]:
+def check(args: dict[str, object], *, on_cpu: bool) -> list[str]:
     """What is wrong with `engine.sglang_args`, one line per field (nothing: an empty list).
     `on_cpu`: an engine runs on the CPU (SGLang's CPU shims first; never for a GPU's engines, whose
     processes and servers would inherit SGLANG_USE_CPU_ENGINE)."""
