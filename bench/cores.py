@@ -1,14 +1,17 @@
-"""No idle core while the trainer is the bottleneck: the laptop recipe with the trainer borrowing
-the idle engines' cores (`trainer.borrow_cores`) and without, side by side in one script, on each
-engine; and the trainer's achieved FLOP rate against this machine's measured matmul peak.
+"""No idle core: the laptop recipe with the trainer borrowing the idle engines' cores
+(`trainer.borrow_cores`) and the embedded engine the waiting trainer's (`engine.borrow_cores`), and
+without, side by side in one script, on each engine; and the trainer's achieved FLOP rate against
+this machine's measured matmul peak.
 
     .venv/bin/python bench/cores.py [--recipe recipes/smollm2-math.yaml] [--steps 20] [--engines
     embedded,sglang] [--settings off,on] [--seeds 0,1,2]
 
-Per engine and setting (off; on; on with OMP_WAIT_POLICY=passive, idle OpenMP workers sleeping at
-once instead of spinning): the median step (steps past the first 2), the engines' tokens per second
-while they generate (Σ tokens / Σ busy seconds: borrowing must not slow generation by more than
-10%), the share of the trainer's thread checks that borrowed, and the trainer's TFLOP/s
+Per engine and setting (off; on: the trainer borrows the idle engines' cores and the embedded
+engine the waiting trainer's; trainer-only: the first without the second; on-passive: on with
+OMP_WAIT_POLICY=passive, idle OpenMP workers sleeping at once instead of spinning): the median
+step (steps past the first 2), the engines' tokens per second while they generate (Σ tokens / Σ busy
+seconds: borrowing must not slow generation by more than 10%), the share of the trainer's thread
+checks that borrowed, and the trainer's TFLOP/s
 (metrics.jsonl's trainer_tflops: its matmul FLOPs over train_s), and its useful rate as issue 39
 counts it (4 x parameters x trained tokens over train_s). The matmul peak is torch.mm on
 float32 matrices of the model's shapes, on 1 and on 2 threads, the best of 5 timings. With several
@@ -35,18 +38,22 @@ from seeds import spread
 from orbit.measure.flops import matmul_params, matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
+# setting: (trainer.borrow_cores, engine.borrow_cores, environment)
 SETTINGS = {
-    "off": (False, {}),
-    "on": (True, {}),
-    "on, passive OpenMP": (True, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "off": (False, False, {}),
+    "on": (True, True, {}),
+    "trainer-only": (True, False, {}),  # before the engines borrowed the waiting trainer's cores
+    "on-passive": (True, True, {"OMP_WAIT_POLICY": "PASSIVE"}),  # idle OpenMP workers sleep
 }
 
 
 def run(args: argparse.Namespace, engine: str, setting: str, seed: int) -> dict:
-    borrow, env = SETTINGS[setting]
+    borrow, lend, env = SETTINGS[setting]
     data = yaml.safe_load(args.recipe.read_text())
     data["trainer"].update({"borrow_cores": borrow, "steps": args.steps, "save_every": 10_000})
     data["engine"]["backend"] = engine
+    if engine == "embedded":  # SGLang's threads are fixed when it starts: it has no such field
+        data["engine"]["borrow_cores"] = lend
     data["seed"] = seed
     out = args.out / f"{engine}-{setting.replace(', ', '-').replace(' ', '-')}-seed{seed}"
     data["out"] = str(out)
@@ -99,7 +106,7 @@ def table(results: dict, engines: list[str], settings: list[str], seeds: list[in
     on/off ratios of the step and of the train time per trained token, their median."""
     runs, peak = results["runs"], results["peak_gflops"][2]
     head = (
-        "| engine | borrow_cores | "
+        "| engine | setting | "
         + " | ".join(c for _, c, _ in FIGURES)
         + " | useful / 2-thread peak |"
     )
@@ -157,7 +164,7 @@ def main() -> None:
                 r = run(args, engine, setting, seed)
                 results["runs"][f"{engine}/{setting}/{seed}"] = r
                 print(
-                    f"seed {seed} {engine:9s} {setting:20s} step {r['step_s']:.2f} s (train "
+                    f"seed {seed} {engine:9s} {setting:12s} step {r['step_s']:.2f} s (train "
                     f"{r['train_s']:.2f} s), engine {r['engine_tok_per_busy_s']:.0f} tok/s while "
                     f"busy, borrowed {r['borrowed']:.0%}, trainer "
                     f"{r['trainer_tflops'] * 1e3:.1f} GFLOP/s = "

@@ -184,6 +184,9 @@ class FakeEngine:
     def heartbeat(self) -> int | None:
         return None
 
+    def lend_threads(self, n: int) -> None:
+        self.calls.append(("lend_threads", n))
+
     def shutdown(self) -> None:
         self.calls.append(("shutdown",))
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import FakeEngine
 
 from orbit.config import load_recipe
-from orbit.run.engines import lendable_cores
+from orbit.config.recipe import RecipeError
+from orbit.engine.base import SamplingParams
+from orbit.engine.embedded import start_embedded_engine
+from orbit.engine.pool import EnginePool
+from orbit.run.engines import lendable_cores, trainer_lends
 from orbit.train.cores import Cores
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +39,82 @@ def test_borrowing_is_on_unless_the_recipe_says(backend, borrow, lends):
     assert (cores is not None) == lends
     if cores is not None:
         assert (cores.own, cores.lend) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("backend", "borrow", "lends"),
+    [
+        ("embedded", None, True),  # the other way: the engines borrow the waiting trainer's threads
+        ("embedded", False, False),
+        ("sglang", None, False),  # its threads are fixed when it starts
+        ("sglang", False, False),
+    ],
+)
+def test_the_engines_borrow_the_waiting_trainers_threads_unless_the_recipe_says(
+    backend, borrow, lends
+):
+    overrides = {"engine.backend": backend, "trainer.threads": 1}
+    if borrow is not None:
+        overrides["engine.borrow_cores"] = borrow
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", overrides)
+    engines = [FakeEngine()]
+    pool = EnginePool(engines, [8], monitor=False)
+    try:
+        waits = trainer_lends(recipe, pool)
+        assert (waits is not None) == lends
+        if waits is not None:
+            waits(True)
+            waits(False)
+            assert engines[0].calls == [("lend_threads", 1), ("lend_threads", 0)]
+    finally:
+        pool.shutdown()
+
+
+def test_borrow_cores_on_an_sglang_engine_fails_at_load_naming_the_field():
+    with pytest.raises(RecipeError, match=r"engine\.borrow_cores: the embedded engine's"):
+        load_recipe(
+            ROOT / "recipes" / "tiny.yaml",
+            {"engine.backend": "sglang", "engine.borrow_cores": True},
+        )
+
+
+def test_a_pool_shares_the_trainers_threads_out_among_its_live_engines():
+    engines = [FakeEngine(), FakeEngine(), FakeEngine()]
+    pool = EnginePool(engines, [8, 8, 8], monitor=False)
+    try:
+        pool.members[2].alive = False
+        pool.lend_threads(3)
+        pool.lend_threads(1)
+        pool.lend_threads(0)
+        lent = [[c[1] for c in e.calls if c[0] == "lend_threads"] for e in engines]
+        assert lent == [[2, 1, 0], [1, 0, 0], []]
+    finally:
+        pool.shutdown()
+
+
+def test_the_embedded_engine_computes_on_lent_threads_until_they_are_taken_back(tiny_llama):
+    """Its loop sets its torch threads before each step, from what `lend_threads` wrote (the
+    stats call runs on that loop's thread, so it reports the count the next step computes on)."""
+
+    def threads_become(n: int) -> bool:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if engine.stats().threads == n:
+                return True
+            time.sleep(0.05)
+        return False
+
+    engine = start_embedded_engine(tiny_llama, threads=1)
+    try:
+        assert threads_become(1)
+        engine.lend_threads(1)
+        assert threads_become(2)
+        done = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4)).result(60)
+        assert len(done.output_ids) >= 1  # it generates on them
+        engine.lend_threads(0)
+        assert threads_become(1)
+    finally:
+        engine.shutdown()
 
 
 def test_the_trainer_takes_the_engines_threads_only_while_they_are_idle():

@@ -303,6 +303,28 @@ def test_a_failed_producer_wakes_the_trainer_with_its_error():
         pipe.take(1, version=0, stall_s=10)
 
 
+def test_the_trainer_says_when_it_waits_for_a_batch_and_when_it_stops_even_on_an_error():
+    """What lends the trainer's threads to the engines (`on_wait`): told once as take starts to
+    wait, once as it ends (a batch or an error); a batch already there is no wait."""
+    pipe = _pipeline(_pool(), k=3)
+    told: list[bool] = []
+    pipe.on_wait = told.append
+    pipe.grant(100)
+    _start_all(pipe)
+    _complete(pipe, 0)
+    threading.Timer(0.5, lambda: _complete(pipe, 1)).start()
+    assert [g.id for g in pipe.take(2, version=0).groups] == [0, 1]
+    assert told == [True, False]
+    _complete(pipe, 2)
+    _complete(pipe, 3)
+    pipe.take(2, version=0)
+    assert told == [True, False]  # ready at once: it never waited
+    threading.Timer(0.2, lambda: pipe.fail(ValueError("broken"))).start()
+    with pytest.raises(RolloutError, match="broken"):
+        pipe.take(2, version=0, stall_s=10)
+    assert told == [True, False, True, False]
+
+
 def test_an_episode_concatenates_turns_and_masks_what_was_injected():
     episode = Episode([1, 2])
     episode.add_turn(

@@ -71,6 +71,12 @@ class EngineConfig(_Section):
         "cpu", pattern=DEVICE_PATTERN, description="cpu or cuda:N, for every engine (or devices:)"
     )
     threads: int = Field(1, ge=1, le=256, description="torch threads of each engine process")
+    borrow_cores: bool = Field(
+        True,
+        description="the embedded engine on this machine's CPU, with the trainer on it too: the "
+        "engines also compute on the trainer's threads while it waits for a batch "
+        "(bench/cores.py); SGLang fixes its threads when it starts",
+    )
     replicas: int | None = Field(
         None,
         ge=1,
@@ -174,6 +180,15 @@ class EngineConfig(_Section):
                     f"engine.replicas: {self.replicas} for {len(self.servers)} engine.servers; one "
                     "engine per server (leave replicas unset)"
                 )
+        if (
+            "borrow_cores" in self.model_fields_set
+            and self.borrow_cores
+            and self.backend in ("sglang", "sglang-server")
+        ):
+            raise ValueError(
+                f"engine.borrow_cores: the embedded engine's; {self.backend}'s scheduler fixes its "
+                "threads when it starts (leave it unset)"
+            )
         if self.adapter_transport == "dir" and self.adapter_dir is None:
             raise ValueError("engine.adapter_transport: 'dir' needs engine.adapter_dir")
         if (

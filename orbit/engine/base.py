@@ -116,6 +116,7 @@ class EngineStats:
     aborted: int = 0  # requests finished with reason "abort", all causes
     aborted_on_load: int = 0  # of those: running on a slot that load_adapter overwrote
     retracted: int = 0  # running requests whose KV was dropped (pause "retract", release_memory)
+    threads: int = 0  # torch threads it computes on now (its own and any lent); 0: not known
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,12 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def lend_threads(self, n: int) -> None:
+        """Compute on `n` more CPU threads from now until told 0: the trainer's, while it waits for
+        a batch (orbit/train/cores.py). Never blocks. A backend whose threads are fixed once it
+        has started ignores it."""
+        ...
+
     def heartbeat(self) -> int | None:
         """A count the engine's own loop advances as it works (its turns, model layers run), read
         without waiting for that loop: it moves through a long step that answers no call. None: no
@@ -219,6 +226,7 @@ def resolve(fut: Future[Any], result: object = None, exc: BaseException | None =
 
 
 _SUMMED = (
+    "threads",
     "tokens_generated",
     "busy_s",
     "paused_s",

@@ -372,6 +372,14 @@ class EnginePool:
             return self.each(call)
         return results
 
+    def lend_threads(self, n: int) -> None:
+        """`n` threads (the waiting trainer's) shared out among the live members, or taken back
+        (0). Never blocks: the pipeline calls it under its lock, so it reads the members without
+        the pool's (a member that has just left ignores the write)."""
+        live = [m for m in self.members if m.alive]
+        for i, member in enumerate(live):
+            member.engine.lend_threads(n // len(live) + (i < n % len(live)))
+
     def release_memory(self) -> None:
         self.each(lambda m: m.engine.release_memory())
 

@@ -168,6 +168,10 @@ class Pipeline:
         self._requests = 0  # requests in flight
         # told when the engines have nothing in flight, or again do
         self.on_idle: Callable[[bool], None] | None = None
+        # told when the trainer starts waiting for a batch, and when it stops (under the lock:
+        # it must not block)
+        self.on_wait: Callable[[bool], None] | None = None
+        self._waiting = False  # the trainer is in take, waiting
         self._complete: list[Group] = []
         self._error: BaseException | None = None  # the producer's
         self._verdict: RolloutError | None = None
@@ -353,30 +357,11 @@ class Pipeline:
         that started earliest. RolloutError when the producer failed, or when nothing at all
         happened on the rollout side for `stall_s` seconds (the message says what was in flight)."""
         t0 = time.time()
-        dropped: list[Group] = []
-        taken: list[Group] = []
-        stalled = ""
         with self._cond:
-            while not taken and not stalled:
-                if self._interrupted:
-                    raise KeyboardInterrupt
-                if self._verdict is not None:
-                    raise self._verdict  # the pipeline's own (dynamic sampling found no signal)
-                if self._error is not None:
-                    raise RolloutError(f"rollout producer failed: {self._error}") from self._error
-                dropped += self._drop_stale(version)
-                quiet = time.monotonic() - self._last_progress
-                if len(self._complete) >= n and not self._due(version):
-                    self._complete.sort(key=lambda g: (g.oldest_version, g.id))
-                    taken, self._complete = self._complete[:n], self._complete[n:]
-                elif stall_s is not None and quiet > stall_s:
-                    stalled = (
-                        f"no rollout arrived for {quiet:.0f} s (rollout.stall_timeout_s: "
-                        f"{stall_s:g}) while the trainer waited for {n} groups at version "
-                        f"{version}; {self._seen()}"
-                    )
-                else:
-                    self._cond.wait(timeout=_POLL_S)
+            try:
+                taken, stalled, dropped = self._await(n, version, stall_s)
+            finally:
+                self._trainer_waits(False)
             self._filtered_since_take = 0
             self._since_take = (self.counts.episodes_ended, self.counts.episodes_lost)
         # the engines are asked outside the lock: the producer must not wait on a hung engine
@@ -389,6 +374,42 @@ class Pipeline:
             stale_dropped=len(dropped),
             dropped_tokens=sum(g.tokens for g in dropped),
         )
+
+    def _await(
+        self, n: int, version: int, stall_s: float | None
+    ) -> tuple[list[Group], str, list[Group]]:
+        """take's wait, under the lock: (the groups taken, why it stalled, the stale groups
+        dropped)."""
+        dropped: list[Group] = []
+        taken: list[Group] = []
+        stalled = ""
+        while not taken and not stalled:
+            if self._interrupted:
+                raise KeyboardInterrupt
+            if self._verdict is not None:
+                raise self._verdict  # the pipeline's own (dynamic sampling found no signal)
+            if self._error is not None:
+                raise RolloutError(f"rollout producer failed: {self._error}") from self._error
+            dropped += self._drop_stale(version)
+            quiet = time.monotonic() - self._last_progress
+            if len(self._complete) >= n and not self._due(version):
+                self._complete.sort(key=lambda g: (g.oldest_version, g.id))
+                taken, self._complete = self._complete[:n], self._complete[n:]
+            elif stall_s is not None and quiet > stall_s:
+                stalled = (
+                    f"no rollout arrived for {quiet:.0f} s (rollout.stall_timeout_s: "
+                    f"{stall_s:g}) while the trainer waited for {n} groups at version "
+                    f"{version}; {self._seen()}"
+                )
+            else:
+                self._trainer_waits(True)  # its threads may generate meanwhile
+                self._cond.wait(timeout=_POLL_S)
+        return taken, stalled, dropped
+
+    def _trainer_waits(self, waits: bool) -> None:
+        if waits != self._waiting and self.on_wait is not None:
+            self.on_wait(waits)
+        self._waiting = waits
 
     def _due(self, version: int) -> bool:
         """Is a group still in flight that must be trained at this step (started at version - K)?"""

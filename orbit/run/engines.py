@@ -61,13 +61,31 @@ class StartedEngines:
         )
 
 
+def _local(recipe: Recipe) -> bool:
+    """The trainer (one rank) and every engine on this machine's CPU, the servers Orbit's own."""
+    e = recipe.engine
+    engines_here = e.servers is None and all(d == "cpu" for d in e.engine_devices())
+    return engines_here and recipe.trainer.rank_devices() == ["cpu"]
+
+
+def trainer_lends(recipe: Recipe, pool: EnginePool) -> Callable[[bool], None] | None:
+    """What the pipeline tells as the trainer starts and stops waiting for a batch: the engines
+    compute on its threads meanwhile (`engine.borrow_cores`; the embedded engine's, SGLang ignores
+    it). When the engines are the bottleneck (DAPO's dynamic sampling, late in a run) the trainer
+    waits for most of a step."""
+    e = recipe.engine
+    if not e.borrow_cores or e.backend in ("sglang", "sglang-server") or not _local(recipe):
+        return None
+    threads = recipe.trainer.threads
+    return lambda waits: pool.lend_threads(threads if waits else 0)
+
+
 def lendable_cores(recipe: Recipe) -> Cores | None:
     """The engines' threads the trainer may borrow while they are idle: with the trainer and every
     engine on this machine's CPU (one trainer rank; servers Orbit started, not attached ones),
     `trainer.borrow_cores` on (the default: it took 9% off the trainer's time per token beside the
     embedded engine and 6% beside SGLang, bench/README.md "The trainer borrowing idle cores")."""
     t, e = recipe.trainer, recipe.engine
-    local = e.servers is None and all(d == "cpu" for d in e.engine_devices())
-    if not t.borrow_cores or not local or t.rank_devices() != ["cpu"]:
+    if not t.borrow_cores or not _local(recipe):
         return None
     return Cores(own=t.threads, lend=e.threads * e.engines)

@@ -41,7 +41,13 @@ from orbit.run.directory import (
     warner,
 )
 from orbit.run.ends import RunStopped, judge, sentence
-from orbit.run.engines import Engines, EnginesFor, StartedEngines, lendable_cores
+from orbit.run.engines import (
+    Engines,
+    EnginesFor,
+    StartedEngines,
+    lendable_cores,
+    trainer_lends,
+)
 from orbit.run.loop import LoopParts, run_steps, save_checkpoint
 from orbit.run.placement import colocate
 from orbit.run.preflight import Checked, stop_token_ids
@@ -278,11 +284,12 @@ def start(
             max_lost_frac=recipe.rollout.max_lost_frac,
             on_warning=warner(console, run_dir, prefix),
         )
-        # a sweep's runs share their engines
+        # a sweep's runs share their engines: no run lends or borrows them
         cores = lendable_cores(recipe) if name is None else None
         if cores is not None:
             trainer.share_cores(cores)
             pipeline.on_idle = cores.engines_idle
+        pipeline.on_wait = trainer_lends(recipe, pool) if name is None else None
         sampling = sampling_params(recipe.rollout, stop_ids)
         agents = None
         if is_agent(task):  # its episodes call the endpoint, which generates through the pool

@@ -128,6 +128,9 @@ class LaneEngine:
     def heartbeat(self) -> int | None:
         return self.engine.heartbeat()
 
+    def lend_threads(self, n: int) -> None:  # noqa: ARG002 - the protocol's
+        """Ignored: the engine serves the other runs too, whose trainers are not waiting."""
+
     def shutdown(self) -> None:
         # The sweep stops the engines once every run is done. A run that stops early leaves them
         # serving the others; its requests still in flight finish there (the protocol aborts per

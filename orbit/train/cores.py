@@ -14,6 +14,9 @@ Idle OpenMP workers spin for a while before they sleep (GOMP_SPINCOUNT), so a bo
 the engines' core busy for a moment after the trainer gives it back; bench/cores.py measures what
 that costs the engines. They spin only while the trainer's OpenMP team is the process's one team
 (orbit/host/threads.py); with a second, every op of a borrowed layer waited for a woken worker.
+
+The other way round, when the engines are the bottleneck, the trainer's threads go to them while it
+waits for a batch: the pipeline's `on_wait` and `Engine.lend_threads` (orbit/run/engines.py).
 """
 
 from __future__ import annotations

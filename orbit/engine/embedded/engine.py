@@ -466,6 +466,7 @@ class EngineCore:
             aborted=int(c["aborted"]),
             aborted_on_load=int(c["aborted_on_load"]),
             retracted=int(c["retracted"]),
+            threads=torch.get_num_threads(),  # the loop's thread: the one that computes
         )
 
     def shutdown(self) -> None:

@@ -94,9 +94,10 @@ def start_embedded_engine(
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
     beat = ctx.RawValue("Q", 0)  # the engine's heartbeat, in shared memory (no file left behind)
+    lent = ctx.RawValue("i", 0)  # threads the trainer lends while it waits (lend_threads)
     process = ctx.Process(
         target=engine_main,
-        args=(str(model_path), options, threads, commands, writer, beat),
+        args=(str(model_path), options, threads, commands, writer, beat, lent),
         daemon=True,
         name="orbit-engine",
     )
@@ -118,7 +119,7 @@ def start_embedded_engine(
     if kind != "ready":
         process.join(5)
         raise payload
-    return EmbeddedClient(process, commands, reader, payload, slots, call_timeout_s, beat)
+    return EmbeddedClient(process, commands, reader, payload, slots, call_timeout_s, beat, lent)
 
 
 class EmbeddedClient:
@@ -135,6 +136,7 @@ class EmbeddedClient:
         slots: int,
         call_timeout_s: float = CALL_TIMEOUT_S,
         beat=None,
+        lent=None,
     ) -> None:
         self.info = info
         # Everything a push may ask of it: OFT slots, loads under paused requests, flush at any
@@ -144,6 +146,7 @@ class EmbeddedClient:
         )
         self.call_timeout_s = call_timeout_s
         self._beat = beat  # a shared ctypes counter the engine's loop advances
+        self._lent = lent  # a shared ctypes int the engine's loop reads before each step
         self._process = process
         self._commands = commands
         self._results = results
@@ -301,6 +304,12 @@ class EmbeddedClient:
         which answers no call until it ends)."""
         return None if self._beat is None else int(self._beat.value)
 
+    def lend_threads(self, n: int) -> None:
+        """From the engine's next step on, compute on `n` more torch threads (0: its own only). A
+        write to shared memory: the call neither waits for the engine nor fails if it is gone."""
+        if self._lent is not None:
+            self._lent.value = max(0, int(n))
+
     def shutdown(self) -> None:
         """Abort what is in flight, stop the process (killed if it does not stop: a hung or stopped
         process must not hold the caller). Idempotent."""
@@ -353,7 +362,13 @@ _IDLE_POLL_S = 0.5
 
 
 def engine_main(
-    model_path: str, options: EngineOptions, threads: int, commands, out: Connection, beat=None
+    model_path: str,
+    options: EngineOptions,
+    threads: int,
+    commands,
+    out: Connection,
+    beat=None,
+    lent=None,
 ) -> None:
     """Process entry point (spawned)."""
     # The trainer stops the engine itself, after what a Ctrl-C or a launcher's SIGTERM to its
@@ -387,7 +402,7 @@ def engine_main(
     tick = _ticker(beat)
     core.decoder.on_layer = tick
     try:
-        _serve(core, commands, out, tick)
+        _serve(core, commands, out, tick, _threads(threads, lent))
     except BaseException:  # noqa: BLE001 - a bug in the engine: tell the client, then die
         out.send(("crash", None, traceback.format_exc()))
         raise
@@ -404,7 +419,28 @@ def _ticker(beat) -> Callable[[], None]:
     return tick
 
 
-def _serve(core: EngineCore, commands, out: Connection, tick: Callable[[], None]) -> None:
+def _threads(own: int, lent) -> Callable[[], None]:
+    """Before each step: the engine's own torch threads, plus those the trainer lends while it
+    waits for a batch (`lend_threads`). Only this loop's thread computes, so it sets its own count
+    (orbit/host/threads.py); a step is tens of ms, so a core given back is free again that soon."""
+    if lent is None:
+        return lambda: None
+
+    def apply() -> None:
+        want = own + lent.value
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
+    return apply
+
+
+def _serve(
+    core: EngineCore,
+    commands,
+    out: Connection,
+    tick: Callable[[], None],
+    threads: Callable[[], None],
+) -> None:
     parent = parent_process()
     while True:
         tick()
@@ -413,6 +449,7 @@ def _serve(core: EngineCore, commands, out: Connection, tick: Callable[[], None]
                 return
         if parent is not None and not parent.is_alive():
             return  # the trainer is gone; nobody will read our results
+        threads()
         core.step()
         _send_finished(core, out)
 

@@ -331,6 +331,9 @@ class SGLangEngine:
         else:
             self.loop.check_alive()
 
+    def lend_threads(self, n: int) -> None:  # noqa: ARG002 - the protocol's
+        """Ignored: SGLang's scheduler process fixes its torch threads when it starts."""
+
     def heartbeat(self) -> int | None:
         """None: stats are this process's own counters, always answered; whether SGLang lives is
         the loop's watchdog's to say (transport.dead: its processes, a server's /health and the
