@@ -4,12 +4,12 @@
     .venv/bin/python bench/engine_rows.py [--model .cache/smollm2-135m-instruct] [--rows 32,64]
         [--threads 1,2] [--repeat 3]
 
-64 requests, each the chat-templated "What is A + B?" of the arith task (two-digit numbers), 32 new
-tokens each (ignore_eos, so every setting generates the same 2,048 tokens), temperature 0.7, through
-the real client and engine process. The first run of a setting prefills the 64 prompts; the later
-ones find them in the prefix cache, as a run's groups mostly do (8 samples share a prompt), so they
-time decoding. Reported per setting: every run's tokens/s, and the median of the runs after the
-first. With 2 cores, run nothing else meanwhile.
+64 requests (`--requests`), each the chat-templated "What is A + B?" of the arith task (two-digit
+numbers), 32 new tokens each (ignore_eos, so every setting generates the same tokens), temperature
+0.7, through the real client and engine process. The first run of a setting prefills the prompts;
+the later ones find them in the prefix cache, as a run's groups mostly do (8 samples share a
+prompt), so they time decoding. Reported per setting: every run's tokens/s, and the median of the
+runs after the first. With 2 cores, run nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from transformers import AutoTokenizer
 from orbit.engine.base import SamplingParams
 from orbit.engine.embedded import start_embedded_engine
 
-REQUESTS, NEW_TOKENS = 64, 32
+NEW_TOKENS = 32
 
 
-def prompts(model: Path) -> list[list[int]]:
+def prompts(model: Path, requests: int) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)
     out = []
-    for _ in range(REQUESTS):
+    for _ in range(requests):
         text = f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}?"
         chat = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -67,8 +67,9 @@ def main() -> None:
     ap.add_argument("--rows", default="32,64", help="engine.max_running values")
     ap.add_argument("--threads", default="1,2", help="engine torch thread counts")
     ap.add_argument("--repeat", type=int, default=3, help="runs per setting, the first prefills")
+    ap.add_argument("--requests", type=int, default=64)
     args = ap.parse_args()
-    work = prompts(args.model)
+    work = prompts(args.model, args.requests)
     print("| max_running | threads | tokens/s, each run | median after the first |")
     print("|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:

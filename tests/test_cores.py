@@ -14,7 +14,7 @@ from engine_helpers import FakeEngine
 from orbit.config import load_recipe
 from orbit.config.recipe import RecipeError
 from orbit.engine.base import SamplingParams
-from orbit.engine.embedded import start_embedded_engine
+from orbit.engine.embedded import EngineCore, start_embedded_engine
 from orbit.engine.pool import EnginePool
 from orbit.run.engines import lendable_cores, trainer_lends
 from orbit.train.cores import Cores
@@ -104,7 +104,7 @@ def test_the_embedded_engine_computes_on_lent_threads_until_they_are_taken_back(
             time.sleep(0.05)
         return False
 
-    engine = start_embedded_engine(tiny_llama, threads=1)
+    engine = start_embedded_engine(tiny_llama, threads=1, lend_min_work=0)  # every step
     try:
         assert threads_become(1)
         engine.lend_threads(1)
@@ -113,6 +113,26 @@ def test_the_embedded_engine_computes_on_lent_threads_until_they_are_taken_back(
         assert len(done.output_ids) >= 1  # it generates on them
         engine.lend_threads(0)
         assert threads_become(1)
+    finally:
+        engine.shutdown()
+
+
+def test_lent_threads_are_used_only_for_steps_with_the_work_to_share(tiny_llama):
+    """A step of a few rows of a tiny model is 2-10x slower on two threads: the default keeps
+    the tests' models on their own."""
+    core = EngineCore(str(tiny_llama))
+    assert core.step_work() == 0
+    for _ in range(40):
+        core.submit([1, 2, 3], SamplingParams(max_new_tokens=4))
+    assert core.step_work() == 32 * core.weights  # max_running rows, though 40 wait
+    assert core.step_work() < core.options.lend_min_work
+    engine = start_embedded_engine(tiny_llama, threads=1)
+    try:
+        engine.lend_threads(1)
+        futures = [engine.generate([1, 2, 3], SamplingParams(max_new_tokens=64)) for _ in range(8)]
+        seen = {engine.stats().threads for _ in range(20)}
+        assert all(len(f.result(60).output_ids) >= 1 for f in futures)
+        assert seen == {1}
     finally:
         engine.shutdown()
 

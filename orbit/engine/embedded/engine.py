@@ -59,6 +59,11 @@ class EngineOptions:
     # a hang (orbit/engine/liveness.py), and bench/prefill_step.py measured smaller steps slower
     max_prefill_tokens: int = 4096
     slots: int = NUM_SLOTS  # adapter slots (engine.slots)
+    # Threads the trainer lends (process.py) are used for a step only if its rows x the model's
+    # weights reach this. bench/engine_rows.py on SmolLM2 (134.5M weights), 2 threads against 1:
+    # 0.95x at 1 row, 0.96x at 4, 1.07x at 16, 1.44x at 32, 1.42x at 64; a step of a few rows reads
+    # the weights once from memory whatever the threads. A tests' tiny model was 2-10x slower.
+    lend_min_work: float = 4e9
 
 
 class EngineCore:
@@ -84,6 +89,9 @@ class EngineCore:
             self.decoder.device,
         )
         self.cache = PrefixCache(opts.prefix_cache_size)
+        # the matmul weights a token goes through (a tied output projection once)
+        weights = {t.data_ptr(): t.numel() for t in self.decoder.params().values() if t.dim() == 2}
+        self.weights = sum(weights.values())
         self.scheduler = Scheduler(opts.max_running, opts.max_prefill_tokens)
         if opts.slots < 1:
             raise EngineError(f"slots must be >= 1, got {opts.slots}")
@@ -177,6 +185,11 @@ class EngineCore:
             and not self.released
             and bool(self.scheduler.running or self.scheduler.waiting)
         )
+
+    def step_work(self) -> int:
+        """The next step's rows times the model's weights: whether lent threads pay (options)."""
+        queued = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return min(self.scheduler.max_running, queued) * self.weights
 
     def run_until_idle(self) -> list[tuple[int, Completion]]:
         """Step until nothing can run (tests and scripts; the process interleaves commands

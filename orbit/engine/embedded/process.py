@@ -21,6 +21,7 @@ Messages out: ("ready", None, EngineInfo) | ("startup_error", None, exc)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
@@ -75,11 +76,13 @@ def start_embedded_engine(
     max_prefill_tokens: int = 4096,
     call_timeout_s: float = CALL_TIMEOUT_S,
     slots: int = 2,
+    lend_min_work: float | None = None,
 ) -> EmbeddedClient:
     """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
 
     `call_timeout_s`: a control call unanswered this long means the engine is hung
-    (EngineDeadError). `slots`: adapter slots."""
+    (EngineDeadError). `slots`: adapter slots. `lend_min_work`: EngineOptions' (None: its
+    default)."""
     options = EngineOptions(
         max_running=max_running,
         max_context=max_context,
@@ -90,6 +93,8 @@ def start_embedded_engine(
         max_prefill_tokens=max_prefill_tokens,
         slots=slots,
     )
+    if lend_min_work is not None:
+        options = dataclasses.replace(options, lend_min_work=lend_min_work)
     ctx = mp.get_context("spawn")
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
@@ -402,7 +407,7 @@ def engine_main(
     tick = _ticker(beat)
     core.decoder.on_layer = tick
     try:
-        _serve(core, commands, out, tick, _threads(threads, lent))
+        _serve(core, commands, out, tick, _threads(core, threads, lent))
     except BaseException:  # noqa: BLE001 - a bug in the engine: tell the client, then die
         out.send(("crash", None, traceback.format_exc()))
         raise
@@ -419,15 +424,17 @@ def _ticker(beat) -> Callable[[], None]:
     return tick
 
 
-def _threads(own: int, lent) -> Callable[[], None]:
+def _threads(core: EngineCore, own: int, lent) -> Callable[[], None]:
     """Before each step: the engine's own torch threads, plus those the trainer lends while it
-    waits for a batch (`lend_threads`). Only this loop's thread computes, so it sets its own count
-    (orbit/host/threads.py); a step is tens of ms, so a core given back is free again that soon."""
+    waits for a batch (`lend_threads`) when the step has the work to share (EngineOptions).
+    Only this loop's thread computes, so it sets its own count (orbit/host/threads.py); a step is
+    tens of ms, so a core given back is free again that soon."""
     if lent is None:
         return lambda: None
 
     def apply() -> None:
-        want = own + lent.value
+        worth = core.step_work() >= core.options.lend_min_work
+        want = own + (lent.value if worth else 0)
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
