@@ -78,6 +78,9 @@ class SlowLoads:
     def heartbeat(self) -> int | None:
         return self.engine.heartbeat()
 
+    def lend_threads(self, n: int) -> None:
+        self.engine.lend_threads(n)
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
