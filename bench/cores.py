@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, engine: str, setting: str, seed: int) -> dict:
     if engine == "embedded":  # SGLang's threads are fixed when it starts: it has no such field
         data["engine"]["borrow_cores"] = lend
     data["seed"] = seed
-    out = args.out / f"{engine}-{setting.replace(', ', '-').replace(' ', '-')}-seed{seed}"
+    out = args.out / f"{engine}-{setting}-seed{seed}"
     data["out"] = str(out)
     path = args.out / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -21,7 +21,6 @@ Messages out: ("ready", None, EngineInfo) | ("startup_error", None, exc)
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import queue
@@ -76,13 +75,12 @@ def start_embedded_engine(
     max_prefill_tokens: int = 4096,
     call_timeout_s: float = CALL_TIMEOUT_S,
     slots: int = 2,
-    lend_min_work: float | None = None,
+    lend_min_work: float = EngineOptions.lend_min_work,
 ) -> EmbeddedClient:
     """Spawn the engine process on a Hugging Face checkpoint directory and return its client.
 
     `call_timeout_s`: a control call unanswered this long means the engine is hung
-    (EngineDeadError). `slots`: adapter slots. `lend_min_work`: EngineOptions' (None: its
-    default)."""
+    (EngineDeadError). `slots`: adapter slots. `lend_min_work`: EngineOptions'."""
     options = EngineOptions(
         max_running=max_running,
         max_context=max_context,
@@ -92,9 +90,8 @@ def start_embedded_engine(
         prefix_cache_size=prefix_cache_size,
         max_prefill_tokens=max_prefill_tokens,
         slots=slots,
+        lend_min_work=lend_min_work,
     )
-    if lend_min_work is not None:
-        options = dataclasses.replace(options, lend_min_work=lend_min_work)
     ctx = mp.get_context("spawn")
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
