@@ -112,15 +112,27 @@ def _start_server(
     )
     proc.scratch = scratch
     url = f"http://127.0.0.1:{port}"
+    try:
+        _await_health(url, proc)
+    except BaseException:
+        _stop(proc)  # a server that failed to start is still the test's to stop
+        raise
+    return url, proc
+
+
+def _await_health(url: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 240
+    seen = "no answer"
     while True:
         assert proc.poll() is None, "the test's server exited while starting"
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url, proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the test's server did not start"
+            answer = httpx.get(f"{url}/health", timeout=2)
+            if answer.status_code == 200:
+                return
+            seen = f"/health answered {answer.status_code}"
+        except httpx.TransportError as err:
+            seen = f"/health: {type(err).__name__}"
+        assert time.monotonic() < deadline, f"the test's server did not start (last: {seen})"
         time.sleep(0.5)
 
 
