@@ -7,6 +7,8 @@ import copy
 import json
 from pathlib import Path
 
+import psutil
+
 from orbit.config import parse_recipe
 from orbit.run.preflight import Checked, preflight
 
@@ -115,3 +117,16 @@ def check_no_request_ran_on_a_slot_being_written(
                 f"a request's version is not its slot's: {req}"
             )
     return len(loads)
+
+
+def engine_processes(orbit: psutil.Process) -> list[psutil.Process]:
+    """The embedded engine processes under an Orbit process, live ones (they fork from its fork
+    server, orbit/host/forks.py, and name themselves)."""
+    found = []
+    for child in orbit.children(recursive=True):
+        try:
+            if child.name() == "orbit-engine" and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 import yaml
-from run_helpers import checked, recipe_dict, run_metrics
+from run_helpers import checked, engine_processes, recipe_dict, run_metrics
 from safetensors.torch import load_file
 
 import orbit.run.engines
@@ -165,11 +165,7 @@ def test_engine_death_saves_the_newest_adapter_on_the_command_line(tmp_path, tin
             lambda: (run_dir / "metrics.jsonl").exists() and len(run_metrics(run_dir)) >= 3,
             timeout=120,
         )
-        engines = [
-            c
-            for c in psutil.Process(proc.pid).children(recursive=True)
-            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline())
-        ]
+        engines = engine_processes(psutil.Process(proc.pid))
         assert engines, "no engine process found"
         killed = time.monotonic()
         for e in engines:

@@ -17,6 +17,7 @@ from admission import run_ahead
 from run_helpers import (
     check_no_request_ran_on_a_slot_being_written,
     checked,
+    engine_processes,
     recipe_dict,
     run_metrics,
     run_timeline,
@@ -270,7 +271,7 @@ def _gone(pid: int) -> bool:
 
 
 def _engine_processes(pid: int) -> list[psutil.Process]:
-    return [c for c in psutil.Process(pid).children(recursive=True) if "spawn_main" in _cmdline(c)]
+    return engine_processes(psutil.Process(pid))
 
 
 def _train_on_the_command_line(
@@ -292,15 +293,6 @@ def _train_on_the_command_line(
         text=True,
     )
     return run_dir, proc
-
-
-def _cmdline(p: psutil.Process) -> str:
-    """Its command line; empty for one already gone or a zombie not yet reaped (an engine just
-    killed)."""
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
 
 
 def _lost(run_dir: Path) -> dict:

@@ -35,7 +35,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 from orbit.engine.base import (
     ACTIVE,
@@ -53,6 +52,7 @@ from orbit.engine.base import (
 )
 from orbit.engine.checks import check_pause_mode, check_prompt, check_request_slot, plain_config
 from orbit.engine.embedded.engine import EngineCore, EngineOptions
+from orbit.host.forks import adopt_env, child_env, forked_from_server, name_process
 
 _POLL_S = 0.2
 _STARTUP_TIMEOUT_S = 600.0
@@ -92,14 +92,14 @@ def start_embedded_engine(
         slots=slots,
         lend_min_work=lend_min_work,
     )
-    ctx = mp.get_context("spawn")
+    ctx = forked_from_server([__name__])  # torch and the engine imported once, not per engine
     commands = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
     beat = ctx.RawValue("Q", 0)  # the engine's heartbeat, in shared memory (no file left behind)
     lent = ctx.RawValue("i", 0)  # threads the trainer lends while it waits (lend_threads)
     process = ctx.Process(
         target=engine_main,
-        args=(str(model_path), options, threads, commands, writer, beat, lent),
+        args=(str(model_path), options, threads, commands, writer, beat, lent, child_env()),
         daemon=True,
         name="orbit-engine",
     )
@@ -371,8 +371,12 @@ def engine_main(
     out: Connection,
     beat=None,
     lent=None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Process entry point (spawned)."""
+    """Process entry point (forked from the fork server, orbit/host/forks.py)."""
+    if env is not None:
+        adopt_env(env)
+    name_process("orbit-engine")
     # The trainer stops the engine itself, after what a Ctrl-C or a launcher's SIGTERM to its
     # process group makes it save; the engine leaves that group (and ignores a Ctrl-C sent to it
     # before it has).
