@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,10 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-arith.yaml"
 EVAL_N = 200
 MIN_GAIN = 0.10  # measured: +17 to +30 points over seeds and runs; the test asks for 10
 # The default algorithm's recorded run (bench/default_run.py): this recipe names no preset, so it is
-# the default-run test. Its held-out accuracy may fall at most this far below the recorded worst
-# seed (3 seeds spread 4 points, 56.5-60.5%; double-buffer timing alone moves a seed 2-3 points).
+# the default-run test. Its gain over the warm start may fall at most this far below the recorded
+# worst seed's (3 seeds gained 26-30 points; double-buffer timing alone moves a seed 2-3 points).
+# Gains, not accuracies: the warm start itself differs between machines (30.5% held out where the
+# seeds were recorded, 27-28% on others: orbit/host/floats.py), and so does what RL makes of it.
 BASELINE = Path(__file__).resolve().parent / "data" / "default_run.json"
 BELOW_BASELINE = 0.10
 
@@ -54,6 +55,10 @@ def arith_run(tmp_path_factory, warm_arith) -> Path:
     return run_dir
 
 
+def _recorded_default() -> list[dict]:
+    return list(json.loads(BASELINE.read_text())["runs"]["default"].values())
+
+
 @pytest.mark.timeout(300)
 def test_rl_raises_held_out_accuracy_over_the_warm_start(arith_run):
     res = CliRunner().invoke(app, ["eval", str(arith_run), "--n", str(EVAL_N)])
@@ -66,15 +71,11 @@ def test_rl_raises_held_out_accuracy_over_the_warm_start(arith_run):
         f"{trained['format_rate']:.1%})"
     )
     assert 0.2 <= base["accuracy"] <= 0.6  # partial competence: RL has room
-    assert trained["accuracy"] >= base["accuracy"] + MIN_GAIN
-    recorded = json.loads(BASELINE.read_text())["runs"]["default"].values()
-    assert base["accuracy"] == pytest.approx(
-        statistics.median(r["base"] for r in recorded), abs=0.02
-    )
-    worst = min(r["trained"] for r in recorded)
-    assert trained["accuracy"] >= worst - BELOW_BASELINE, (
-        f"the default trained to {trained['accuracy']:.1%}; its recorded seeds reached "
-        f"{sorted(r['trained'] for r in recorded)}"
+    gain = trained["accuracy"] - base["accuracy"]
+    recorded = [r["trained"] - r["base"] for r in _recorded_default()]
+    assert gain >= max(MIN_GAIN, min(recorded) - BELOW_BASELINE), (
+        f"the default gained {gain:+.1%} over the warm start; its recorded seeds gained "
+        f"{', '.join(f'{g:+.1%}' for g in sorted(recorded))}"
     )
     assert report["delta"]["accuracy"] == pytest.approx(trained["accuracy"] - base["accuracy"])
     # the table names both models and the failure modes

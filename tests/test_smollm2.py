@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from engine_helpers import engine_core, hf_greedy, hf_logprobs, hf_model, max_diff, score
+from engine_helpers import check_greedy, engine_core, hf_logprobs, hf_model, max_diff, score
 from run_helpers import run_metrics
 from transformers import AutoTokenizer
 
@@ -56,7 +56,7 @@ def test_engine_numerics_match_transformers(smollm2):
     done = dict(core.run_until_idle())
     for rid, p in zip(rids, prompts, strict=True):
         c = done[rid]
-        assert c.output_ids == hf_greedy(ref, p, 24, eos), tokenizer.decode(c.output_ids)
+        check_greedy(ref, p, c.output_ids, 24, eos)
         assert max_diff(c.logprobs, hf_logprobs(ref, p, c.output_ids)) <= TOL
         # teacher-forced on a continuation the model would not pick: every position, not just its
         # argmax

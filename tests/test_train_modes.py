@@ -206,6 +206,7 @@ def test_reward_rises_in_double_buffer(tmp_path, tiny_llama, adapter):
     rewards = [r["reward_mean"] for r in run_metrics(tmp_path / "run")]
     q = len(rewards) // 4
     first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    print(f"\n{adapter['type']}: reward, first quarter {first:.3f}, last quarter {last:.3f}")
     assert last > first + 0.15, (
         f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
     )

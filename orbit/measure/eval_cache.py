@@ -6,7 +6,9 @@ result is stored under `<cache>/eval/<key>.json` (cache = $ORBIT_CACHE or `.cach
 of everything that shapes it: the model's files (name, size, modification time), the prompts
 themselves (so a changed dataset is a new key), the bounds an episode runs within, and the source
 of the whole `orbit` package with torch's and transformers' versions (a change to the engine, the
-tasks or the scoring evaluates afresh). `orbit eval --fresh-base` evaluates it again regardless.
+tasks or the scoring evaluates afresh), and the machine's floats (orbit/host/floats.py: a cache
+carried to another machine is not read there). `orbit eval --fresh-base` evaluates it again
+regardless.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import transformers
 
 import orbit
 from orbit.host.files import cache_root
+from orbit.host.floats import float_kernels
 
 
 def _code_version() -> str:
@@ -32,6 +35,7 @@ def _code_version() -> str:
         h.update(f.read_bytes())
     h.update(torch.__version__.encode())
     h.update(transformers.__version__.encode())
+    h.update(float_kernels().encode())
     return h.hexdigest()
 
 

@@ -2,7 +2,8 @@
 
 The result is an ordinary Hugging Face checkpoint (config.json, model.safetensors, tokenizer
 files) that `AutoModelForCausalLM` / `AutoTokenizer` load. Nothing is fetched from a hub.
-Deterministic: the same arch and seed give the same bytes.
+Deterministic on one machine: the same arch and seed give the same bytes (torch's random normals
+round differently on another instruction set, orbit/host/floats.py).
 """
 
 from __future__ import annotations

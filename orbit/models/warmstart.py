@@ -6,10 +6,12 @@ model starts with some skill. `orbit model tiny OUT --task arith|zorplex` builds
 correct episode, tool calls included; prompt and tool results are masked out of the loss), stopping
 early on purpose so that RL has room to improve.
 
-Deterministic: seeded, one torch thread, fixed data order. Cached: the result is stored under
-`<cache>/warm/<task>-<arch>-<size>-s<seed>-<code hash>` (cache = $ORBIT_CACHE or `.cache`) and
-copied from there, so tests and repeated builds pay for it once; the hash covers the code that
-shapes the result, so a change to it builds afresh.
+Deterministic on one machine: seeded, one torch thread, fixed data order. Not across machines:
+torch's kernels round differently on another instruction set or vendor (orbit/host/floats.py), and a
+thousand optimizer steps make that another model. Cached: the result is stored under
+`<cache>/warm/<task>-<arch>-<size>-s<seed>-<hash>` (cache = $ORBIT_CACHE or `.cache`) and copied
+from there, so tests and repeated builds pay for it once; the hash covers the code that shapes the
+result and the machine's floats, so a change to either builds afresh.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import orbit.tasks.base
 import orbit.tasks.common
 import orbit.tasks.zorplex
 from orbit.host.files import cache_root, write_dir
+from orbit.host.floats import float_kernels
 from orbit.tasks.base import Prompt, Segment
 
 WARM_TASKS = ("arith", "zorplex")
@@ -68,6 +71,7 @@ def _code_version() -> str:
         h.update(Path(str(module.__file__)).read_bytes())
     h.update(Path(__file__).read_bytes())
     h.update(torch.__version__.encode())
+    h.update(float_kernels().encode())
     return h.hexdigest()[:12]
 
 
@@ -173,7 +177,7 @@ def build_warm_model(
     out = Path(out)
     t0 = time.time()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions on every machine: the same bytes
+    torch.set_num_threads(1)  # the same float reductions on every run: the same bytes, per machine
     try:
         orbit.models.tiny.build_tiny_model(out, arch=arch, seed=seed, size=size, task_tokens=True)
         tokenizer = AutoTokenizer.from_pretrained(out)
@@ -219,6 +223,7 @@ def build_warm_model(
         "size": size,
         "seed": seed,
         "code_version": _code_version(),
+        "floats": float_kernels(),
         "config": asdict(cfg),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
     }
