@@ -209,16 +209,18 @@ class Orbit:
             r.descendants = (min(r.descendants[0] or kids, kids), max(r.descendants[1], kids))
 
     def engines(self) -> list[int]:
-        """The engine roots: embedded engine processes, or started servers' launchers."""
+        """The engine roots: embedded engine processes (forked from Orbit's fork server, named
+        orbit-engine), or started servers' launchers (Orbit's own children)."""
         import psutil
 
         pids = []
-        for p in self.proc.children():
+        for p in self.proc.children(recursive=True):
             try:
-                line = " ".join(p.cmdline())
+                engine = p.name() == "orbit-engine" and p.status() != psutil.STATUS_ZOMBIE
+                launcher = p.ppid() == self.proc.pid and "launch.py" in " ".join(p.cmdline())
             except psutil.Error:
                 continue
-            if "spawn_main" in line or "launch.py" in line:
+            if engine or launcher:
                 pids.append(p.pid)
         return pids
 
