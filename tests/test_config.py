@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from orbit.cli import app
 from orbit.config import RecipeError, load_recipe, parse_recipe
 from orbit.config.modes import MODES
 from orbit.run.preflight import preflight
@@ -127,9 +128,7 @@ def test_a_bad_model_directory_is_one_line(tmp_path, tiny_llama, problem, messag
     assert str(model) in str(err.value) and "\n" not in str(err.value)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"model": str(model), "out": str(tmp_path / "run")}))
-    res = subprocess.run(
-        [sys.executable, "-m", "orbit.cli", "train", str(recipe)], capture_output=True, text=True
-    )
+    res = _orbit("train", str(recipe))
     assert (
         res.returncode == 2
         and "Traceback" not in res.stderr
@@ -164,10 +163,11 @@ def test_modes_are_rows_of_loop_and_push():
     }
 
 
-def _orbit(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "orbit.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+def _orbit(*args: str) -> subprocess.CompletedProcess:
+    """`orbit ARGS` in this process (typer's runner: the same exit code and streams, without an
+    interpreter importing torch again for each command)."""
+    res = CliRunner().invoke(app, list(args))
+    return subprocess.CompletedProcess(["orbit", *args], res.exit_code, res.stdout, res.stderr)
 
 
 @pytest.mark.slow

@@ -45,9 +45,15 @@ def _chat_prompts(tokenizer, n: int) -> list[list[int]]:
     return [list(next(prompts).prompt_ids) for _ in range(n)]
 
 
-def test_engine_numerics_match_transformers(smollm2):
+@pytest.fixture(scope="module")
+def core(smollm2):
+    """The embedded engine in this process on SmolLM2, shared by the numerics and the template."""
+    return engine_core(smollm2, max_running=4)
+
+
+def test_engine_numerics_match_transformers(smollm2, core):
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    core, ref = engine_core(smollm2, max_running=4), hf_model(smollm2)
+    ref = hf_model(smollm2)
     prompts = _chat_prompts(tokenizer, 3)
     eos = core.spec.eos_token_ids[0]
     rids = [
@@ -66,13 +72,12 @@ def test_engine_numerics_match_transformers(smollm2):
         assert max_diff(score(core, p, other), hf_logprobs(ref, p, other)) <= TOL
 
 
-def test_chat_template_and_end_of_turn(smollm2):
+def test_chat_template_and_end_of_turn(smollm2, core):
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     prompt = _chat_prompts(tokenizer, 1)[0]
     text = tokenizer.decode(prompt)
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n"), text
     assert "What is" in text
-    core = engine_core(smollm2)
     assert core.spec.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
     rid = core.submit(prompt, SamplingParams(max_new_tokens=200, temperature=0.0), None)
     c = dict(core.run_until_idle())[rid]
