@@ -19,6 +19,19 @@ from orbit.models.tiny import build_tiny_model  # noqa: E402
 
 pytest_plugins = ["sglang_gate"]  # `sglang` marker: skip without sglang, fail in CI
 
+
+def pytest_sessionstart(session) -> None:
+    """Each test process's fork server (orbit/host/forks.py) imports SGLang once when it starts,
+    whichever engine starts it: in-process SGLang engines then fork their two processes with it
+    imported (orbit/engine/sglang/forked.py) instead of each importing it again."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        from orbit.engine.sglang.forked import preloaded
+
+        preloaded()
+
+
 _CACHE = _ROOT / ".cache" / "tiny"
 
 

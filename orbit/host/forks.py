@@ -2,13 +2,16 @@
 
 A spawned process is a fresh interpreter that imports torch and Orbit again: about 1.5 s of a core
 for every engine process here, paid again by each engine of a pool, a sweep or a bench and by each
-engine brought back. multiprocessing's fork server is one single-threaded process per Orbit process
-that imports them once; each process it forks starts with them imported, and no thread of the
+engine brought back (and 7-9 s for each of an in-process SGLang engine's two processes, which
+import SGLang). multiprocessing's fork server is one single-threaded process per Orbit process that
+imports them once; each process it forks starts with them imported, and no thread of the
 trainer's is forked with it. The server ignores Ctrl-C and ends when the process that started it
 ends (it watches a pipe of that process's), taking nothing with it but what it forked.
 
-A forked process starts with the fork server's environment, the one its first start saw: what it
-runs applies the starting process's own (`child_env`, `adopt_env`), as a spawned one would have it.
+What the server imports is fixed when it starts, with the first process forked from it: `preload`
+adds modules before then. A forked process starts with the server's environment, the one its
+start saw: what it runs applies the starting process's own (`child_env`, `adopt_env`), as a
+spawned one would have it.
 """
 
 from __future__ import annotations
@@ -16,18 +19,37 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
+from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 
 _PR_SET_NAME = 15  # prctl(2)
+_preload: list[str] = []
 
 
-def forked_from_server(preload: list[str]) -> ForkServerContext:
-    """The context whose processes fork from this process's fork server, which imports `preload`
-    at its start (the modules of the first caller's list, for the process's lifetime)."""
+def preload(modules: list[str]) -> None:
+    """Have the fork server import `modules` when it starts (once it runs, what it forks imports
+    them itself)."""
+    _preload.extend(m for m in modules if m not in _preload)
+    mp.get_context("forkserver").set_forkserver_preload(list(_preload))
+
+
+def forked_from_server(modules: list[str]) -> ForkServerContext:
+    """The context whose processes fork from this process's fork server (started now if it is not
+    running, importing `modules` and what `preload` added).
+
+    The server starts with SIGQUIT blocked, which it and what it forks keep: SGLang's processes
+    send SIGQUIT to their parent when they fail, and the server dying of it would take every SGLang
+    process forked from it along (they ask the kernel to kill them when their parent dies)."""
+    preload(modules)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(preload)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGQUIT})
+    try:
+        forkserver.ensure_running()  # a server that died is started again
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return ctx
 
 

@@ -11,6 +11,7 @@ servers Orbit starts or attaches to).
 | `transport.py` | how calls reach SGLang: the in-process tokenizer manager                     |
 | `http.py`      | ... or a server's routes                                                     |
 | `process.py`   | starting and stopping the in-process engine (CPU shims, signals, ZeroMQ)     |
+| `forked.py`    | ... on a CPU, its processes forked from Orbit's fork server, SGLang imported |
 | `server.py`    | starting, attaching to and checking servers                                 |
 | `launch.py`    | a started server's entry point: it stops with the Orbit that started it      |
 | `local.py`     | files of this host's servers: the adapter directory in /dev/shm, clean-up     |

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from orbit.engine.base import EngineError, EngineStartError
 from orbit.engine.devices import sglang_device
+from orbit.engine.sglang.forked import engine_class, forking
 from orbit.engine.sglang.install import INSTALL_HINT
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import read_spec
@@ -157,18 +158,26 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         previous_sigquit = signal.getsignal(signal.SIGQUIT)
         kwargs["custom_sigquit_handler"] = on_sigquit
 
-    before = {p.pid for p in psutil.Process().children()}
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     # the engine's own loop (Engine() picks up the thread's current loop)
     loop = asyncio.new_event_loop()
     saved_env = os.environ.get("OMP_NUM_THREADS")
     if on_cpu:
-        # SGLang's spawned scheduler sizes torch's pool by it
+        # SGLang's scheduler sizes torch's pool by it
         os.environ["OMP_NUM_THREADS"] = str(opts.threads)
     asyncio.set_event_loop(loop)
     try:
-        engine = SGLEngine(**kwargs)
+        if on_cpu:  # its two processes fork from the fork server, SGLang imported (forked.py)
+            with forking():
+                engine = engine_class(SGLEngine)(**kwargs)
+        else:
+            engine = SGLEngine(**kwargs)
     except BaseException as e:
-        started = [p for p in psutil.Process().children() if p.pid not in before and is_sglang(p)]
+        started = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and is_sglang(p)
+        ]
         kill_sglang([p.pid for p in started], [])
         loop.close()
         if previous_sigquit is not None:
@@ -235,12 +244,15 @@ def close_zmq(*owners: object) -> None:
 
 
 def is_sglang(proc) -> bool:
-    """A child that SGLang started (not multiprocessing's resource tracker, which may start
-    meanwhile)."""
+    """A process that SGLang started: not multiprocessing's resource tracker or fork server, this
+    process's children that may start meanwhile (SGLang's own fork from the latter)."""
     try:
-        return "resource_tracker" not in " ".join(proc.cmdline())
+        helper = proc.ppid() == os.getpid() and any(
+            name in " ".join(proc.cmdline()) for name in ("resource_tracker", "forkserver")
+        )
     except Exception:  # noqa: BLE001 - already gone
         return False
+    return not helper
 
 
 def proc_name(proc) -> str:
