@@ -175,12 +175,49 @@ TINKER_ENGINES = [
 # one worker starts `tinker_served`'s engines once instead of each worker starting its own
 ONE_UNIT = {"tests/test_cookbook.py": "tinker_served", "tests/test_tinker.py": "tinker_served"}
 
+# ... and hands them out longest first (a module's seconds when run alone, measured), the rest after
+# in their collection order: a long module handed out last holds the run while the other worker
+# idles (xdist's own order is by number of tests, which put the SGLang modules last)
+LONGEST_FIRST = [
+    "tests/test_sglang_modes.py",
+    "tinker_served",
+    "tests/test_smollm2.py",
+    "tests/test_serve_service.py",
+    "tests/test_eval.py",
+    "tests/test_pool.py",
+    "tests/test_sglang.py",
+    "tests/test_math_task.py",
+    "tests/test_gym.py",
+    "tests/test_sglang_sweep.py",
+    "tests/test_liveness.py",
+    "tests/test_docs.py",
+    "tests/test_pages.py",
+    "tests/test_train_modes.py",
+    "tests/test_verifiers.py",
+    "tests/test_checkpoints.py",
+    "tests/test_hardening.py",
+    "tests/test_ranks.py",
+]
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return ONE_UNIT.get(module, module)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own order (session fixtures' parameters grouped)
+def pytest_collection_modifyitems(items) -> None:
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: within a unit
+
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: nothing without it
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the collection's order: LONGEST_FIRST
 
     class SharedEngines(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
