@@ -573,6 +573,40 @@ def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_childre
         bystander.wait()
 
 
+@needs_sglang
+@pytest.mark.timeout(240)
+def test_an_engine_that_fails_to_start_leaves_nothing_that_hangs_later(tiny_llama, tmp_path):
+    """A scheduler that dies at start (weights cut short): EngineStartError, no SGLang process
+    left, and no half-built ZeroMQ context whose finalizer would block the garbage collector and
+    so whatever ran next (found on a GPU: `orbit serve` hung after a failed engine start)."""
+    import gc
+    import shutil
+
+    import psutil
+
+    from orbit.engine.base import EngineStartError
+    from orbit.engine.sglang import start_sglang_engine
+    from orbit.engine.sglang.process import is_sglang
+
+    bad = tmp_path / "cut"
+    shutil.copytree(tiny_llama, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(EngineStartError, match="failed to start"):
+        start_sglang_engine(bad, max_running=8, max_lora_rank=8)
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(30)
+    assert not collector.is_alive(), "the garbage collector hangs on what the failed start left"
+    left = [
+        p.cmdline()[:3]
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and is_sglang(p)  # not the fork server a first start starts
+    ]
+    assert not left, f"processes left by a failed start: {left}"
+
+
 # ---- push selection and merged weights (no SGLang needed) ----------------------------------------
 
 

@@ -179,6 +179,9 @@ def launch(model_path: str | Path, opts: SGLangOptions):
             if p.pid not in before and is_sglang(p)
         ]
         kill_sglang([p.pid for p in started], [])
+        # the half-built tokenizer manager's sockets: left open, the context's finalizer waits for
+        # them whenever the garbage collector gets to it, and hangs whatever runs then
+        close_zmq(*_frame_locals(e.__traceback__))
         loop.close()
         if previous_sigquit is not None:
             signal.signal(signal.SIGQUIT, previous_sigquit)
@@ -218,6 +221,15 @@ def kill_sglang(pids: list[int], processes: list) -> None:
     psutil.wait_procs([v for v in victims if v.pid not in held], timeout=10)
 
 
+def _frame_locals(tb) -> list[object]:
+    """The local variables of each frame an exception passed through."""
+    found: list[object] = []
+    while tb is not None:
+        found += tb.tb_frame.f_locals.values()
+        tb = tb.tb_next
+    return found
+
+
 def close_zmq(*owners: object) -> None:
     """Close every ZeroMQ context behind the sockets these objects (and their attributes) hold,
     linger 0."""
@@ -230,9 +242,10 @@ def close_zmq(*owners: object) -> None:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, zmq.Socket):
-            if obj.context not in contexts:
-                contexts.append(obj.context)
+        if isinstance(obj, zmq.Socket | zmq.Context):
+            ctx = obj if isinstance(obj, zmq.Context) else obj.context
+            if ctx not in contexts:
+                contexts.append(ctx)
             continue
         if depth < 2 and hasattr(obj, "__dict__") and not isinstance(obj, type):
             todo += [(v, depth + 1) for v in vars(obj).values()]
