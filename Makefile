@@ -34,7 +34,7 @@ TK_VENV := .venv-tinker
 TINKER_STAMP := $(TK_VENV)/.orbit-tinker-stamp
 COOKBOOK := tinker-cookbook==0.6.1
 
-.PHONY: install sglang smollm2 browser verifiers tinker proto demo lint test test-fast test-gpu docs docs-check bench bench-engine bench-sglang clean
+.PHONY: install sglang smollm2 browser verifiers tinker proto demo lint test test-fast test-gpu gpu-carry gpu-check docs docs-check bench bench-engine bench-sglang clean
 
 $(BIN)/orbit: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -158,6 +158,16 @@ else
 	@$(call NO_GPU,nvidia-smi -L fails)
 endif
 
+# The GPU check (scripts/gpu, docs/getting-started.md "The GPU check"): the carry for a GPU machine
+# without network built here (.gpu-carry/, installed and imported with python3.12 as it is there),
+# and the check's steps rehearsed here on the CPU engine and the tiny model (on a CUDA machine:
+# on its GPU)
+gpu-carry: install
+	$(BIN)/python scripts/gpu/carry.py --check
+
+gpu-check: install sglang tinker
+	$(BIN)/python scripts/gpu/check.py
+
 $(SMALL)/model.safetensors: | $(BIN)/orbit
 	$(BIN)/orbit model tiny $(SMALL) --arch llama --seed 0 --size small
 
@@ -174,4 +184,4 @@ bench-sglang: install sglang
 	$(BIN)/python bench/sglang_vs_embedded.py
 
 clean:
-	rm -rf $(VENV) $(VF_VENV) $(TK_VENV) .venv-proto .cache runs
+	rm -rf $(VENV) $(VF_VENV) $(TK_VENV) .venv-proto .cache runs .gpu-carry
