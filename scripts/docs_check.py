@@ -11,7 +11,7 @@ no longer runs is a failing test.
 
 from __future__ import annotations
 
-import functools
+import json
 import re
 import shlex
 import subprocess
@@ -135,42 +135,75 @@ def check_make(words: list[str]) -> str | None:
     return None
 
 
-def check_bench(words: list[str]) -> str | None:
+def check_bench(words: list[str], usages: dict[str, tuple[int, str]]) -> str | None:
     script = ROOT / words[0]
     if not script.is_file():
         return f"no script {words[0]}"
-    code, out, err = _usage(words[0])
+    code, out = usages[words[0]]
     if code != 0:
-        return f"{words[0]} --help fails: {err.strip().splitlines()[-1:]}"
+        return f"{words[0]} --help fails: {out.strip().splitlines()[-1:]}"
     missing = [o for o in _options(words[1:]) if o not in out]
     return f"{words[0]} has no option {missing[0]}" if missing else None
 
 
-@functools.cache
-def _usage(script: str) -> tuple[int, str, str]:
-    """A bench script's --help, run once however many lines show it (each run imports torch)."""
-    usage = subprocess.run(
-        [sys.executable, str(ROOT / script), "--help"],
+# Each script's `--help` as `python SCRIPT --help` gives it (runpy runs it as __main__), all in one
+# process: each on its own would import torch again (a core-second or more apiece).
+_HELP = """
+import contextlib, io, json, os, runpy, sys, traceback
+out, path = {}, list(sys.path)
+for script in sys.argv[1:]:
+    text, code = io.StringIO(), 0
+    sys.argv = [script, "--help"]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *path]  # as `python SCRIPT` has it
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+        except BaseException:
+            code = 1
+            traceback.print_exc()
+    out[script] = (code, text.getvalue())
+print(json.dumps(out))
+"""
+
+
+def _usages(scripts: list[str]) -> dict[str, tuple[int, str]]:
+    """Each bench script's exit code and --help text."""
+    found = [s for s in dict.fromkeys(scripts) if (ROOT / s).is_file()]
+    if not found:
+        return {}
+    run = subprocess.run(
+        [sys.executable, "-c", _HELP, *found],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=300,
     )
-    return usage.returncode, usage.stdout, usage.stderr
+    if run.returncode != 0:
+        raise RuntimeError(f"the bench scripts' --help runner failed:\n{run.stderr[-2000:]}")
+    return {k: tuple(v) for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
 
 
 def problems() -> list[str]:
-    out = []
+    lines = []
     for page in PAGES:
         path = ROOT / page
-        if not path.is_file():
-            continue
-        for line, text in commands(path):
-            words = [w for w in shlex.split(text, posix=True) if w != "&&"]
-            check = {"orbit": check_orbit, "make": check_make}.get(words[0], check_bench)
-            problem = check(words)
-            if problem:
-                out.append(f"{page}:{line}: {text}\n    {problem}")
+        if path.is_file():
+            for line, text in commands(path):
+                words = [w for w in shlex.split(text, posix=True) if w != "&&"]
+                lines.append((page, line, text, words))
+    usages = _usages([w[0] for *_, w in lines if w[0] not in ("orbit", "make")])
+    out = []
+    for page, line, text, words in lines:
+        if words[0] == "orbit":
+            problem = check_orbit(words)
+        elif words[0] == "make":
+            problem = check_make(words)
+        else:
+            problem = check_bench(words, usages)
+        if problem:
+            out.append(f"{page}:{line}: {text}\n    {problem}")
     return out
 
 
