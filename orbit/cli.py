@@ -219,6 +219,9 @@ def serve(
     ),
     max_clients: int = typer.Option(16, help="training clients a key may hold at once"),
     max_queued: int = typer.Option(256, help="requests a key may have waiting or running"),
+    session_timeout: float = typer.Option(
+        300.0, help="seconds without a heartbeat after which a session ends, releasing its clients"
+    ),
     watch: bool = typer.Option(False, help="the service's page on 127.0.0.1 (address printed)"),
 ) -> None:
     """Serve the Tinker API (the `tinker` SDK, tinker-cookbook) on the recipe's base model and
@@ -235,11 +238,14 @@ def serve(
             _fail(f"bad recipe {recipe}:\n{err}")
         if max_clients < 1 or max_queued < 1:
             _fail("--max-clients and --max-queued: at least 1")
+        if not session_timeout >= 10:  # the SDK beats every 10 s; NaN fails too
+            _fail(f"--session-timeout {session_timeout}: at least 10 (seconds)")
         try:
             taken = read_keys(keys) if keys is not None else Keys()
         except KeysError as err:
             _fail(str(err))
-        options = Options(host, port, dir, db, taken, Quotas(max_clients, max_queued))
+        quotas = Quotas(max_clients, max_queued, session_timeout)
+        options = Options(host, port, dir, db, taken, quotas)
         try:
             options.check()
         except ValueError as err:

@@ -203,6 +203,9 @@ def test_cli_train_bad_flags_fail_before_compute(tmp_path, tiny_llama):
     res = _orbit("train", str(recipe), "--resume", str(tmp_path / "nothing-here"))
     assert res.returncode == 2 and "no checkpoint" in res.stderr
     assert not (tmp_path / "run").exists()  # nothing was created or computed
+    for timeout in ("5", "nan"):  # orbit serve: a session must outlive the SDK's 10 s heartbeat
+        res = _orbit("serve", str(recipe), "--session-timeout", timeout, "--dir", str(tmp_path))
+        assert res.returncode == 2 and "--session-timeout" in res.stderr, res.stderr
 
 
 @pytest.mark.slow

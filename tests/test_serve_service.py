@@ -23,7 +23,7 @@ from tinker_helpers import ROOT, sdk, sdk_env, sdk_python, serving
 
 from orbit.serve import tinker_pb2 as pb
 from orbit.serve.command import Options
-from orbit.serve.keys import Keys, read_keys, tenant_of
+from orbit.serve.keys import LOCAL, Keys, read_keys, tenant_of
 from orbit.serve.service import Quotas
 
 pytestmark = pytest.mark.slow
@@ -249,6 +249,100 @@ def test_past_its_limits_a_key_is_refused_with_a_429_the_sdk_raises(shared):
     assert "holds" in seen["refused"] and "--max-clients" in seen["refused"]
     # the limit is the key's: key A still creates clients
     assert sdk(url, model, "owner", key=KEY_A, script=SERVICE)["model_id"]
+
+
+# ---- clients that end -------------------------------------------------------------------------
+
+
+def _future(url: str, key: str, answer: httpx.Response) -> dict:
+    assert answer.status_code == 200, answer.text
+    res = _post(url, "retrieve_future", key, json={"request_id": answer.json()["request_id"]})
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def test_a_session_that_ends_releases_its_clients_and_keeps_their_checkpoints(shared):
+    """Closed by its client (`ServiceClient.close`, or a `with` block's end): its training client
+    and snapshot sampler are released, each call to them a 410 naming why, its heartbeat a 410; its
+    saved state stays and continues in a client of another session, which `unload_model` releases
+    after what it queued. Only live clients count against the key's limit."""
+    url, service, model, _ = shared
+    tenant = tenant_of(KEY_A)
+    live = service.store.live_clients(tenant)
+    seen = sdk(url, model, "ends", key=KEY_A, script=SERVICE, arg=url)
+    res = _post(url, "get_info", KEY_A, json={"model_id": seen["model_id"]})
+    assert res.status_code == 410, res.text
+    assert "its session ended: finished by its client (success)" in res.json()["detail"]
+    assert seen["state"] in res.json()["detail"]  # where to continue from
+    assert seen["model_id"] not in service.live()
+    session = seen["model_id"].split(":")[0]
+    assert _post(url, "session_heartbeat", KEY_A, json={"session_id": session}).status_code == 410
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    body = {"sampling_session_id": seen["sampler_id"], "prompt": prompt, "num_samples": 1}
+    assert _post(url, "asample", KEY_A, json=body).status_code == 404
+    assert service.checkpoint(tenant, seen["state"]).directory.is_dir()
+    assert service.store.live_clients(tenant) == live + 1  # the one made again from the state
+    done = _future(url, KEY_A, _post(url, "unload_model", KEY_A, json={"model_id": seen["again"]}))
+    assert done == {"model_id": seen["again"], "type": "unload_model"}, done
+    res = _post(url, "get_info", KEY_A, json={"model_id": seen["again"]})
+    assert res.status_code == 410 and "unloaded (unload_model)" in res.json()["detail"], res.text
+    assert service.store.live_clients(tenant) == live
+    # another tenant cannot unload it, nor finish its session
+    assert _post(url, "unload_model", KEY_B, json={"model_id": seen["again"]}).status_code == 404
+    assert _post(url, f"sessions/{session}/finish", KEY_B, json={}).status_code == 404
+
+
+def test_a_session_whose_heartbeat_stops_is_ended_and_one_that_beats_lives(tiny_llama, tmp_path):
+    options = Options(quotas=Quotas(session_timeout_s=1.5))
+    with serving(tiny_llama, tmp_path, options) as (url, service):
+        made = {}
+        for name in ("silent", "beating"):
+            session = _post(url, "create_session", "tml-local", json={}).json()["session_id"]
+            body = {"session_id": session, "model_seq_id": 0, "base_model": str(tiny_llama)}
+            answer = _post(url, "create_model", "tml-local", json=body)
+            made[name] = _future(url, "tml-local", answer)
+            made[name]["session"] = session
+        deadline = time.monotonic() + 60
+        while made["silent"]["model_id"] in service.live() and time.monotonic() < deadline:
+            beat = {"session_id": made["beating"]["session"]}
+            assert _post(url, "session_heartbeat", "tml-local", json=beat).status_code == 200
+            time.sleep(0.3)
+        res = _post(url, "get_info", "tml-local", json={"model_id": made["silent"]["model_id"]})
+        assert res.status_code == 410 and "no heartbeat for 1.5 s" in res.json()["detail"], res.text
+        assert made["beating"]["model_id"] in service.live()
+
+
+def test_memory_stays_flat_over_200_clients_created_and_released(tiny_llama, tmp_path):
+    """Each client trains a step (adapter, gradients, Adam state) and is released; the service's
+    memory after 200 is within 10% of its memory after the first 16, and the base holds no adapter
+    of theirs."""
+    import gc
+
+    from orbit.serve.clients import AdamParams, LoraSpec
+    from orbit.serve.wire import Datum
+
+    tokens = [1, 5, 9, 13, 17, 21, 25, 29]
+    targets = torch.tensor(tokens[1:] + [3])
+    datum = Datum(tokens, {"target_tokens": targets, "weights": torch.ones(len(tokens))})
+    with serving(tiny_llama, tmp_path) as (_, service):
+        session = service.create_session(LOCAL, {})
+        rss = {}
+        for n in range(1, 201):
+            spec = LoraSpec(rank=64, seed=n)
+            made = service.create_model(LOCAL, session, n, str(tiny_llama), spec, {})
+            model_id = made.future.result(60)["model_id"]
+            trainer = service.client(LOCAL, model_id)
+            trainer.forward_backward([datum], "cross_entropy", {}, False)
+            trainer.optim_step(AdamParams(learning_rate=1e-3))
+            service.unload_model(LOCAL, model_id).future.result(60)
+            if n in (16, 200):
+                gc.collect()
+                rss[n] = psutil.Process().memory_info().rss
+        mib = {n: f"{v / 2**20:.1f} MiB" for n, v in rss.items()}
+        print(f"\nRSS after 16 clients released: {mib[16]}, after 200: {mib[200]}")
+        assert rss[200] <= 1.10 * rss[16]
+        assert list(service.base.model.peft_config) == []
+        assert service.live() == {}
 
 
 def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The trainer's turns of `orbit serve` (orbit/serve/training.py), one piece on its own: each
-client's requests run in seq_id order whatever order they arrive in, clients take turns, a request
-that never comes fails those behind it with the reason, and a failure says whose fault it is. The
-whole service against the real SDK: tests/test_tinker.py."""
+client's requests run in seq_id order, a number never sent holds nothing, one arriving behind a
+later one that ran is refused by name, clients take turns, and a failure says whose fault it is.
+The whole service against the real SDK (its own refusals included): tests/test_tinker.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from orbit.serve import training
 from orbit.serve.futures import Futures, Refused, RequestFailed
 from orbit.serve.store import Store
 from orbit.serve.training import Turns
@@ -34,26 +33,33 @@ def _result(record, timeout: float = 10.0):
     return record.future.result(timeout=timeout)
 
 
-def test_chunks_sent_out_of_order_run_in_seq_id_order(turns, store):
-    futures, ran = Futures(store), []
+def test_requests_queued_together_run_in_seq_id_order(turns, store):
+    futures, ran, gate = Futures(store), [], threading.Event()
     turns.open("a")
+    blocker = turns.run_now(futures.new("create", "a"), gate.wait)  # hold the thread meanwhile
     records = {}
-    for seq in (3, 1, 2):  # the SDK's chunks of one forward_backward, the first arriving last
-        record = futures.new("ForwardBackward", "a")
-        records[seq] = turns.submit("a", seq, record, lambda s=seq: ran.append(s) or s)
+    for seq in (3, 1, 2):
+        work = lambda s=seq: ran.append(s) or s  # noqa: E731
+        records[seq] = turns.submit("a", seq, futures.new("x", "a"), work)
+    gate.set()
+    _result(blocker)
     assert [_result(records[s]) for s in (1, 2, 3)] == [1, 2, 3]
     assert ran == [1, 2, 3]
 
 
 def test_a_resubmitted_request_keeps_its_future_and_a_past_one_is_refused(turns, store):
+    """The SDK sends a request again when its answer was lost: waiting or run, it gets the same
+    future; a number below one that ran is refused by name."""
     futures, gate = Futures(store), threading.Event()
     turns.open("a")
-    first = turns.submit("a", 2, futures.new("x", "a"), lambda: "two")  # waits for 1
-    assert turns.submit("a", 2, futures.new("x", "a"), lambda: "again") is first
-    turns.submit("a", 1, futures.new("x", "a"), gate.wait)
+    blocker = turns.run_now(futures.new("create", "a"), gate.wait)
+    first = turns.submit("a", 2, futures.new("x", "a"), lambda: "two")
+    assert turns.submit("a", 2, futures.new("x", "a"), lambda: "again") is first  # waiting
     gate.set()
+    _result(blocker)
     assert _result(first) == "two"
-    with pytest.raises(RequestFailed, match="seq_id 1 of a: that request already ran"):
+    assert turns.submit("a", 2, futures.new("x", "a"), lambda: "again") is first  # it ran
+    with pytest.raises(RequestFailed, match="seq_id 1 of a arrived after request 2 ran"):
         turns.submit("a", 1, futures.new("x", "a"), lambda: None)
 
 
@@ -74,16 +80,18 @@ def test_clients_take_turns(turns, store):
     assert ran == ["a1", "b1", "a2", "b2", "a3", "b3"]
 
 
-def test_a_request_that_never_comes_fails_those_behind_it(turns, store, monkeypatch):
-    monkeypatch.setattr(training, "GAP_S", 0.3)
+def test_a_number_never_sent_holds_nothing(turns, store):
+    """The SDK took number 1 and refused the call itself: 2 runs at once, and 1 arriving after all
+    (no SDK does) is refused by name, not run out of order."""
     futures = Futures(store)
     turns.open("a")
-    behind = turns.submit("a", 2, futures.new("x", "a"), lambda: "two")
-    with pytest.raises(RequestFailed, match="request 1 of a never arrived within 0.3 s") as err:
-        _result(behind)
+    t0 = time.monotonic()
+    assert _result(turns.submit("a", 2, futures.new("x", "a"), lambda: "two")) == "two"
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RequestFailed, match="seq_id 1 of a arrived after request 2 ran") as err:
+        turns.submit("a", 1, futures.new("x", "a"), lambda: "one")
     assert err.value.category == "user"
-    after = turns.submit("a", 3, futures.new("x", "a"), lambda: "three")  # the client goes on
-    assert _result(after) == "three"
+    assert _result(turns.submit("a", 5, futures.new("x", "a"), lambda: "five")) == "five"
 
 
 def test_a_failure_says_whose_it_is(turns, store):

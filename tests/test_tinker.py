@@ -153,6 +153,20 @@ def test_what_is_refused_is_said_and_the_client_goes_on(served):
     assert "loss:sum" in seen["still_trains"]
 
 
+def test_a_call_the_sdk_refuses_itself_does_not_hold_the_next(trained):
+    """The SDK takes a request number, then refuses the call before sending it (`ttl_seconds` not
+    finite), or the server refuses it (a NaN learning rate): the same client's next call answers at
+    once, not after a wait for the number that never comes (it waited 60 s and failed before)."""
+    url, _, model = trained
+    seen = sdk(url, model, "own_refusals")
+    assert "ValidationError" in seen["ttl_nan"]["refused"]  # the SDK's own, never sent
+    for name, what in seen.items():
+        print(f"{name}: {what}")
+        assert what["refused"], f"{name}: the SDK sent it and it was accepted"
+        assert what["next_s"] < 10, f"after {name} the next call took {what['next_s']:.1f} s"
+        assert math.isfinite(what["next_loss"])
+
+
 def test_a_create_model_field_orbit_cannot_honour_is_refused_by_name(trained):
     """The SDK's own body, with what Orbit would otherwise have to ignore: refused, named."""
     import httpx

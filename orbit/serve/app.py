@@ -20,7 +20,7 @@ from orbit.engine.base import SamplingParams
 from orbit.serve import wire
 from orbit.serve.checkpoints import rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec
-from orbit.serve.futures import Busy, NotFound, Record, Refused, RequestFailed, result_of
+from orbit.serve.futures import Busy, Gone, NotFound, Record, Refused, RequestFailed, result_of
 from orbit.serve.keys import Keys
 from orbit.serve.samplers import Stops
 from orbit.serve.service import Service
@@ -140,7 +140,7 @@ class Sample(_Body):
 def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> FastAPI:
     """The routes over `service`. `keys`: the API keys it takes (none: any key, one tenant)."""
     api = FastAPI(title="orbit serve: the Tinker API")
-    status = {NotFound: 404, Busy: 429, TooLarge: 413, Unauthorized: 401}
+    status = {Gone: 410, NotFound: 404, Busy: 429, TooLarge: 413, Unauthorized: 401}
 
     @api.exception_handler(Refused)
     async def refused(request: Request, err: Refused) -> JSONResponse:
@@ -205,7 +205,9 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/client/config")
     async def client_config() -> dict[str, Any]:
-        return {}
+        # a forward_backward's chunks one after another, as every other request: then a request's
+        # arrival means each number below it arrived or never will (training.py)
+        return {"parallel_fwdbwd_chunks": False}
 
     @api.post(f"{v1}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
@@ -222,8 +224,18 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         return {}
 
     @api.post(v1 + "/sessions/{session}/finish")
-    async def finish(session: str) -> dict[str, Any]:
+    async def finish(session: str, request: Request) -> dict[str, Any]:
+        data = await fields(request)
+        reason = data.get("reason")
+        kind = reason.get("type", "no reason") if isinstance(reason, dict) else "no reason"
+        why = f"finished by its client ({str(kind)[:40]})"
+        service.finish_session(who(request), session, why)
         return {}
+
+    @api.post(f"{v1}/unload_model")
+    async def unload_model(request: Request) -> dict[str, Any]:
+        data = await fields(request)
+        return future(service.unload_model(who(request), str(data.get("model_id", ""))))
 
     @api.post(f"{v1}/telemetry")
     async def telemetry() -> dict[str, Any]:

@@ -36,6 +36,10 @@ class NotFound(Refused):
     tenant's (HTTP 404)."""
 
 
+class Gone(NotFound):
+    """A session that ended, or what it held (HTTP 410: the SDK's heartbeat stops on it)."""
+
+
 class Busy(Refused):
     """A request past its tenant's limits (HTTP 429): nothing changed, it may come again later."""
 

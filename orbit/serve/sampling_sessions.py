@@ -74,6 +74,19 @@ class SamplingSessions:
             self._unbind(gone)
             shutil.rmtree(self.snapshots / gone, ignore_errors=True)
 
+    def release_session(self, session: str) -> None:
+        """The session ended: its sampling sessions are unbound and their snapshots deleted (named
+        checkpoints stay)."""
+        prefix = f"{session}:"
+        for row in self.store.samplers():
+            if row.id.startswith(prefix):
+                self._unbind(row.id)
+                if row.snapshot:
+                    shutil.rmtree(row.snapshot, ignore_errors=True)
+        with self._lock:
+            for trainer in [t for t in self._kept if t.startswith(prefix)]:
+                del self._kept[trainer]
+
     def _row(
         self, tenant: str, sampler: str, base: str, model_path: str | None, snapshot: str | None
     ) -> SamplerRow:

@@ -16,6 +16,7 @@ from a checkpoint), and checkpoints and sampling sessions are as they were.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -29,13 +30,14 @@ from orbit.host.threads import helper_thread
 from orbit.serve import wire
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, iso, rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
-from orbit.serve.futures import Busy, Futures, NotFound, Record, Refused
+from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused
 from orbit.serve.samplers import Sampler, Stops, onto
 from orbit.serve.sampling_sessions import SamplingSessions
 from orbit.serve.store import ClientRow, SessionRow, Store
 from orbit.serve.training import Turns
 from orbit.train.shared import SharedBase
 
+log = logging.getLogger(__name__)
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
 
 
@@ -56,10 +58,12 @@ class EngineLimits:
 
 @dataclass(frozen=True)
 class Quotas:
-    """What one tenant may hold at once: training clients, and requests waiting or running."""
+    """What one tenant may hold at once: live training clients, and requests waiting or running;
+    and how long a session without a heartbeat keeps its clients (the SDK beats every 10 s)."""
 
     max_clients: int = 16
     max_queued: int = 256
+    session_timeout_s: float = 300.0
 
 
 class Service:
@@ -101,8 +105,13 @@ class Service:
         )
         self.recovered = store.recover(RESTARTED)  # (futures failed, clients lost)
         self.checkpoints.reconcile()
+        self._stopping = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="orbit-serve-reaper", daemon=True)
+        self._reaper.start()
 
     def close(self) -> None:
+        self._stopping.set()
+        self._reaper.join(10)
         self.turns.stop()
         self._sampling.shutdown(wait=False, cancel_futures=True)
 
@@ -117,14 +126,42 @@ class Service:
         return session
 
     def _session(self, tenant: str, session: str) -> SessionRow:
+        """The tenant's session, while it lasts (Gone once it ended)."""
         row = self.store.session(session)
         if row is None or row.tenant != tenant:
             raise NotFound(f"no session {session!r}")
+        if row.ended is not None:
+            raise Gone(f"session {session!r} ended: {row.end_reason}")
         return row
 
     def heartbeat(self, tenant: str, session: str) -> None:
         self._session(tenant, session)
         self.store.seen(session)
+
+    def finish_session(self, tenant: str, session: str, why: str) -> None:
+        """The session ends: its training clients and sampling sessions are released (their saved
+        checkpoints stay). Again, or after it ended: nothing more (the first reason stays)."""
+        row = self.store.session(session)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"no session {session!r}")
+        self._end_session(session, why)
+
+    def _end_session(self, session: str, why: str) -> None:
+        self.store.end_session(session, why)
+        for model_id in self.store.session_clients(session):
+            self._release(model_id, f"its session ended: {why}")
+        self.sessions.release_session(session)
+
+    def _reap(self) -> None:
+        """End the sessions whose heartbeat stopped `quotas.session_timeout_s` ago (read each
+        round: the quotas may change while the service runs)."""
+        while not self._stopping.wait(min(5.0, self.quotas.session_timeout_s / 4)):
+            timeout = self.quotas.session_timeout_s
+            try:
+                for session in self.store.silent_sessions(time.time() - timeout):
+                    self._end_session(session, f"no heartbeat for {timeout:g} s")
+            except Exception:  # noqa: BLE001 - a round that failed (the database, say) is retried
+                log.exception("ending silent sessions failed; trying again")
 
     # -- training clients -------------------------------------------------------------------
 
@@ -232,12 +269,34 @@ class Service:
                 if row.last_state
                 else "it saved no state"
             )
+            if row.end_reason:
+                raise Gone(f"training client {model_id!r} {row.end_reason}; {again}")
             raise NotFound(
                 f"training client {model_id!r} was lost when orbit serve restarted (its adapter "
                 f"lived in memory); {again}"
             )
         self.store.touch_client(model_id)
         return trainer
+
+    def unload_model(self, tenant: str, model_id: str) -> Record:
+        """Release a training client after the requests it queued (its saved checkpoints stay)."""
+        self.client(tenant, model_id)
+        record = self._new(tenant, "UnloadModel")
+
+        def work() -> dict[str, Any]:
+            self._release(model_id, "unloaded (unload_model)")
+            return {"model_id": model_id, "type": "unload_model"}
+
+        return self.turns.submit(model_id, 0, record, work)
+
+    def _release(self, model_id: str, why: str) -> None:
+        """The client's adapter and optimizer freed, its queue closed, its row ended with `why`."""
+        with self._lock:
+            trainer = self.trainers.pop(model_id, None)
+        self.store.end_client(model_id, why)
+        self.turns.close(model_id, f"training client {model_id!r} {why}")
+        if trainer is not None:
+            self.base.remove(trainer.name)
 
     def live(self) -> dict[str, TrainingClient]:
         """Every live training client, by id."""
@@ -246,6 +305,8 @@ class Service:
 
     def info(self, tenant: str, model_id: str) -> dict[str, Any]:
         row = self._client_row(tenant, model_id)
+        if row.end_reason:  # released: as every other call to it
+            self.client(tenant, model_id)
         return {
             "type": "get_info",
             "model_id": model_id,
@@ -262,32 +323,15 @@ class Service:
     def _ordered(
         self, tenant: str, model_id: str, seq_id: int, kind: str, work, proto: bool = False
     ) -> Record:
-        """Queue `work` in the client's order. What it refuses, it refuses in its turn (its future
-        fails): the SDK numbered the request, and the ones after it wait for its number."""
+        """Queue `work` in the client's order (a refused request is never queued: the ones after
+        it do not wait for its number)."""
         self.client(tenant, model_id)
-        try:
-            record = self._new(tenant, kind, proto)
-        except Refused:
-            self.turns.skip(model_id, seq_id)
-            raise
+        record = self._new(tenant, kind, proto)
         return self.turns.submit(model_id, seq_id, record, work)
-
-    def _checked(self, model_id: str, seq_id: int, check) -> None:
-        """Run a request's checks now, so that a bad one is refused with a 4xx before it is queued;
-        the requests after it then do not wait for its number."""
-        try:
-            check()
-        except Refused:
-            self.turns.skip(model_id, seq_id)
-            raise
 
     def forward_backward(self, tenant: str, request: wire.ForwardBackward) -> Record:
         trainer = self.client(tenant, request.model_id)
-        self._checked(
-            request.model_id,
-            request.seq_id,
-            lambda: trainer.check(request.data, request.loss_fn, request.config),
-        )
+        trainer.check(request.data, request.loss_fn, request.config)  # a 4xx before it queues
 
         def work() -> bytes:
             scored = trainer.forward_backward(
@@ -300,7 +344,7 @@ class Service:
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Record:
         trainer = self.client(tenant, model_id)
-        self._checked(model_id, seq_id, adam.check)
+        adam.check()
 
         def work() -> dict[str, Any]:
             return {"metrics": trainer.optim_step(adam), "type": "optim_step"}
@@ -313,9 +357,7 @@ class Service:
         self, tenant: str, model_id: str, seq_id: int, name: str, overwrite: bool
     ) -> Record:
         trainer = self.client(tenant, model_id)
-        self._checked(
-            model_id, seq_id, lambda: self.checkpoints.directory(model_id, "weights", name)
-        )
+        self.checkpoints.directory(model_id, "weights", name)  # a name it refuses: now
 
         def work() -> dict[str, Any]:
             path = self.checkpoints.save(
@@ -334,11 +376,7 @@ class Service:
         trainer = self.client(tenant, model_id)
         session = self._client_row(tenant, model_id).session
         if name is not None:
-            self._checked(
-                model_id,
-                seq_id,
-                lambda: self.checkpoints.directory(model_id, "sampler_weights", name),
-            )
+            self.checkpoints.directory(model_id, "sampler_weights", name)
 
         def work() -> dict[str, Any]:
             if name is not None:
@@ -372,7 +410,7 @@ class Service:
         made as the checkpoint's was."""
         if model_id is not None:
             trainer = self.client(tenant, model_id)
-            self._checked(model_id, seq_id, lambda: self._loadable(tenant, path, optimizer))
+            self._loadable(tenant, path, optimizer)
             return self._ordered(
                 tenant,
                 model_id,

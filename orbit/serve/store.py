@@ -57,7 +57,9 @@ class SessionRow(Base):
     tenant: Mapped[str] = mapped_column(String(64), index=True)
     user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON)
     created: Mapped[float] = mapped_column(Float)
-    seen: Mapped[float] = mapped_column(Float)
+    seen: Mapped[float] = mapped_column(Float)  # its newest heartbeat
+    ended: Mapped[float | None] = mapped_column(Float, nullable=True)
+    end_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class ClientRow(Base):
@@ -77,8 +79,10 @@ class ClientRow(Base):
     user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON)
     created: Mapped[float] = mapped_column(Float)
     last_request: Mapped[float] = mapped_column(Float)
-    alive: Mapped[bool] = mapped_column(Boolean)  # False once a restart took its adapter
+    alive: Mapped[bool] = mapped_column(Boolean)  # False once its adapter is gone
     last_state: Mapped[str | None] = mapped_column(Text, nullable=True)  # newest save_state
+    # why it is gone: unloaded, or its session ended (None while alive, or lost in a restart)
+    end_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class SamplerRow(Base):
@@ -216,6 +220,22 @@ class Store:
                 update(SessionRow).where(SessionRow.id == session_id).values(seen=time.time())
             )
 
+    def end_session(self, session_id: str, reason: str) -> bool:
+        """Mark the session ended (the first reason stays); False when it had ended already."""
+        with self._tx() as s:
+            done = s.execute(
+                update(SessionRow)
+                .where(SessionRow.id == session_id, SessionRow.ended.is_(None))
+                .values(ended=time.time(), end_reason=reason)
+            )
+            return bool(getattr(done, "rowcount", 0))
+
+    def silent_sessions(self, since: float) -> list[str]:
+        """Sessions of any tenant, not ended, whose newest heartbeat is older than `since`."""
+        query = select(SessionRow.id).where(SessionRow.ended.is_(None), SessionRow.seen < since)
+        with self._tx() as s:
+            return list(s.scalars(query))
+
     # -- training clients -------------------------------------------------------------------
 
     def add_client(self, row: ClientRow) -> None:
@@ -238,6 +258,20 @@ class Store:
         with self._tx() as s:
             query = select(func.count()).where(ClientRow.tenant == tenant, ClientRow.alive)
             return int(s.scalar(query.select_from(ClientRow)) or 0)
+
+    def session_clients(self, session_id: str) -> list[str]:
+        """The session's live training clients."""
+        query = select(ClientRow.id).where(ClientRow.session == session_id, ClientRow.alive)
+        with self._tx() as s:
+            return list(s.scalars(query))
+
+    def end_client(self, model_id: str, reason: str) -> None:
+        with self._tx() as s:
+            s.execute(
+                update(ClientRow)
+                .where(ClientRow.id == model_id)
+                .values(alive=False, end_reason=reason)
+            )
 
     def touch_client(self, model_id: str, last_state: str | None = None) -> None:
         values: dict[str, Any] = {"last_request": time.time()}

@@ -3,16 +3,19 @@ one thread (the base computes for one adapter at a time). A client's next reques
 is there; among clients with one ready, turns go round, so no client waits behind another's whole
 queue.
 
-The SDK numbers a client's requests from 1 and may send them out of order (a large forward_backward
-goes as chunks in parallel, the first last): a request waits for those before it. One that never
-comes (`GAP_S` after a later one arrived) fails the requests waiting behind it, with the reason,
-rather than leaving them waiting.
+The SDK numbers a client's requests from 1 and sends each only once the one before it was answered
+(its `_take_turn`); the chunks of one forward_backward would go at once, the first last, but
+Orbit's client config turns that off (`parallel_fwdbwd_chunks`). So when request n arrives, every
+number below it either arrived or never will: the SDK took it and gave up before sending (its own
+check refused the call), or the server refused it. A missing number holds nothing; the requests run
+in the order of their numbers, and one that arrives behind a later one that already ran is refused
+by name.
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +23,7 @@ from typing import Any
 from orbit.host.threads import compute_threads
 from orbit.serve.futures import Record, Refused, RequestFailed
 
-# The SDK sends a client's requests one after another, but for the chunks of one forward_backward
-# (at once): a number missing this long after a later one arrived is one the client gave up on
-# before sending (its own check refused the call).
-GAP_S = 60.0
-
-
+RAN_KEPT = 64  # a client's newest requests that ran, kept for a resubmission
 Work = Callable[[], Any]  # the request's work; its return value is the future's result
 
 
@@ -33,9 +31,10 @@ Work = Callable[[], Any]  # the request's work; its return value is the future's
 class Queue:
     """One client's requests: seq_id -> (future, work)."""
 
-    next: int = 1
+    next: int = 1  # the lowest number that may still run: one past the last that ran
     waiting: dict[int, tuple[Record, Work]] = field(default_factory=dict)
-    gap_since: float = 0.0  # when a later request arrived while `next` was missing
+    # the newest that ran, so that the SDK's retry of one whose answer it lost gets its future
+    ran: OrderedDict[int, Record] = field(default_factory=OrderedDict)
 
 
 class Turns:
@@ -67,27 +66,26 @@ class Turns:
                 seq_id = max([queue.next - 1, *queue.waiting]) + 1
             if seq_id in queue.waiting:
                 return queue.waiting[seq_id][0]
+            if seq_id in queue.ran:
+                return queue.ran[seq_id]
             if seq_id < queue.next:
                 raise RequestFailed(
-                    f"seq_id {seq_id} of {client}: that request already ran (next is {queue.next})",
+                    f"seq_id {seq_id} of {client} arrived after request {queue.next - 1} ran: "
+                    "a client's requests run in the order of their numbers",
                     "user",
                 )
             queue.waiting[seq_id] = (record, work)
-            if queue.next not in queue.waiting and not queue.gap_since:
-                queue.gap_since = time.monotonic()
             self._cond.notify_all()
         return record
 
-    def skip(self, client: str, seq_id: int) -> None:
-        """Request `seq_id` of `client` was refused before it was queued: the ones after it need
-        not wait for it."""
-        if seq_id <= 0:
-            return
-        skipped = Record(f"skipped-{client}-{seq_id}", "Skipped", False, "")
-        try:
-            self.submit(client, seq_id, skipped, lambda: None)
-        except RequestFailed:
-            pass  # already ran, or no such client: nothing waits for it
+    def close(self, client: str, why: str) -> None:
+        """The client is gone: its waiting requests fail with `why`, and later ones are refused."""
+        with self._cond:
+            queue = self._queues.pop(client, None)
+            if client in self._order:
+                self._order.remove(client)
+        for record, _ in queue.waiting.values() if queue else ():
+            record.future.set_exception(RequestFailed(why, "user"))
 
     def run_now(self, record: Record, work: Work) -> Record:
         """Work outside any client's order (creating a client), on the trainer thread, next."""
@@ -116,26 +114,16 @@ class Turns:
             queue = self._queues[client]
             if client == "" and queue.waiting:
                 return queue.waiting.pop(min(queue.waiting))
-            if queue.next in queue.waiting:
-                job = queue.waiting.pop(queue.next)
-                queue.next += 1
-                queue.gap_since = time.monotonic() if queue.waiting else 0.0
+            if queue.waiting:  # the lowest that arrived: a number missing below it never comes
+                seq_id = min(queue.waiting)
+                job = queue.waiting.pop(seq_id)
+                queue.next = seq_id + 1
+                queue.ran[seq_id] = job[0]
+                if len(queue.ran) > RAN_KEPT:
+                    queue.ran.popitem(last=False)
                 self._order.append(self._order.pop(i))  # its turn is over
                 return job
-            if queue.waiting and queue.gap_since and time.monotonic() - queue.gap_since > GAP_S:
-                self._fail_gap(client, queue)
         return None
-
-    def _fail_gap(self, client: str, queue: Queue) -> None:
-        why = (
-            f"request {queue.next} of {client} never arrived within {GAP_S:g} s; the requests "
-            "after it cannot run in order"
-        )
-        for record, _ in queue.waiting.values():
-            record.future.set_exception(RequestFailed(why, "user"))
-        queue.next = max(queue.waiting) + 1
-        queue.waiting.clear()
-        queue.gap_since = 0.0
 
     def _run(self) -> None:
         compute_threads(self.threads)

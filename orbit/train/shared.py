@@ -77,6 +77,14 @@ class SharedBase:
             p.data = p.data.float()
         return params
 
+    def remove(self, name: str) -> None:
+        """Delete adapter `name` and its parameters (after the turn that holds the base, if any)."""
+        with self._lock.held():
+            assert self.model is not None, "add an adapter first"
+            self.model.delete_adapter(name)
+            if self._active == name:
+                self._active = None
+
     @contextmanager
     def turn(self, name: str) -> Iterator[float]:
         """The base for adapter `name` alone, after those that asked before it; yields the seconds
