@@ -228,10 +228,13 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path, tiny_llama):
         # AdamW turns rounding in near-zero gradients into visible steps, and a clip's gradient
         # jumps at its edge (12 optimizer steps in decoupled-minibatches); and a sample's output
         # pass is as long as its length bucket's longest, which differs between a rank's share and
-        # the whole batch (batch.length_buckets), so its matmuls round differently: the adapters
-        # agree to 2e-3 of their own change
+        # the whole batch (batch.length_buckets), so its matmuls round differently, by how much
+        # depends on the instruction set: the adapters agree to 5e-3 of their own change (measured,
+        # lora/none/seq-mean the worst: 7.1e-4 on AVX-512, 2.0e-3 held to AVX2, 7.9e-4 with no
+        # vector kernels; every other configuration 1e-5 to 6e-4)
         change = _worst(want["adapter"], want["init"])
-        assert worst <= max(1e-5, 2e-3 * change), (adapter, shard, algo, worst, change)
+        print(f"{adapter}/{shard}/{algo}: adapters differ by {worst / change:.1e} of their change")
+        assert worst <= max(1e-5, 5e-3 * change), (adapter, shard, algo, worst, change)
         if shard == "fsdp":
             assert got["sharded"] and all(local < full for local, full in got["sharded"])
         else:
