@@ -5,6 +5,7 @@ raw HTTP for what the SDK would never send."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -38,7 +39,9 @@ def shared(tiny_llama, tmp_path_factory):
     """One service with two keys, and what key A made in it."""
     keys_file = tmp_path_factory.mktemp("keys") / "keys"
     keys_file.write_text(f"# two tenants\n{KEY_A}\n\n{KEY_B}\n")
-    options = Options(keys=read_keys(keys_file))
+    # the SDK scripts leave their sessions open (their clients are read after they end): a long
+    # timeout, so that a slow machine's module run does not outlast it
+    options = Options(keys=read_keys(keys_file), quotas=Quotas(session_timeout_s=3600))
     with serving(tiny_llama, tmp_path_factory.mktemp("serve-shared"), options) as (url, service):
         made = sdk(url, tiny_llama, "owner", key=KEY_A, script=SERVICE)
         yield url, service, tiny_llama, made
@@ -240,11 +243,12 @@ def test_eight_training_clients_and_eight_samplers_all_progress(shared):
 def test_past_its_limits_a_key_is_refused_with_a_429_the_sdk_raises(shared):
     url, service, model, _ = shared
     held = service.store.live_clients(tenant_of(KEY_B))
-    service.quotas = Quotas(max_clients=held + 2, max_queued=service.quotas.max_queued)
+    quotas = service.quotas
+    service.quotas = dataclasses.replace(quotas, max_clients=held + 2)
     try:
         seen = sdk(url, model, "crowd", key=KEY_B, script=SERVICE, arg="10")
     finally:
-        service.quotas = Quotas()
+        service.quotas = quotas
     assert seen["made"] == 2 and "RateLimitError" in seen["refused"], seen
     assert "holds" in seen["refused"] and "--max-clients" in seen["refused"]
     # the limit is the key's: key A still creates clients

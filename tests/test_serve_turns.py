@@ -63,6 +63,22 @@ def test_a_resubmitted_request_keeps_its_future_and_a_past_one_is_refused(turns,
         turns.submit("a", 1, futures.new("x", "a"), lambda: None)
 
 
+def test_a_request_without_a_number_runs_after_those_before_it_and_takes_none(turns, store):
+    """unload_model (and a raw client's request) has no seq_id: it runs after what arrived before
+    it, and the SDK's next number is still its own request's."""
+    futures, ran, gate = Futures(store), [], threading.Event()
+    turns.open("a")
+    blocker = turns.run_now(futures.new("create", "a"), gate.wait)
+    one = turns.submit("a", 1, futures.new("x", "a"), lambda: ran.append(1))
+    unload = turns.submit("a", 0, futures.new("x", "a"), lambda: ran.append("unload"))
+    two = turns.submit("a", 2, futures.new("x", "a"), lambda: ran.append(2))
+    assert len({id(one), id(unload), id(two)}) == 3
+    gate.set()
+    for record in (blocker, one, unload, two):
+        _result(record)
+    assert ran == [1, "unload", 2]
+
+
 def test_clients_take_turns(turns, store):
     futures, ran, gate = Futures(store), [], threading.Event()
     turns.open("a")

@@ -74,17 +74,15 @@ class SamplingSessions:
             self._unbind(gone)
             shutil.rmtree(self.snapshots / gone, ignore_errors=True)
 
-    def release_session(self, session: str) -> None:
-        """The session ended: its sampling sessions are unbound and their snapshots deleted (named
-        checkpoints stay)."""
-        prefix = f"{session}:"
-        for row in self.store.samplers():
-            if row.id.startswith(prefix):
-                self._unbind(row.id)
-                if row.snapshot:
-                    shutil.rmtree(row.snapshot, ignore_errors=True)
+    def release(self, rows: list[SamplerRow]) -> None:
+        """Sessions that ended: unbound, their snapshots deleted (named checkpoints stay)."""
+        for row in rows:
+            self._unbind(row.id)
+            if row.snapshot:
+                shutil.rmtree(row.snapshot, ignore_errors=True)
+        ended = {row.id.split(":")[0] for row in rows}
         with self._lock:
-            for trainer in [t for t in self._kept if t.startswith(prefix)]:
+            for trainer in [t for t in self._kept if t.split(":")[0] in ended]:
                 del self._kept[trainer]
 
     def _row(

@@ -30,7 +30,7 @@ from orbit.host.threads import helper_thread
 from orbit.serve import wire
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, iso, rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
-from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused
+from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused, RequestFailed
 from orbit.serve.samplers import Sampler, Stops, onto
 from orbit.serve.sampling_sessions import SamplingSessions
 from orbit.serve.store import ClientRow, SessionRow, Store
@@ -64,6 +64,10 @@ class Quotas:
     max_clients: int = 16
     max_queued: int = 256
     session_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.session_timeout_s > 0:  # NaN too
+            raise ValueError(f"session_timeout_s: {self.session_timeout_s}; more than 0")
 
 
 class Service:
@@ -139,27 +143,37 @@ class Service:
         self.store.seen(session)
 
     def finish_session(self, tenant: str, session: str, why: str) -> None:
-        """The session ends: its training clients and sampling sessions are released (their saved
-        checkpoints stay). Again, or after it ended: nothing more (the first reason stays)."""
+        """The session ends: its training clients and sampling sessions are released, after the
+        request the trainer is running (their saved checkpoints stay). Again, or after it ended:
+        nothing more (the first reason stays)."""
         row = self.store.session(session)
         if row is None or row.tenant != tenant:
             raise NotFound(f"no session {session!r}")
-        self._end_session(session, why)
-
-    def _end_session(self, session: str, why: str) -> None:
         self.store.end_session(session, why)
-        for model_id in self.store.session_clients(session):
+        self._release_ended_soon()
+
+    def _release_ended_soon(self) -> None:
+        """Release what this instance holds of ended sessions, on the trainer's thread (the shared
+        base changes there only), next."""
+        record = Record(f"release-{uuid.uuid4().hex[:8]}", "Release", False, "")
+        self.turns.run_now(record, self._release_ended)
+
+    def _release_ended(self) -> None:
+        for model_id, why in self.store.ended_clients():
             self._release(model_id, f"its session ended: {why}")
-        self.sessions.release_session(session)
+        self.sessions.release(self.store.ended_samplers())
 
     def _reap(self) -> None:
-        """End the sessions whose heartbeat stopped `quotas.session_timeout_s` ago (read each
-        round: the quotas may change while the service runs)."""
+        """End the sessions whose heartbeat stopped `quotas.session_timeout_s` ago, and release
+        what this instance holds of ended ones (another instance may have ended them: a shared
+        database). The quotas are read each round: they may change while the service runs."""
         while not self._stopping.wait(min(5.0, self.quotas.session_timeout_s / 4)):
             timeout = self.quotas.session_timeout_s
             try:
                 for session in self.store.silent_sessions(time.time() - timeout):
-                    self._end_session(session, f"no heartbeat for {timeout:g} s")
+                    self.store.end_session(session, f"no heartbeat for {timeout:g} s")
+                if self.store.ended_clients() or self.store.ended_samplers():
+                    self._release_ended_soon()
             except Exception:  # noqa: BLE001 - a round that failed (the database, say) is retried
                 log.exception("ending silent sessions failed; trying again")
 
@@ -221,6 +235,9 @@ class Service:
         spec: LoraSpec,
         metadata: dict[str, Any],
     ) -> TrainingClient:
+        ended = self.store.session(session)
+        if ended is not None and ended.ended is not None:  # it ended while this request waited
+            raise Gone(f"session {session!r} ended: {ended.end_reason}")
         with self._lock:
             if model_id in self.trainers:  # a resubmission: the client exists
                 return self.trainers[model_id]
@@ -280,20 +297,19 @@ class Service:
 
     def unload_model(self, tenant: str, model_id: str) -> Record:
         """Release a training client after the requests it queued (its saved checkpoints stay)."""
-        self.client(tenant, model_id)
-        record = self._new(tenant, "UnloadModel")
 
         def work() -> dict[str, Any]:
             self._release(model_id, "unloaded (unload_model)")
             return {"model_id": model_id, "type": "unload_model"}
 
-        return self.turns.submit(model_id, 0, record, work)
+        return self._ordered(tenant, model_id, 0, "UnloadModel", work)
 
     def _release(self, model_id: str, why: str) -> None:
-        """The client's adapter and optimizer freed, its queue closed, its row ended with `why`."""
+        """On the trainer's thread: the client's row ended with `why`, its queue closed, its
+        adapter and optimizer freed."""
+        self.store.end_client(model_id, why)
         with self._lock:
             trainer = self.trainers.pop(model_id, None)
-        self.store.end_client(model_id, why)
         self.turns.close(model_id, f"training client {model_id!r} {why}")
         if trainer is not None:
             self.base.remove(trainer.name)
@@ -327,7 +343,12 @@ class Service:
         it do not wait for its number)."""
         self.client(tenant, model_id)
         record = self._new(tenant, kind, proto)
-        return self.turns.submit(model_id, seq_id, record, work)
+        try:
+            return self.turns.submit(model_id, seq_id, record, work)
+        except RequestFailed as err:  # released meanwhile, or behind a request that ran
+            record.future.set_exception(err)
+            self.client(tenant, model_id)  # Gone, naming why, if it was released
+            raise Refused(str(err)) from None
 
     def forward_backward(self, tenant: str, request: wire.ForwardBackward) -> Record:
         trainer = self.client(tenant, request.model_id)
@@ -493,6 +514,10 @@ class Service:
             self.check_base(base_model or "")
             base = base_model or str(self.model)
         self.sessions.open(tenant, sampler, base, model_path)
+        row = self.store.session(session)
+        if row is not None and row.ended is not None:  # it ended meanwhile: not kept
+            self.sessions.release(self.store.ended_samplers())
+            self._session(tenant, session)
         return sampler
 
     def sampler_info(self, tenant: str, sampler: str) -> dict[str, Any]:

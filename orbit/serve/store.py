@@ -202,6 +202,8 @@ class Store:
                 .values(state="failed", error=reason, category="server", done_at=now)
             )
             s.execute(update(ClientRow).where(alive).values(alive=False))
+            # a session's silence is counted from this start, not across the restart
+            s.execute(update(SessionRow).where(SessionRow.ended.is_(None)).values(seen=now))
         return int(futures or 0), int(clients or 0)
 
     # -- sessions ---------------------------------------------------------------------------
@@ -220,15 +222,14 @@ class Store:
                 update(SessionRow).where(SessionRow.id == session_id).values(seen=time.time())
             )
 
-    def end_session(self, session_id: str, reason: str) -> bool:
-        """Mark the session ended (the first reason stays); False when it had ended already."""
+    def end_session(self, session_id: str, reason: str) -> None:
+        """Mark the session ended (the first reason stays)."""
         with self._tx() as s:
-            done = s.execute(
+            s.execute(
                 update(SessionRow)
                 .where(SessionRow.id == session_id, SessionRow.ended.is_(None))
                 .values(ended=time.time(), end_reason=reason)
             )
-            return bool(getattr(done, "rowcount", 0))
 
     def silent_sessions(self, since: float) -> list[str]:
         """Sessions of any tenant, not ended, whose newest heartbeat is older than `since`."""
@@ -259,11 +260,27 @@ class Store:
             query = select(func.count()).where(ClientRow.tenant == tenant, ClientRow.alive)
             return int(s.scalar(query.select_from(ClientRow)) or 0)
 
-    def session_clients(self, session_id: str) -> list[str]:
-        """The session's live training clients."""
-        query = select(ClientRow.id).where(ClientRow.session == session_id, ClientRow.alive)
+    def ended_clients(self) -> list[tuple[str, str]]:
+        """This instance's live training clients whose session ended: (client, the end's reason)."""
+        query = (
+            select(ClientRow.id, SessionRow.end_reason)
+            .join(SessionRow, SessionRow.id == ClientRow.session)
+            .where(
+                ClientRow.instance == self.instance,
+                ClientRow.alive,
+                SessionRow.ended.is_not(None),
+            )
+        )
         with self._tx() as s:
-            return list(s.scalars(query))
+            return [(c, r or "") for c, r in s.execute(query)]
+
+    def ended_samplers(self) -> list[SamplerRow]:
+        """This instance's sampling sessions (`{session}:sample:{n}`) whose session ended."""
+        ended = select(SessionRow.id).where(SessionRow.ended.is_not(None))
+        with self._tx() as s:
+            done = set(s.scalars(ended))
+            rows = s.scalars(select(SamplerRow).where(SamplerRow.instance == self.instance))
+            return [r for r in rows if r.id.split(":")[0] in done]
 
     def end_client(self, model_id: str, reason: str) -> None:
         with self._tx() as s:

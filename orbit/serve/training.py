@@ -15,7 +15,7 @@ by name.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 from orbit.host.threads import compute_threads
 from orbit.serve.futures import Record, Refused, RequestFailed
 
-RAN_KEPT = 64  # a client's newest requests that ran, kept for a resubmission
+RAN_KEPT = 4  # a client's newest requests that ran, kept for the SDK's resend of its newest
 Work = Callable[[], Any]  # the request's work; its return value is the future's result
 
 
@@ -35,6 +35,16 @@ class Queue:
     waiting: dict[int, tuple[Record, Work]] = field(default_factory=dict)
     # the newest that ran, so that the SDK's retry of one whose answer it lost gets its future
     ran: OrderedDict[int, Record] = field(default_factory=OrderedDict)
+    # requests without a number (seq_id 0: unload_model, a raw client's): each after the numbered
+    # ones that arrived before it, taking no number the SDK will send
+    unnumbered: deque[tuple[int, Record, Work]] = field(default_factory=deque)
+
+    def head(self) -> int | None:
+        """The number of the next job (-1: an unnumbered one); None when nothing waits."""
+        first = min(self.waiting, default=None)
+        if self.unnumbered and (first is None or self.unnumbered[0][0] < first):
+            return -1
+        return first
 
 
 class Turns:
@@ -56,14 +66,17 @@ class Turns:
                 self._order.append(client)
 
     def submit(self, client: str, seq_id: int, record: Record, work: Work) -> Record:
-        """Queue `work` as request `seq_id` of `client` (0: after the last one queued); a request
-        already queued under that number keeps its future (a resubmission), which is returned."""
+        """Queue `work` as request `seq_id` of `client` (0 or less: unnumbered, after what arrived
+        before it); a request already queued or run under that number keeps its future (a
+        resubmission), which is returned. RequestFailed when it cannot be queued."""
         with self._cond:
             queue = self._queues.get(client)
             if queue is None:
                 raise RequestFailed(f"no training client {client!r}", "user")
             if seq_id <= 0:
-                seq_id = max([queue.next - 1, *queue.waiting]) + 1
+                queue.unnumbered.append((max([queue.next - 1, *queue.waiting]), record, work))
+                self._cond.notify_all()
+                return record
             if seq_id in queue.waiting:
                 return queue.waiting[seq_id][0]
             if seq_id in queue.ran:
@@ -84,7 +97,8 @@ class Turns:
             queue = self._queues.pop(client, None)
             if client in self._order:
                 self._order.remove(client)
-        for record, _ in queue.waiting.values() if queue else ():
+        jobs = [*queue.waiting.values(), *((r, w) for _, r, w in queue.unnumbered)] if queue else []
+        for record, _ in jobs:
             record.future.set_exception(RequestFailed(why, "user"))
 
     def run_now(self, record: Record, work: Work) -> Record:
@@ -100,7 +114,7 @@ class Turns:
     def pending(self, client: str) -> int:
         with self._cond:
             queue = self._queues.get(client)
-            return len(queue.waiting) if queue else 0
+            return len(queue.waiting) + len(queue.unnumbered) if queue else 0
 
     def stop(self) -> None:
         with self._cond:
@@ -114,8 +128,12 @@ class Turns:
             queue = self._queues[client]
             if client == "" and queue.waiting:
                 return queue.waiting.pop(min(queue.waiting))
-            if queue.waiting:  # the lowest that arrived: a number missing below it never comes
-                seq_id = min(queue.waiting)
+            seq_id = queue.head()  # the lowest that arrived: a number missing below it never comes
+            if seq_id == -1:
+                _, record, work = queue.unnumbered.popleft()
+                self._order.append(self._order.pop(i))
+                return record, work
+            if seq_id is not None:
                 job = queue.waiting.pop(seq_id)
                 queue.next = seq_id + 1
                 queue.ran[seq_id] = job[0]

@@ -11,7 +11,7 @@ Each step is timed and logged; a step that fails is written down with its error 
   engine  SGLang in-process (on CUDA: Triton attention and LoRA backends, torch's fused ops): a
           LoRA adapter in a slot; greedy and sampled generation; their logprobs against Orbit's
           trainer on the same tokens; a second adapter pushed into the inactive slot and the flip
-          (pause, flush, activate, continue) timed, under running requests
+          (pause, flush where SGLang allows it, activate, continue) timed, under running requests
   modes   `orbit bench` of the five modes for a few steps, trainer and engine on the one device
           (sync modes offload and onload the engine): each mode's step, rollout tokens/s and
           update_weights, and the seed's ratios (step db/sync 0.29, tokens/s db/aa 1.50)
