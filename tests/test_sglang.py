@@ -577,8 +577,9 @@ def test_dead_scheduler_fails_pending_requests_and_shutdown_spares_other_childre
 @pytest.mark.timeout(240)
 def test_an_engine_that_fails_to_start_leaves_nothing_that_hangs_later(tiny_llama, tmp_path):
     """A scheduler that dies at start (weights cut short): EngineStartError, no SGLang process
-    left, and no half-built ZeroMQ context whose finalizer would block the garbage collector and
-    so whatever ran next (found on a GPU: `orbit serve` hung after a failed engine start)."""
+    left, no half-built ZeroMQ context whose finalizer would block the garbage collector and so
+    whatever ran next (found on a GPU: `orbit serve` hung after a failed engine start), and no file
+    of its left in /dev/shm."""
     import gc
     import shutil
 
@@ -593,8 +594,14 @@ def test_an_engine_that_fails_to_start_leaves_nothing_that_hangs_later(tiny_llam
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    files_before = set(Path("/dev/shm").glob("sglang_loads_*"))
     with pytest.raises(EngineStartError, match="failed to start"):
         start_sglang_engine(bad, max_running=8, max_lora_rank=8)
+    # a load-snapshot file made since that no process holds: this start's (another test's live
+    # engine beside this one holds its own open)
+    held = {path for pid in psutil.pids() for path in _open_paths(pid)}
+    left_files = [f for f in set(Path("/dev/shm").glob("sglang_loads_*")) - files_before]
+    assert not [f for f in left_files if str(f) not in held], "the failed start left its files"
     collector = threading.Thread(target=gc.collect, daemon=True)
     collector.start()
     collector.join(30)
@@ -605,6 +612,21 @@ def test_an_engine_that_fails_to_start_leaves_nothing_that_hangs_later(tiny_llam
         if p.pid not in before and is_sglang(p)  # not the fork server a first start starts
     ]
     assert not left, f"processes left by a failed start: {left}"
+
+
+def _open_paths(pid: int) -> list[str]:
+    """What process `pid` has open, by path (none when it is gone or not ours to read)."""
+    paths = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return paths
 
 
 # ---- push selection and merged weights (no SGLang needed) ----------------------------------------

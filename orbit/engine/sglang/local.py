@@ -69,6 +69,15 @@ def sglang_shm_files(pids: list[int]) -> list[Path]:
     return sorted(found)
 
 
+def start_files(port_args: object) -> list[Path]:
+    """What an in-process engine's start makes in /dev/shm and the temporary directory, found from
+    its ports (a start that failed has no processes left to ask): the scheduler's load-snapshot
+    file and the ZeroMQ socket files."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    return [Path(shm_path_for(port_args.instance_id)), *ipc_files(port_args)]  # type: ignore[attr-defined]
+
+
 def ipc_files(port_args: object) -> list[Path]:
     """The socket files of an in-process engine's ZeroMQ channels (`ipc://` names SGLang makes with
     NamedTemporaryFile(delete=False) and never removes)."""

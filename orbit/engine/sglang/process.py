@@ -30,6 +30,7 @@ from orbit.engine.base import EngineError, EngineStartError
 from orbit.engine.devices import sglang_device
 from orbit.engine.sglang.forked import engine_class, forking
 from orbit.engine.sglang.install import INSTALL_HINT
+from orbit.engine.sglang.local import remove, start_files
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import read_spec
 
@@ -180,8 +181,12 @@ def launch(model_path: str | Path, opts: SGLangOptions):
         ]
         kill_sglang([p.pid for p in started], [])
         # the half-built tokenizer manager's sockets: left open, the context's finalizer waits for
-        # them whenever the garbage collector gets to it, and hangs whatever runs then
-        close_zmq(*_frame_locals(e.__traceback__))
+        # them whenever the garbage collector gets to it, and hangs whatever runs then; and the
+        # files the start made, which no process of it is left to remove
+        half_built = _frame_locals(e.__traceback__)
+        close_zmq(*half_built)
+        for ports in {id(o): o for o in half_built if type(o).__name__ == "PortArgs"}.values():
+            remove(start_files(ports))
         loop.close()
         if previous_sigquit is not None:
             signal.signal(signal.SIGQUIT, previous_sigquit)
