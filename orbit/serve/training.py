@@ -59,9 +59,9 @@ class Turns:
         self._thread = threading.Thread(target=self._run, name="orbit-serve-trainer", daemon=True)
         self._thread.start()
 
-    def open(self, client: str, first: int = 1) -> None:
+    def open(self, client: str) -> None:
         with self._cond:
-            self._queues.setdefault(client, Queue(next=first))
+            self._queues.setdefault(client, Queue())
             if client not in self._order:
                 self._order.append(client)
 
