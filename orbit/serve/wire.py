@@ -21,6 +21,8 @@ class WireError(Refused):
     """A request that cannot be read as the Tinker wire says; the message names what."""
 
 
+MAX_DENSE = 2**24  # values a sparse tensor may densify to (a datum's inputs are one per token)
+
 _DTYPES = {
     pb.DTYPE_FLOAT32: torch.float32,
     pb.DTYPE_INT64: torch.int64,
@@ -77,13 +79,17 @@ def tensor(message: pb.Tensor, what: str) -> torch.Tensor:
     csr = message.sparse_csr
     if len(shape) != 2:
         raise WireError(f"{what}: a sparse tensor needs a 2-d shape, got {shape}")
+    if min(shape) < 0 or shape[0] * shape[1] > MAX_DENSE:
+        raise WireError(f"{what}: a sparse tensor of shape {shape} (at most {MAX_DENSE} values)")
     values = _array(csr.values, dtype, [], what)
     crow = _array(csr.crow_indices, torch.int64, [], what)
     cols = _array(csr.col_indices, torch.int64, [], what)
     try:
-        return torch.sparse_csr_tensor(crow, cols, values, shape).to_dense()
-    except RuntimeError as err:
-        raise WireError(f"{what}: a bad sparse tensor ({err})") from None
+        # the invariants checked: unchecked, indices out of range read memory out of bounds
+        dense = torch.sparse_csr_tensor(crow, cols, values, shape, check_invariants=True)
+        return dense.to_dense()
+    except (RuntimeError, IndexError, ValueError) as err:
+        raise WireError(f"{what}: a bad sparse tensor ({str(err).splitlines()[0]})") from None
 
 
 def unzstd(body: bytes, limit: int) -> bytes:
