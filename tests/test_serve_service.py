@@ -376,6 +376,7 @@ class Server:
             text=True,
             cwd=ROOT,
             env={**os.environ, "COLUMNS": "200"},
+            start_new_session=True,  # a process group of its own, to kill whole
         )
         self.lines: list[str] = []
         self.wait_for("serving the Tinker API", 120)
@@ -397,6 +398,25 @@ class Server:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
         return children
+
+    def kill_group(self) -> list[psutil.Process]:
+        """SIGKILL to its whole process group (the resource tracker and the engines with it)."""
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        return children
+
+    def shm(self) -> set[str]:
+        """What its processes have open in /dev/shm, read from their memory maps."""
+        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
+        found = set()
+        for proc in procs:
+            try:
+                maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            except OSError:
+                continue
+            found |= {x.split()[-1] for x in maps.splitlines() if "/dev/shm/" in x}
+        return {f for f in found if not f.endswith("(deleted)")}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -428,6 +448,27 @@ def _result(driver: subprocess.Popen, timeout: float = 180) -> dict:
 def _gone(children: list[psutil.Process]) -> None:
     _, alive = psutil.wait_procs(children, timeout=20)
     assert not alive, f"left running after orbit serve was killed: {alive}"
+
+
+@pytest.mark.timeout(300)
+def test_a_kill_of_the_whole_process_group_leaves_nothing_after_the_next_start(
+    tiny_llama, tmp_path
+):
+    """kill -9 of orbit serve's process group kills multiprocessing's resource tracker too, so the
+    named semaphores of its engine's queue stay in /dev/shm; the next start removes them."""
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(json.dumps({"model": str(tiny_llama), "engine": {"backend": "embedded"}}))
+    directory, port = tmp_path / "serve", _free_port()
+    server = Server(recipe, directory, port, "none")
+    try:
+        held = server.shm()
+        assert any("/sem.mp-" in f for f in held), held  # what the kill will leave
+        _gone(server.kill_group())
+        assert all(Path(f).exists() for f in held)  # left by the kill
+        server = Server(recipe, directory, port, "none")
+        assert not [f for f in held if Path(f).exists()]
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(600)
@@ -485,6 +526,9 @@ def test_the_services_page_shows_clients_engines_and_latency_and_no_key(shared):
     from orbit.serve.page import watch
 
     url, service, _, a = shared
+    # an inflight save of A's client, unnumbered (after what it queued): a target on the page
+    saved = service.save_for_sampler(tenant_of(KEY_A), a["model_id"], 0, None, 77, "inflight")
+    saved.future.result(60)
     page_server = watch(service)
     try:
         with browser() as page:
@@ -498,6 +542,8 @@ def test_the_services_page_shows_clients_engines_and_latency_and_no_key(shared):
             assert any(r.startswith("ForwardBackward") for r in rows), rows
             assert page.locator("#losses .main-svg").count() > 0  # the loss chart is drawn
             assert page.locator("#engines tbody tr").count() == len(service.sampler.caches)
+            targets = page.locator("#targets tbody tr").all_inner_texts()
+            assert any(a["model_id"] in t and "\t1\t" in t for t in targets), targets
     finally:
         page_server.stop()
     assert tenant_of(KEY_A) in text and KEY_A not in text and KEY_B not in text

@@ -5,6 +5,10 @@ the libraries it drives and every process it starts put in temporary files lands
 ZeroMQ socket files, multiprocessing's `pymp-*` directories), and none of them removes its own
 when killed. The directory goes at exit; one whose process is gone (SIGKILL, the OOM killer) is
 removed by the next Orbit. `own_dir` makes such a directory anywhere (adapter files in /dev/shm).
+
+multiprocessing's named semaphores (/dev/shm/sem.mp-*, a queue's locks) are removed by its resource
+tracker when their process dies, but a kill of the whole process group kills the tracker too: their
+names are noted in the scratch directory as they are made, and the next Orbit unlinks them with it.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SCRATCH = "orbit-scratch-"
+NOTED = "shm-names"  # in a scratch directory: "<kind> <name>" of what its process made in /dev/shm
 
 
 def own_dir(prefix: str, base: Path) -> Path:
@@ -23,6 +29,7 @@ def own_dir(prefix: str, base: Path) -> Path:
     for old in base.glob(f"{prefix}*"):
         pid = old.name[len(prefix) :].split("-")[0]
         if pid.isdigit() and not alive(int(pid)):
+            _unlink_noted(old / NOTED)
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
 
@@ -47,7 +54,43 @@ def claim() -> Path:
     from multiprocessing import util
 
     util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-101)
+    _note_shm(path / NOTED)
     return path
+
+
+def _note_shm(noted: Path) -> None:
+    """Note in `noted` each name this process registers with multiprocessing's resource tracker
+    (every semaphore and shared-memory block it makes), for the next Orbit to unlink if this
+    process group is killed whole. SemLock and SharedMemory look `register` up when they call it."""
+    from multiprocessing import resource_tracker
+
+    real = resource_tracker.register
+
+    def register(name: Any, rtype: str) -> None:
+        with noted.open("a") as f:
+            f.write(f"{rtype} {name}\n")
+        real(name, rtype)
+
+    resource_tracker.register = register
+
+
+def _unlink_noted(noted: Path) -> None:
+    """Unlink what a dead process noted (those its tracker removed already are gone: skipped)."""
+    import _multiprocessing
+    import _posixshmem
+
+    unlink = {"semaphore": _multiprocessing.sem_unlink, "shared_memory": _posixshmem.shm_unlink}
+    try:
+        lines = noted.read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        kind, _, name = line.partition(" ")
+        if kind in unlink:
+            try:
+                unlink[kind](name)
+            except OSError:
+                pass
 
 
 def alive(pid: int) -> bool:
