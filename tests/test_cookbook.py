@@ -148,3 +148,36 @@ def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
     assert len(rows) == 2
     print(f"\nkl_sample_train on SGLang: {[r['optim/kl_sample_train_v1'] for r in rows]}")
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-2 for r in rows)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
+    """The cookbook's async RL loop (`AsyncConfig`: sampling runs one step ahead of training), as it
+    ships, with the clipped loss its docs advise for stale data."""
+    url, _, model = tinker_served
+    rl = _cookbook(
+        "math_rl",
+        {
+            "model_name": model.resolve(),
+            "renderer_name": "role_colon",
+            "lora_rank": 4,
+            "behavior_if_log_dir_exists": "delete",
+            "env": "arithmetic",
+            "loss_fn": "ppo",
+            "max_steps_off_policy": 1,
+            "group_size": 4,
+            "groups_per_batch": 2,
+            "max_tokens": 6,
+            "max_steps": 3,
+            "learning_rate": 3e-4,
+            "eval_every": 0,
+            "save_every": 0,
+            "log_path": tmp_path / "rl",
+        },
+        url,
+    )
+    output = rl.communicate(timeout=540)[0]
+    assert rl.returncode == 0, output[-4000:]
+    rows = [r for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2]

@@ -5,7 +5,9 @@ tests/test_cookbook.py."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +182,40 @@ def test_a_create_model_field_orbit_cannot_honour_is_refused_by_name(trained):
     for expected, body in bodies.items():
         res = httpx.post(f"{url}/api/v1/create_model", json=body, timeout=30)
         assert res.status_code == 400 and expected in res.json()["detail"], res.text
+
+
+def test_an_inflight_sampler_samples_each_newer_inflight_save(served):
+    """Tinker's `kind="inflight"` is the double buffer: a later inflight save updates the weights of
+    every inflight sampler made before it (their next request samples the new version, equal to the
+    trainer's), snapshots keep theirs, and samples running across the save finish, none aborted."""
+    url, service, model = served
+    seen = sdk(url, model, "inflight")
+    v1, v2 = seen["v1"], seen["v2"]
+    bound = AGREEMENT["embedded" if service.limits.max_rank is None else "sglang"]
+    for v in (v1, v2):
+        assert max(abs(a - b) for a, b in zip(v["logprobs"], v["trained"], strict=True)) <= bound
+    moved = [abs(a - b) for a, b in zip(v2["logprobs"], v1["logprobs"], strict=False)]
+    assert v2["tokens"] != v1["tokens"] or max(moved) > 1e-3  # the first sampler moved on
+    assert seen["second"]["tokens"] == v2["tokens"]
+    assert seen["snapshot"]["tokens"] == v1["tokens"]  # the snapshot did not
+    assert len(seen["across"]) == 16 and min(seen["across"]) >= 1
+    assert sum(cache.flips for cache in service.sampler.caches) >= 1
+
+
+def test_an_async_rl_loop_on_inflight_samplers(trained):
+    """Our own async loop (tests/tinker/async_rl.py): producers sample from the first inflight
+    sampler while the trainer steps and publishes; each step's groups are at most a step stale, and
+    the engines flipped to each published version."""
+    url, service, model = trained
+    spec = {"kind": "inflight", "steps": 4, "groups": 2, "group_size": 4, "off_policy": 1}
+    spec.update(max_tokens=8, lr=1e-2, seed=0)
+    script = Path(__file__).parent / "tinker" / "async_rl.py"
+    seen = sdk(url, model, "async", script=script, arg=json.dumps(spec))
+    rows = seen["steps"]
+    print("\n" + "\n".join(json.dumps(r) for r in rows))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert max(s for r in rows for s in r["staleness"]) <= 2
+    assert any(s >= 1 for r in rows for s in r["staleness"])  # sampling ran ahead of training
+    target = next(t for t in service.sessions.targets() if t.model_id == seen["model_id"])
+    assert target.newest().version == 5  # the first save, then one a step
+    assert sum(cache.flips for cache in service.sampler.caches) >= 1

@@ -10,7 +10,7 @@ A request Orbit refuses gets a 4xx with a JSON body naming what was wrong (the S
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -89,6 +89,7 @@ class SaveForSampler(_Body):
     seq_id: int = 0
     path: str | None = None
     sampling_session_seq_id: int | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
 
 
 class LoadWeights(_Body):
@@ -295,7 +296,12 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     async def save_for_sampler(request: Request) -> dict[str, Any]:
         req: SaveForSampler = await body(request, SaveForSampler)
         record = service.save_for_sampler(
-            who(request), req.model_id, req.seq_id, req.path, req.sampling_session_seq_id
+            who(request),
+            req.model_id,
+            req.seq_id,
+            req.path,
+            req.sampling_session_seq_id,
+            req.kind,
         )
         return future(record)
 

@@ -1,7 +1,7 @@
 """The service's page: `orbit serve RECIPE --watch`. Every tenant's training clients (their steps,
-their losses, how many of their requests wait), the engines and what each slot holds, and each kind
-of request's latency; refreshed every two seconds, drawn with Plotly (the `plotly` package's own
-script: nothing is fetched from the web).
+their losses, how many of their requests wait), the engines and what each slot holds, each inflight
+target's version on each engine, and each kind of request's latency; refreshed every two seconds,
+drawn with Plotly (the `plotly` package's own script: nothing is fetched from the web).
 
 It listens on 127.0.0.1 only, on a port of its own, whatever `--host` the API has: it names every
 tenant's clients, so it is for whoever runs the service. Tenants appear as their key's digest
@@ -46,12 +46,27 @@ def state(service: Service) -> dict[str, Any]:
             }
         )
     latency = service.futures.latencies()
+    serving = [cache.serving() for cache in service.sampler.caches]
     return {
         "tenants": {t: {"waiting": n} for t, n in sorted(waiting.items())},
         "clients": clients,
         "engines": [
-            {"slots": list(cache.held), "running": list(cache.running), "load": cache.load()}
+            {
+                "slots": list(cache.held),
+                "versions": list(cache.versions),
+                "running": list(cache.running),
+                "load": cache.load(),
+                "flips": cache.flips,
+            }
             for cache in service.sampler.caches
+        ],
+        "targets": [
+            {
+                "id": t.model_id,
+                "version": t.newest().version,
+                "engines": [found.get(t.key) for found in serving],
+            }
+            for t in service.sessions.targets()
         ],
         "latency": {
             kind: {

@@ -1,18 +1,25 @@
 """Sampling sessions: `{session}:sample:{k}`, each bound to the weights it samples (the base model,
-a checkpoint, or an unnamed snapshot of a training client), recorded in the store for its tenant.
-The weights are read once and kept in memory; after a restart a session reads them again from disk
-(a snapshot is written under DIR/snapshots/ for that). A training client's newest `SNAPSHOTS_KEPT`
-snapshots are kept: an RL loop makes one a step.
+a checkpoint, an unnamed snapshot of a training client, or a training client's inflight target),
+recorded in the store for its tenant. The weights are read once and kept in memory; after a restart
+a session reads them again from disk (a snapshot is written under DIR/snapshots/ for that). A
+training client's newest `SNAPSHOTS_KEPT` snapshots are kept: an RL loop makes one a step.
+
+Inflight (Tinker's `kind="inflight"`): each of a training client's inflight saves publishes a new
+version of one mutable target and opens a session on it; every session of the target samples its
+newest version from its next request on (samplers.py flips the engines), never one older than the
+version it was created at. The target's newest version is also on disk, for a restart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,27 @@ def read_weights(key: str, directory: Path) -> Weights:
     return Weights(key, load_file(directory / "adapter_model.safetensors"), config)
 
 
+class Target:
+    """A training client's inflight weights: `publish` makes a new version, `newest` is it."""
+
+    def __init__(self, model_id: str, directory: Path, weights: Weights | None = None) -> None:
+        self.model_id, self.directory = model_id, directory
+        self.key = f"inflight:{model_id}"
+        self._weights = weights
+        self._lock = threading.Lock()
+
+    def publish(self, tensors: dict, config: dict) -> Weights:
+        with self._lock:
+            version = self._weights.version + 1 if self._weights else 1
+            self._weights = Weights(self.key, tensors, config, version)
+            return self._weights
+
+    def newest(self) -> Weights:
+        with self._lock:
+            assert self._weights is not None
+            return self._weights
+
+
 class SamplingSessions:
     """Every tenant's sampling sessions: `snapshots` is where unnamed snapshots go, `sampler` the
     engines that sample, `base` what the base model is called in a session's row."""
@@ -46,6 +74,8 @@ class SamplingSessions:
         self.sampler, self.base = sampler, base
         self._weights: dict[str, Weights] = {}
         self._kept: dict[str, deque[str]] = {}  # training client -> its snapshots, oldest first
+        self._targets: dict[str, Target] = {}  # training client -> its inflight target
+        self._floors: dict[str, int] = {}  # inflight session -> the version it was created at
         self._lock = threading.Lock()
         recover_dir(snapshots)
 
@@ -74,16 +104,49 @@ class SamplingSessions:
             self._unbind(gone)
             shutil.rmtree(self.snapshots / gone, ignore_errors=True)
 
+    def publish(
+        self, tenant: str, sampler: str, trainer: TrainingClient, executor: Executor
+    ) -> int:
+        """An inflight save: `trainer`'s adapter as it is now becomes its target's newest version
+        (on disk first), and `sampler` a session on the target. The engines flip in the background
+        (on `executor`): this returns the version once the target is updated."""
+        with self._lock:
+            target = self._targets.get(trainer.model_id)
+            if target is None:
+                directory = self.snapshots / f"inflight-{trainer.model_id}"
+                target = self._targets[trainer.model_id] = Target(trainer.model_id, directory)
+        save = lambda d: trainer.save(d, optimizer=False)  # noqa: E731 - the adapter alone
+        write_dir(target.directory, save, True, replace=True)
+        weights = target.publish(*trainer.adapter())
+        row = self._row(tenant, sampler, self.base, None, str(target.directory))
+        row.target = trainer.model_id
+        self.store.add_sampler(row)
+        with self._lock:
+            self._weights.pop(sampler, None)
+            self._floors[sampler] = weights.version
+        self.sampler.publish(weights, executor)
+        return weights.version
+
+    def targets(self) -> list[Target]:
+        """The inflight targets, by training client."""
+        with self._lock:
+            return sorted(self._targets.values(), key=lambda t: t.model_id)
+
     def release(self, rows: list[SamplerRow]) -> None:
-        """Sessions that ended: unbound, their snapshots deleted (named checkpoints stay)."""
+        """Sessions that ended: unbound, their snapshots and inflight targets deleted (named
+        checkpoints stay)."""
         for row in rows:
             self._unbind(row.id)
-            if row.snapshot:
+            if row.snapshot and not row.target:
                 shutil.rmtree(row.snapshot, ignore_errors=True)
         ended = {row.id.split(":")[0] for row in rows}
         with self._lock:
             for trainer in [t for t in self._kept if t.split(":")[0] in ended]:
                 del self._kept[trainer]
+            gone = [self._targets.pop(t) for t in list(self._targets) if t.split(":")[0] in ended]
+        for target in gone:
+            self.sampler.forget(target.key)
+            shutil.rmtree(target.directory, ignore_errors=True)
 
     def _row(
         self, tenant: str, sampler: str, base: str, model_path: str | None, snapshot: str | None
@@ -106,8 +169,9 @@ class SamplingSessions:
     def _unbind(self, sampler: str) -> None:
         with self._lock:
             weights = self._weights.pop(sampler, None)
+            self._floors.pop(sampler, None)
         self.store.drop_sampler(sampler)
-        if weights is not None:
+        if weights is not None and not weights.key.startswith("inflight:"):
             self.sampler.forget(weights.key)
 
     def _row_of(self, tenant: str, sampler: str) -> SamplerRow:
@@ -121,8 +185,14 @@ class SamplingSessions:
         row = self._row_of(tenant, sampler)
         with self._lock:
             weights = self._weights.get(sampler)
+            floor = self._floors.get(sampler)
+            target = self._targets.get(row.target) if row.target else None
+        if target is not None and floor is not None:
+            return dataclasses.replace(target.newest(), floor=floor)
         if weights is None:
-            if row.snapshot:
+            if row.target and row.snapshot:  # after a restart: the target's newest, fixed
+                weights = read_weights(f"inflight:{row.target}", Path(row.snapshot))
+            elif row.snapshot:
                 weights = read_weights(f"snapshot:{sampler}:{row.created}", Path(row.snapshot))
             elif row.model_path:
                 found = self.checkpoints.get(tenant, row.model_path)

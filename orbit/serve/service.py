@@ -181,8 +181,10 @@ class Service:
 
     def check_base(self, base_model: str) -> None:
         if base_model not in self.names:
-            served = " or ".join(sorted(self.names))
-            raise Refused(f"base_model {base_model!r}: this orbit serve serves {served}")
+            # the names but the absolute paths: no refusal shows where the server keeps its files
+            shown = sorted(n for n in self.names if not n.startswith("/"))
+            served = " or ".join(shown) if shown else "one base model, by its recipe's model path"
+            raise Refused(f"base_model {str(base_model)[:200]!r}: this orbit serve serves {served}")
 
     def _room(self, tenant: str) -> None:
         """Busy when the tenant has its most requests waiting or running."""
@@ -390,14 +392,23 @@ class Service:
         return self._ordered(tenant, model_id, seq_id, "SaveWeights", work)
 
     def save_for_sampler(
-        self, tenant: str, model_id: str, seq_id: int, name: str | None, sampling_seq: int | None
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int,
+        name: str | None,
+        sampling_seq: int | None,
+        kind: str = "snapshot",
     ) -> Record:
-        """Named: a persistent sampler checkpoint. Unnamed: a snapshot of the adapter now, and a
-        sampling session bound to it (sampling_sessions.py)."""
+        """Named: a persistent sampler checkpoint. Unnamed: a sampling session on the adapter as it
+        is now, fixed (`kind` "snapshot") or the training client's inflight target, which later
+        inflight saves update for every session on it (sampling_sessions.py)."""
         trainer = self.client(tenant, model_id)
         session = self._client_row(tenant, model_id).session
         if name is not None:
             self.checkpoints.directory(model_id, "sampler_weights", name)
+        if kind not in ("snapshot", "inflight"):
+            raise Refused(f"kind: {kind!r}; snapshot or inflight")
 
         def work() -> dict[str, Any]:
             if name is not None:
@@ -405,7 +416,10 @@ class Service:
                 path = self.checkpoints.save(tenant, model_id, "sampler_weights", name, save, True)
                 return {"path": path}
             sampler = f"{session}:sample:{sampling_seq if sampling_seq is not None else 0}"
-            self.sessions.snapshot(tenant, sampler, trainer)
+            if kind == "inflight":
+                self.sessions.publish(tenant, sampler, trainer, self._sampling)
+            else:
+                self.sessions.snapshot(tenant, sampler, trainer)
             return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
 
         return self._ordered(tenant, model_id, seq_id, "SaveWeightsForSampler", work)

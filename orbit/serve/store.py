@@ -86,8 +86,8 @@ class ClientRow(Base):
 
 
 class SamplerRow(Base):
-    """A sampling session: the base model, a checkpoint, or a snapshot written under the serve
-    directory."""
+    """A sampling session: the base model, a checkpoint, a snapshot written under the serve
+    directory, or a training client's inflight target."""
 
     __tablename__ = "samplers"
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -97,6 +97,9 @@ class SamplerRow(Base):
     model_path: Mapped[str | None] = mapped_column(Text, nullable=True)  # tinker://...
     snapshot: Mapped[str | None] = mapped_column(Text, nullable=True)  # a directory
     created: Mapped[float] = mapped_column(Float)
+    # an inflight session: the training client whose target it samples (snapshot: the target's
+    # newest version on disk, shared by the target's sessions)
+    target: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class FutureRow(Base):

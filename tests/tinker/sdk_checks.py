@@ -206,6 +206,46 @@ def own_refusals(service, model):
     return out
 
 
+def inflight(service, model):
+    """Inflight samplers (`kind="inflight"`): a sampler made before a later inflight save samples
+    the newer weights; a snapshot keeps its own; samples running across the save all finish."""
+    a = client(service, model, seed=41)
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = types.ModelInput.from_ints(TOKENS[:4])
+
+    def step() -> None:
+        a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+    def sample(sampler) -> dict:
+        s = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        return {"tokens": s.tokens, "logprobs": s.logprobs}
+
+    def trained(tokens: list[int]) -> list[float]:
+        return logprobs(a.forward([ce(TOKENS[:4] + tokens)], "cross_entropy").result())[0][3:]
+
+    step()
+    first = a.save_weights_and_get_sampling_client(kind="inflight")
+    snapshot = a.save_weights_and_get_sampling_client()
+    v1 = sample(first)
+    v1["trained"] = trained(v1["tokens"])
+    for _ in range(3):
+        step()
+    long = types.SamplingParams(max_tokens=48, temperature=1.0, seed=3)
+    running = [first.sample(prompt, num_samples=4, sampling_params=long) for _ in range(4)]
+    second = a.save_weights_and_get_sampling_client(kind="inflight")
+    across = [len(s.tokens) for f in running for s in f.result().sequences]
+    v2 = sample(first)
+    v2["trained"] = trained(v2["tokens"])
+    return {
+        "v1": v1,
+        "v2": v2,
+        "second": sample(second),
+        "snapshot": sample(snapshot),
+        "across": across,
+    }
+
+
 def sampling(service, model):
     """SamplingParams as the engines honour them, and sampling from the base model."""
     base = service.create_sampling_client(base_model=model)
@@ -246,6 +286,7 @@ CHECKS = {
         state_round_trip,
         refusals,
         own_refusals,
+        inflight,
         sampling,
     )
 }
