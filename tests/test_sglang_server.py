@@ -615,3 +615,35 @@ def test_an_attached_server_that_hangs_and_answers_again_is_taken_back(
         f"{back['t0'] - seen['continued']:.1f} s after it answered"
     )
     assert proc.poll() is None and httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """Orbit picks a free port, the server binds it seconds later: another process may take it in
+    between (two test workers starting servers did, on CI). The start is tried on a new port."""
+    import socket
+
+    from tinker_helpers import serving
+
+    import orbit.engine.sglang.server as server_module
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    picked = []
+
+    def pick() -> int:
+        picked.append(taken if not picked else free_port())
+        return picked[-1]
+
+    monkeypatch.setattr(server_module, "free_port", pick)
+    try:
+        engine = {"backend": "sglang-server", "slots": 2}
+        with serving(tiny_llama, tmp_path / "serve", engine=engine) as (_, service):
+            done = service.sampler.caches[0].engine.generate([1, 2, 3], SamplingParams(4))
+            assert len(done.result(120).output_ids) >= 1
+    finally:
+        held.close()
+    assert len(picked) == 2 and picked[0] == taken != picked[1]

@@ -216,6 +216,13 @@ def launch_args(
     return args + server_flags(dict(opts.extra))
 
 
+PORT_TRIES = 3  # starts of a server whose port another process took meanwhile
+
+
+class _PortTaken(Exception):
+    """The free port picked for a server was taken before the server bound it."""
+
+
 def launch_server(
     model: Path,
     opts: SGLangOptions,
@@ -227,7 +234,31 @@ def launch_server(
     host: str = "127.0.0.1",
 ) -> tuple[str, ServerProcess]:
     """Start one server (listening on `host`) and wait until it answers /health; its URL and
-    process."""
+    process. A port is picked free, then the server binds it seconds later: another process may
+    take it meanwhile (seen on CI with two test workers starting servers), so a start that fails on
+    a taken port is tried again on a new one."""
+    for attempt in range(PORT_TRIES):
+        try:
+            return _launch(model, opts, spec, mem_fraction, tp, api_key, threads, host)
+        except _PortTaken as taken:
+            if attempt == PORT_TRIES - 1:
+                raise EngineStartError(
+                    f"engine.backend 'sglang-server': {PORT_TRIES} free ports in a row were taken "
+                    f"before the server bound them; {taken}"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+def _launch(
+    model: Path,
+    opts: SGLangOptions,
+    spec: ModelSpec,
+    mem_fraction: float | None,
+    tp: int,
+    api_key: str | None,
+    threads: int,
+    host: str,
+) -> tuple[str, ServerProcess]:
     port = free_port()
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
     if api_key:
@@ -259,6 +290,8 @@ def launch_server(
         if server.exited() is not None:
             tail = server.log_tail()
             server.stop()
+            if "address already in use" in tail:
+                raise _PortTaken(tail)
             raise EngineStartError(
                 f"engine.backend 'sglang-server': the server Orbit started for {url} exited (code "
                 f"{server.exited()}) before answering; {tail}"
