@@ -223,6 +223,11 @@ def serve(
         300.0, help="seconds without a heartbeat after which a session ends, releasing its clients"
     ),
     watch: bool = typer.Option(False, help="the service's page on 127.0.0.1 (address printed)"),
+    name: list[str] = typer.Option(
+        [],
+        help="a name clients may call the base model by (e.g. HuggingFaceTB/SmolLM2-135M-Instruct,"
+        " for the cookbook's model table); again for more",
+    ),
 ) -> None:
     """Serve the Tinker API (the `tinker` SDK, tinker-cookbook) on the recipe's base model and
     engines: `orbit serve recipes/smollm2-serve.yaml`, then TINKER_BASE_URL=<the address it
@@ -253,7 +258,7 @@ def serve(
         from orbit.serve.command import serve as run_serve
 
         written = str((yaml.safe_load(recipe.read_text()) or {}).get("model", checked.recipe.model))
-        run_serve(checked.recipe, written, options, console, watch)
+        run_serve(checked.recipe, {written, *name}, options, console, watch)
 
 
 @app.command()

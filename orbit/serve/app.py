@@ -10,11 +10,11 @@ A request Orbit refuses gets a 4xx with a JSON body naming what was wrong (the S
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from orbit.engine.base import SamplingParams
 from orbit.serve import wire
@@ -22,6 +22,27 @@ from orbit.serve.checkpoints import rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec
 from orbit.serve.futures import Busy, Gone, NotFound, Record, Refused, RequestFailed, result_of
 from orbit.serve.keys import Keys
+from orbit.serve.requests import (
+    NOT_SERVED,
+    Adam,
+    Body,
+    ClientConfig,
+    CreateModel,
+    CreateSampler,
+    CreateSession,
+    GetInfo,
+    LoadWeights,
+    OptimStep,
+    RetrieveFuture,
+    Sample,
+    Sampling,
+    SaveForSampler,
+    SaveWeights,
+    SessionHeartbeat,
+    SetTtl,
+    Telemetry,
+    UnloadModel,
+)
 from orbit.serve.samplers import Stops
 from orbit.serve.service import Service
 
@@ -30,112 +51,15 @@ MAX_BODY = 64 * 2**20  # bytes a request may carry (the SDK cuts a forward_backw
 OPEN = {"/api/v1/healthz"}  # answered without a key
 
 
+B = TypeVar("B", bound=Body)
+
+
 class TooLarge(Refused):
     """A request body past the limit (HTTP 413)."""
 
 
 class Unauthorized(Refused):
     """No key, or one the service does not take (HTTP 401)."""
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class LoraConfig(BaseModel):
-    """Every field is honoured; one Orbit does not know is refused, never ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-    rank: int = 32
-    seed: int | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-
-class CreateModel(_Body):
-    session_id: str
-    model_seq_id: int
-    base_model: str
-    lora_config: LoraConfig = LoraConfig()
-    user_metadata: dict[str, Any] | None = None
-    optimizer_config: dict[str, Any] | None = None
-
-
-class Adam(_Body):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
-class OptimStep(_Body):
-    model_id: str
-    seq_id: int = 0
-    adam_params: Adam | None = None
-
-
-class SaveWeights(_Body):
-    model_id: str
-    path: str
-    seq_id: int = 0
-    overwrite: bool = False
-
-
-class SaveForSampler(_Body):
-    model_id: str
-    seq_id: int = 0
-    path: str | None = None
-    sampling_session_seq_id: int | None = None
-    kind: Literal["snapshot", "inflight"] = "snapshot"
-
-
-class LoadWeights(_Body):
-    path: str
-    optimizer: bool = False
-    model_id: str | None = None
-    seq_id: int = 0
-    session_id: str | None = None
-    model_seq_id: int | None = None
-
-
-class CreateSampler(_Body):
-    session_id: str
-    sampling_session_seq_id: int
-    model_path: str | None = None
-    base_model: str | None = None
-
-
-class Chunk(_Body):
-    type: str = "encoded_text"
-    tokens: list[int] = []
-
-
-class Prompt(_Body):
-    chunks: list[Chunk]
-
-
-class Sampling(_Body):
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-
-
-class Sample(_Body):
-    sampling_session_id: str
-    prompt: Prompt
-    sampling_params: Sampling = Sampling()
-    num_samples: int = 1
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
 
 
 def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> FastAPI:
@@ -196,8 +120,12 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             raise Refused(f"{request.url.path}: the body is not a JSON object")
         return data
 
-    async def body(request: Request, model: type[_Body]) -> Any:
-        return model.model_validate(await fields(request))
+    async def body(request: Request, model: type[B]) -> B:
+        """The request as `model` declares it: a field it does not know, or one Orbit does not
+        serve set, is refused, named (requests.py)."""
+        req = model.model_validate(await fields(request))
+        req.refuse_unserved()
+        return req
 
     def future(record: Record) -> dict[str, Any]:
         return {"request_id": record.id}
@@ -205,23 +133,24 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     v1 = "/api/v1"
 
     @api.post(f"{v1}/client/config")
-    async def client_config() -> dict[str, Any]:
+    async def client_config(request: Request) -> dict[str, Any]:
+        await body(request, ClientConfig)
         # a forward_backward's chunks one after another, as every other request: then a request's
         # arrival means each number below it arrived or never will (training.py)
         return {"parallel_fwdbwd_chunks": False}
 
     @api.post(f"{v1}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        metadata = (await fields(request)).get("user_metadata") or {}
-        if not isinstance(metadata, dict):
-            raise Refused("user_metadata: not a JSON object")
-        session = service.create_session(who(request), metadata)
+        req = await body(request, CreateSession)
+        session = service.create_session(
+            who(request), req.user_metadata or {}, req.tags, req.display_name
+        )
         return {"session_id": session, "type": "create_session"}
 
     @api.post(f"{v1}/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        data = await fields(request)
-        service.heartbeat(who(request), str(data.get("session_id", "")))
+        req = await body(request, SessionHeartbeat)
+        service.heartbeat(who(request), req.session_id)
         return {}
 
     @api.post(v1 + "/sessions/{session}/finish")
@@ -235,12 +164,17 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/unload_model")
     async def unload_model(request: Request) -> dict[str, Any]:
-        data = await fields(request)
-        return future(service.unload_model(who(request), str(data.get("model_id", ""))))
+        req = await body(request, UnloadModel)
+        return future(service.unload_model(who(request), req.model_id))
 
     @api.post(f"{v1}/telemetry")
-    async def telemetry() -> dict[str, Any]:
+    async def telemetry(request: Request) -> dict[str, Any]:
+        await body(request, Telemetry)  # taken, kept nowhere: Orbit collects no telemetry
         return {"status": "accepted"}
+
+    @api.get(f"{v1}/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        return service.capabilities()
 
     @api.get(f"{v1}/healthz")
     async def health() -> dict[str, Any]:
@@ -248,7 +182,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        req: CreateModel = await body(request, CreateModel)
+        req = await body(request, CreateModel)
         lora = req.lora_config
         optimizer = (req.optimizer_config or {}).get("type", "adamw")
         if optimizer != "adamw":
@@ -270,8 +204,8 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        data = await fields(request)
-        return service.info(who(request), str(data.get("model_id", "")))
+        req = await body(request, GetInfo)
+        return service.info(who(request), req.model_id)
 
     @api.post(f"{v1}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -282,19 +216,27 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        req: OptimStep = await body(request, OptimStep)
-        adam = AdamParams(**(req.adam_params or Adam()).model_dump())
+        req = await body(request, OptimStep)
+        adam = AdamParams(**(req.optim_params or Adam()).model_dump())
         return future(service.optim_step(who(request), req.model_id, req.seq_id, adam))
 
     @api.post(f"{v1}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        req: SaveWeights = await body(request, SaveWeights)
-        record = service.save_state(who(request), req.model_id, req.seq_id, req.path, req.overwrite)
+        req = await body(request, SaveWeights)
+        record = service.save_state(
+            who(request),
+            req.model_id,
+            req.seq_id,
+            req.path,
+            req.overwrite,
+            req.ttl_seconds,
+            req.user_metadata,
+        )
         return future(record)
 
     @api.post(f"{v1}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        req: SaveForSampler = await body(request, SaveForSampler)
+        req = await body(request, SaveForSampler)
         record = service.save_for_sampler(
             who(request),
             req.model_id,
@@ -302,12 +244,19 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             req.path,
             req.sampling_session_seq_id,
             req.kind,
+            req.ttl_seconds,
+            req.user_metadata,
         )
         return future(record)
 
     @api.post(f"{v1}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        req: LoadWeights = await body(request, LoadWeights)
+        req = await body(request, LoadWeights)
+        optimizer = (req.optimizer_config or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise Refused(
+                f"optimizer_config.type: {str(optimizer)[:40]!r}; Orbit trains with adamw"
+            )
         record = service.load_state(
             who(request),
             req.path,
@@ -316,12 +265,14 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             req.seq_id,
             req.session_id,
             req.model_seq_id,
+            req.base_model,
+            req.user_metadata,
         )
         return future(record)
 
     @api.post(f"{v1}/create_sampling_session")
     async def create_sampler(request: Request) -> dict[str, Any]:
-        req: CreateSampler = await body(request, CreateSampler)
+        req = await body(request, CreateSampler)
         sampler = service.create_sampler(
             who(request),
             req.session_id,
@@ -337,11 +288,9 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        req: Sample = await body(request, Sample)
-        if req.prompt_logprobs or req.topk_prompt_logprobs or req.topk_sample_logprobs:
-            raise Refused("prompt and top-k logprobs: Orbit's engines return sampled logprobs only")
-        if req.prompt_alt_tokens_k:
-            raise Refused("prompt_alt_tokens_k: not served by Orbit's engines")
+        req = await body(request, Sample)
+        if req.sampling_session_id is None:
+            raise Refused("sampling_session_id: required (create_sampling_session makes one)")
         prompt = []
         for chunk in req.prompt.chunks:
             if chunk.type != "encoded_text":
@@ -349,7 +298,13 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             prompt += chunk.tokens
         params, stops = _sampling(req.sampling_params, service.max_context - len(prompt))
         record = service.sample(
-            who(request), req.sampling_session_id, prompt, params, req.num_samples, stops
+            who(request),
+            req.sampling_session_id,
+            prompt,
+            params,
+            req.num_samples,
+            stops,
+            req.seq_id,
         )
         ids = [f"{record.id}:{i}" for i in range(req.num_samples)]
         return {"request_id": record.id, "sample_sequence_ids": ids}
@@ -387,6 +342,36 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         service.delete_checkpoint(who(request), f"tinker://{run}/{kind}/{name}")
         return {}
 
+    @api.put(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
+        req = await body(request, SetTtl)
+        service.set_checkpoint_ttl(who(request), f"tinker://{run}/{kind}/{name}", req.ttl_seconds)
+        return {}
+
+    # ---- RestClient: sessions ------------------------------------------------------------------
+
+    @api.get(f"{v1}/sessions")
+    async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return {"sessions": service.session_ids(who(request))[offset : offset + limit]}
+
+    @api.get(v1 + "/sessions/{session}")
+    async def session_info(request: Request, session: str) -> dict[str, Any]:
+        return service.session_info(who(request), session)
+
+    # ---- the SDK's routes Orbit does not serve: each a 400 naming why (not a 501: the SDK
+    # retries every 5xx for five minutes) --------------------------------------------------------
+
+    def not_served(route: str, why: str) -> Any:
+        async def refuse() -> JSONResponse:
+            return JSONResponse(
+                {"detail": f"{route}: not served by orbit serve ({why})"}, status_code=400
+            )
+
+        return refuse
+
+    for method, route, _, why in NOT_SERVED:
+        api.add_api_route(v1 + route, not_served(route, why), methods=[method])
+
     @api.post(f"{v1}/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
         data = await fields(request)
@@ -394,10 +379,10 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        data = await fields(request)
-        found = service.futures.get(str(data.get("request_id", "")), who(request))
+        req = await body(request, RetrieveFuture)
+        found = service.futures.get(req.request_id, who(request))
         if found is None:
-            raise NotFound(f"no request {str(data.get('request_id'))[:80]!r} (or it expired)")
+            raise NotFound(f"no request {req.request_id[:80]!r} (or it expired)")
         if isinstance(found, Record) and not await service.futures.wait(found):
             return JSONResponse(
                 {"type": "try_again", "request_id": found.id, "queue_state": "active"}

@@ -23,6 +23,9 @@ from orbit.serve.store import CheckpointRow, Store
 KINDS = ("weights", "sampler_weights")  # a training checkpoint (adapter + optimizer), a sampler's
 
 
+MAX_TTL_S = 10 * 365 * 86400  # the SDK's bound: ten years (None: never expires)
+
+
 @dataclass
 class Checkpoint:
     path: str  # tinker://...
@@ -31,6 +34,8 @@ class Checkpoint:
     kind: str
     name: str
     time: float
+    expires: float | None = None  # its TTL's end (time.time); None: never
+    user_metadata: dict[str, str] | None = None
 
 
 def checkpoint_path(client: str, kind: str, name: str) -> str:
@@ -57,7 +62,8 @@ def rest_checkpoint(c: Checkpoint) -> dict[str, Any]:
         "tinker_path": c.path,
         "size_bytes": _size(c.directory) if c.directory.is_dir() else 0,
         "public": False,
-        "expires_at": None,
+        "expires_at": iso(c.expires) if c.expires is not None else None,
+        "user_metadata": c.user_metadata,
     }
 
 
@@ -70,7 +76,25 @@ def _size(directory: Path) -> int:
 
 
 def _of(row: CheckpointRow) -> Checkpoint:
-    return Checkpoint(row.path, Path(row.directory), row.client, row.kind, row.name, row.created)
+    return Checkpoint(
+        row.path,
+        Path(row.directory),
+        row.client,
+        row.kind,
+        row.name,
+        row.created,
+        row.expires,
+        row.user_metadata,
+    )
+
+
+def expiry(ttl_seconds: int | None, now: float) -> float | None:
+    """When a checkpoint saved `now` with `ttl_seconds` expires; Refused for a TTL out of range."""
+    if ttl_seconds is None:
+        return None
+    if not 1 <= ttl_seconds <= MAX_TTL_S:
+        raise Refused(f"ttl_seconds: {ttl_seconds}; from 1 to {MAX_TTL_S} (ten years), or none")
+    return now + ttl_seconds
 
 
 class Checkpoints:
@@ -126,14 +150,19 @@ class Checkpoints:
         name: str,
         fill: Callable[[Path], object],
         overwrite: bool,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> str:
-        """Write a checkpoint whole (a kill leaves the previous one), then record it: its path."""
+        """Write a checkpoint whole (a kill leaves the previous one), then record it, with the time
+        its TTL ends and the client's metadata: its path."""
         directory = self.directory(client, kind, name)
         if directory.exists() and not overwrite:
             raise Refused(f"a checkpoint named {name!r} exists (pass overwrite)")
+        now = time.time()
+        expires = expiry(ttl_seconds, now)
         write_dir(directory, fill, durable=True, replace=overwrite)
         path = checkpoint_path(client, kind, name)
-        self._record(path, tenant, client, kind, name, directory, time.time())
+        self._record(path, tenant, client, kind, name, directory, now, expires, user_metadata)
         return path
 
     def _record(
@@ -145,6 +174,8 @@ class Checkpoints:
         name: str,
         directory: Path,
         created: float,
+        expires: float | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> None:
         self.store.add_checkpoint(
             CheckpointRow(
@@ -157,20 +188,42 @@ class Checkpoints:
                 directory=str(directory),
                 created=created,
                 size_bytes=_size(directory),
+                expires=expires,
+                user_metadata=user_metadata,
             )
         )
 
     def get(self, tenant: str, path: str) -> Checkpoint:
-        """The tenant's checkpoint at `path`; NotFound for any other."""
+        """The tenant's checkpoint at `path`; NotFound for any other, and naming its expiry for one
+        whose TTL ended."""
         parse_path(path)
         row = self.store.checkpoint(path)
         if row is None or row.tenant != tenant:
             raise NotFound(f"no checkpoint {path}")
+        if row.expires is not None and row.expires <= time.time():
+            raise NotFound(f"checkpoint {path} expired at {iso(row.expires)} (its ttl_seconds)")
         return _of(row)
 
     def of(self, tenant: str, client: str | None = None) -> list[Checkpoint]:
-        """The tenant's checkpoints (of one client), oldest first."""
-        return [_of(r) for r in self.store.checkpoints(tenant, client)]
+        """The tenant's checkpoints (of one client) that have not expired, oldest first."""
+        now = time.time()
+        rows = self.store.checkpoints(tenant, client)
+        return [_of(r) for r in rows if r.expires is None or r.expires > now]
+
+    def set_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> None:
+        """A new TTL for the tenant's checkpoint, counted from now (None: it never expires)."""
+        self.get(tenant, path)
+        self.store.set_expiry(path, expiry(ttl_seconds, time.time()))
+
+    def expire(self) -> list[str]:
+        """Delete the files of this process's checkpoints whose TTL ended; their rows stay, so that
+        a later request for one is told it expired. Their paths."""
+        gone = []
+        for row in self.store.expired_checkpoints(time.time()):
+            if Path(row.directory).exists():
+                shutil.rmtree(row.directory, ignore_errors=True)
+                gone.append(row.path)
+        return gone
 
     def delete(self, tenant: str, path: str) -> None:
         found = self.get(tenant, path)
@@ -187,6 +240,8 @@ class Checkpoints:
         for row in self.store.checkpoints(mine=True):
             if (Path(row.directory) / "adapter_config.json").is_file():
                 known.add(row.path)
+            elif row.expires is not None and row.expires <= time.time():
+                known.add(row.path)  # expired: its row says so
             else:
                 self.store.drop_checkpoint(row.path)
         for directory in self.root.glob("*/*/*"):

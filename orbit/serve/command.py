@@ -60,13 +60,13 @@ def _loopback(host: str) -> bool:
 
 
 def serve(
-    recipe: Recipe, written: str, options: Options, console: Console, watch: bool = False
+    recipe: Recipe, names: set[str], options: Options, console: Console, watch: bool = False
 ) -> None:
-    """Serve until interrupted; `written`: the recipe's `model:` as the user wrote it (a client may
-    name the base model so, or by its absolute path). `watch`: the service's page too
-    (page.py)."""
+    """Serve until interrupted; `names`: the recipe's `model:` as the user wrote it and the names
+    `--name` gave (a client may name the base model so, or by its absolute path). `watch`: the
+    service's page too (page.py)."""
     options.check()
-    with serving(recipe, options, {written}, console.print) as (url, service):
+    with serving(recipe, options, names, console.print) as (url, service):
         page = None
         if watch:
             from orbit.serve.page import watch as watch_page

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
 from orbit.serve import wire
-from orbit.serve.checkpoints import Checkpoint, Checkpoints, iso, rest_checkpoint
+from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, iso, rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
 from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused, RequestFailed
 from orbit.serve.samplers import Sampler, Stops, onto
@@ -38,6 +39,7 @@ from orbit.serve.training import Turns
 from orbit.train.shared import SharedBase
 
 log = logging.getLogger(__name__)
+SAMPLES_KEPT = 4096  # samples' requests remembered for resends (service.sample)
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
 
 
@@ -102,6 +104,8 @@ class Service:
         )
         self._lock = threading.Lock()
         self._adapters = 0
+        # the newest samples' requests by (tenant, session, seq_id), for the SDK's resends
+        self._samples: OrderedDict[tuple[str, str, int | None], Record] = OrderedDict()
         # they load adapters into engine slots (tensor copies): helpers, so that the trainer's
         # OpenMP team stays the process's only one (orbit/host/threads.py)
         self._sampling = ThreadPoolExecutor(
@@ -121,13 +125,44 @@ class Service:
 
     # -- sessions ---------------------------------------------------------------------------
 
-    def create_session(self, tenant: str, metadata: dict[str, Any]) -> str:
+    def create_session(
+        self,
+        tenant: str,
+        metadata: dict[str, Any],
+        tags: list[str] | None = None,
+        display_name: str | None = None,
+    ) -> str:
         session = uuid.uuid4().hex[:16]
         now = time.time()
-        self.store.add_session(
-            SessionRow(id=session, tenant=tenant, user_metadata=metadata, created=now, seen=now)
+        row = SessionRow(
+            id=session,
+            tenant=tenant,
+            user_metadata=metadata,
+            created=now,
+            seen=now,
+            tags=tags or [],
+            display_name=display_name,
         )
+        self.store.add_session(row)
         return session
+
+    def session_ids(self, tenant: str) -> list[str]:
+        """The tenant's sessions, newest first (RestClient.list_sessions)."""
+        return [row.id for row in self.store.sessions(tenant)]
+
+    def session_info(self, tenant: str, session: str) -> dict[str, Any]:
+        """What a session made (RestClient.get_session), ended or not."""
+        row = self.store.session(session)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"no session {session!r}")
+        clients = [c.id for c in self.store.clients(tenant) if c.session == session]
+        samplers = [x.id for x in self.store.samplers() if x.id.split(":")[0] == session]
+        return {
+            "training_run_ids": clients,
+            "sampler_ids": [x for x in samplers if self.store.sampler(x) is not None],
+            "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()},
+            "display_name": row.display_name,
+        }
 
     def _session(self, tenant: str, session: str) -> SessionRow:
         """The tenant's session, while it lasts (Gone once it ended)."""
@@ -170,6 +205,7 @@ class Service:
         while not self._stopping.wait(min(5.0, self.quotas.session_timeout_s / 4)):
             timeout = self.quotas.session_timeout_s
             try:
+                self.checkpoints.expire()
                 for session in self.store.silent_sessions(time.time() - timeout):
                     self.store.end_session(session, f"no heartbeat for {timeout:g} s")
                 if self.store.ended_clients() or self.store.ended_samplers():
@@ -377,14 +413,23 @@ class Service:
     # -- checkpoints ------------------------------------------------------------------------
 
     def save_state(
-        self, tenant: str, model_id: str, seq_id: int, name: str, overwrite: bool
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int,
+        name: str,
+        overwrite: bool,
+        ttl_seconds: int | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> Record:
         trainer = self.client(tenant, model_id)
         self.checkpoints.directory(model_id, "weights", name)  # a name it refuses: now
+        expiry(ttl_seconds, 0.0)  # a TTL it refuses: now
 
         def work() -> dict[str, Any]:
+            save = lambda d: trainer.save(d, True)  # noqa: E731 - adapter and optimizer
             path = self.checkpoints.save(
-                tenant, model_id, "weights", name, lambda d: trainer.save(d, True), overwrite
+                tenant, model_id, "weights", name, save, overwrite, ttl_seconds, metadata
             )
             self.store.touch_client(model_id, last_state=path)
             return {"path": path, "type": "save_weights"}
@@ -399,21 +444,30 @@ class Service:
         name: str | None,
         sampling_seq: int | None,
         kind: str = "snapshot",
+        ttl_seconds: int | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> Record:
-        """Named: a persistent sampler checkpoint. Unnamed: a sampling session on the adapter as it
-        is now, fixed (`kind` "snapshot") or the training client's inflight target, which later
-        inflight saves update for every session on it (sampling_sessions.py)."""
+        """Named: a persistent sampler checkpoint (with its TTL and metadata). Unnamed: a sampling
+        session on the adapter as it is now, fixed (`kind` "snapshot") or the training client's
+        inflight target, which later inflight saves update for every session on it
+        (sampling_sessions.py); it lasts as long as its session, so it takes no TTL."""
         trainer = self.client(tenant, model_id)
         session = self._client_row(tenant, model_id).session
         if name is not None:
             self.checkpoints.directory(model_id, "sampler_weights", name)
+            expiry(ttl_seconds, 0.0)
+        elif ttl_seconds is not None or metadata:
+            field = "ttl_seconds" if ttl_seconds is not None else "user_metadata"
+            raise Refused(f"{field}: an unnamed sampler's weights last as long as its session")
         if kind not in ("snapshot", "inflight"):
             raise Refused(f"kind: {kind!r}; snapshot or inflight")
 
         def work() -> dict[str, Any]:
             if name is not None:
                 save = lambda d: trainer.save(d, False)  # noqa: E731 - the adapter alone
-                path = self.checkpoints.save(tenant, model_id, "sampler_weights", name, save, True)
+                path = self.checkpoints.save(
+                    tenant, model_id, "sampler_weights", name, save, True, ttl_seconds, metadata
+                )
                 return {"path": path}
             sampler = f"{session}:sample:{sampling_seq if sampling_seq is not None else 0}"
             if kind == "inflight":
@@ -431,6 +485,9 @@ class Service:
         self.checkpoints.delete(tenant, path)
         self.sampler.forget(path)
 
+    def set_checkpoint_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> None:
+        self.checkpoints.set_ttl(tenant, path, ttl_seconds)
+
     def load_state(
         self,
         tenant: str,
@@ -440,11 +497,16 @@ class Service:
         seq_id: int = 0,
         session: str | None = None,
         seq: int | None = None,
+        base_model: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> Record:
         """Into an existing client (`model_id`, in its order), or a new one `{session}:train:{seq}`
-        made as the checkpoint's was."""
+        made as the checkpoint's was, with `metadata` (`base_model`, when given, must be the
+        checkpoint's)."""
         if model_id is not None:
             trainer = self.client(tenant, model_id)
+            if metadata:
+                raise Refused("user_metadata: given when a client is made from a checkpoint")
             self._loadable(tenant, path, optimizer)
             return self._ordered(
                 tenant,
@@ -457,14 +519,17 @@ class Service:
             raise Refused("load_weights: give model_id, or session_id and model_seq_id")
         self._session(tenant, session)
         found = self._loadable(tenant, path, optimizer)
-        base_model, spec = self.checkpoints.made_with(found)
+        made_on, spec = self.checkpoints.made_with(found)
+        if base_model is not None and base_model != made_on and base_model not in self.names:
+            raise Refused(f"base_model {base_model[:200]!r}: {path} was made on another model")
+        base_model = made_on
         new_id = f"{session}:train:{seq}"
         if new_id not in self.trainers:
             self._client_room(tenant)
         record = self._new(tenant, "LoadWeights")
 
         def work() -> dict[str, Any]:
-            trainer = self._add_client(tenant, new_id, session, base_model, spec, {})
+            trainer = self._add_client(tenant, new_id, session, base_model, spec, metadata or {})
             return self._load(tenant, trainer, path, optimizer)
 
         return self.turns.run_now(record, work)
@@ -545,15 +610,45 @@ class Service:
         params: SamplingParams,
         n: int,
         stops: Stops,
+        seq_id: int | None = None,
     ) -> Record:
+        """`n` samples of `prompt` from the session's weights. A request the SDK sends again
+        (the same session and `seq_id`: a retry after a lost answer) is the first one's future,
+        not a second sample."""
         weights = self.sessions.weights(tenant, sampler)
         self._check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
             raise Refused(f"num_samples: {n}; from 1 to 128")
+        key = (tenant, sampler, seq_id)
+        with self._lock:
+            again = self._samples.get(key) if seq_id is not None else None
+        if again is not None:
+            return again
         record = self._new(tenant, "Sample", proto=True)
+        if seq_id is not None:
+            with self._lock:
+                self._samples[key] = record
+                while len(self._samples) > SAMPLES_KEPT:
+                    self._samples.popitem(last=False)
         submitted = self._sampling.submit(self.sampler.sample, weights, prompt, params, n, stops)
         submitted.add_done_callback(lambda f: onto(f, record.future))
         return record
+
+    def capabilities(self) -> dict[str, Any]:
+        """The models served (RestClient.get_server_capabilities): the base, by each name it has
+        but the server's own paths."""
+        names = sorted(n for n in self.names if not n.startswith("/")) or [str(self.model)]
+        return {
+            "supported_models": [
+                {
+                    "model_name": name,
+                    "max_context_length": self.max_context,
+                    "trainable": True,
+                    "sampleable": True,
+                }
+                for name in names
+            ]
+        }
 
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
         if not prompt:

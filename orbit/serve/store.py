@@ -60,6 +60,8 @@ class SessionRow(Base):
     seen: Mapped[float] = mapped_column(Float)  # its newest heartbeat
     ended: Mapped[float | None] = mapped_column(Float, nullable=True)
     end_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    tags: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    display_name: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class ClientRow(Base):
@@ -128,6 +130,8 @@ class CheckpointRow(Base):
     directory: Mapped[str] = mapped_column(Text)
     created: Mapped[float] = mapped_column(Float)
     size_bytes: Mapped[int] = mapped_column(Integer)
+    expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # its TTL's end (time.time)
+    user_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,12 @@ class Store:
     def session(self, session_id: str) -> SessionRow | None:
         with self._tx() as s:
             return s.get(SessionRow, session_id)
+
+    def sessions(self, tenant: str) -> list[SessionRow]:
+        """The tenant's sessions, newest first."""
+        query = select(SessionRow).where(SessionRow.tenant == tenant)
+        with self._tx() as s:
+            return list(s.scalars(query.order_by(SessionRow.created.desc())))
 
     def seen(self, session_id: str) -> None:
         with self._tx() as s:
@@ -387,6 +397,22 @@ class Store:
             query = query.where(CheckpointRow.tenant == tenant)
         if client is not None:
             query = query.where(CheckpointRow.client == client)
+        with self._tx() as s:
+            return list(s.scalars(query))
+
+    def set_expiry(self, path: str, expires: float | None) -> None:
+        with self._tx() as s:
+            s.execute(
+                update(CheckpointRow).where(CheckpointRow.path == path).values(expires=expires)
+            )
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
+        """This process's checkpoints whose TTL ended by `now`."""
+        query = select(CheckpointRow).where(
+            CheckpointRow.instance == self.instance,
+            CheckpointRow.expires.is_not(None),
+            CheckpointRow.expires <= now,
+        )
         with self._tx() as s:
             return list(s.scalars(query))
 

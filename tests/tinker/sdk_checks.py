@@ -246,6 +246,56 @@ def inflight(service, model):
     }
 
 
+def fields(service, model):
+    """What the SDK's fields do here: a checkpoint's TTL and metadata, a client made from a state
+    with metadata, the key's sessions, the server's capabilities, and a route Orbit does not serve
+    (its error)."""
+    import time
+
+    rest = service.create_rest_client()
+    a = client(service, model, seed=43)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    short = a.save_state("short", ttl_seconds=2).result().path
+    kept = a.save_state("kept", user_metadata={"renderer_name": "role_colon"}).result().path
+    listed = {c.tinker_path: c for c in rest.list_user_checkpoints().result().checkpoints}
+    b = service.create_training_client_from_state(kept, user_metadata={"from": "kept"})
+    run = rest.get_training_run(b.model_id).result()
+    rest.set_checkpoint_ttl_from_tinker_path(kept, 3600).result()
+    ttl = [
+        c for c in rest.list_checkpoints(a.model_id).result().checkpoints if c.tinker_path == kept
+    ]
+    time.sleep(8)  # past the short one's TTL and a reaper round (every 5 s)
+    try:
+        rest.get_weights_info_by_tinker_path(short).result()
+        expired = None
+    except Exception as err:  # noqa: BLE001 - what the SDK says is the finding
+        expired = f"{type(err).__name__}: {err}"[:400]
+    after = [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    session = a.model_id.split(":")[0]
+    info = rest.get_session(session).result()
+    try:
+        rest.publish_checkpoint_from_tinker_path(kept).result()
+        published = None
+    except Exception as err:  # noqa: BLE001
+        published = f"{type(err).__name__}: {err}"[:400]
+    caps = rest.get_server_capabilities().result()
+    return {
+        "short_expires": str(listed[short].expires_at),
+        "kept_metadata": listed[kept].user_metadata,
+        "run_metadata": run.user_metadata,
+        "ttl_set": str(ttl[0].expires_at) if ttl else None,
+        "expired": expired,
+        "listed_after": after,
+        "short": short,
+        "kept": kept,
+        "sessions": rest.list_sessions().result().sessions,
+        "session": session,
+        "session_runs": info.training_run_ids,
+        "published": published,
+        "models": [m.model_name for m in caps.supported_models],
+    }
+
+
 def sampling(service, model):
     """SamplingParams as the engines honour them, and sampling from the base model."""
     base = service.create_sampling_client(base_model=model)
@@ -287,6 +337,7 @@ CHECKS = {
         refusals,
         own_refusals,
         inflight,
+        fields,
         sampling,
     )
 }

@@ -1,0 +1,159 @@
+"""No field of the `tinker` SDK 0.38 is dropped in silence: every request type the SDK has is
+served by a model that declares each of its fields (orbit/serve/requests.py), or its route
+answers 400 naming why; a field Orbit does not serve is refused when set, naming it; a field the
+SDK does not have is refused; and the fields Orbit keeps do what the SDK says (a checkpoint's TTL
+and metadata, a client's metadata, sessions, capabilities, a sample sent again)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import pytest
+from tinker_helpers import sdk, sdk_env, sdk_python, serving
+
+from orbit.serve.requests import INFORMATIONAL, NOT_SERVED, REQUESTS
+
+pytestmark = pytest.mark.slow
+
+# the SDK's request types: their fields, and the names each may go by on the wire (aliases)
+DUMP = """
+import inspect, json, pydantic, tinker.types as t
+out = {}
+for name in dir(t):
+    obj = getattr(t, name)
+    if inspect.isclass(obj) and issubclass(obj, pydantic.BaseModel) and name.endswith("Request"):
+        fields = {}
+        for field, info in obj.model_fields.items():
+            names = {field}
+            alias = info.validation_alias
+            if alias is not None:
+                names |= {str(a) for a in getattr(alias, "choices", [alias])}
+            fields[field] = sorted(names)
+        out[name] = fields
+print(json.dumps(out))
+"""
+
+
+def _sdk_requests() -> dict[str, dict[str, list[str]]]:
+    res = subprocess.run(
+        [str(sdk_python()), "-c", DUMP], capture_output=True, text=True, env=sdk_env("tml-x")
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+def _declared(model) -> set[str]:
+    names = set()
+    for field, info in model.model_fields.items():
+        names.add(field)
+        alias = info.validation_alias
+        if alias is not None:
+            names |= {str(a) for a in getattr(alias, "choices", [alias])}
+    return names
+
+
+def test_every_field_of_every_sdk_request_is_declared_or_its_route_refused():
+    sdk_types = _sdk_requests()
+    not_served = {kind for _, _, kind, _ in NOT_SERVED if kind}
+    missing = sorted(set(sdk_types) - set(REQUESTS) - not_served)
+    assert not missing, f"request types Orbit neither serves nor refuses: {missing}"
+    dropped = []
+    for kind, model in REQUESTS.items():
+        declared = _declared(model)
+        for field, names in sdk_types[kind].items():
+            if not declared & set(names):
+                dropped.append(f"{kind}.{field}")
+    assert not dropped, f"fields the SDK sends that Orbit does not declare: {dropped}"
+    print(
+        f"\n{len(sdk_types)} request types of the SDK: {len(REQUESTS)} served, "
+        f"{len(not_served)} refused by route; "
+        f"{sum(len(f) for k, f in sdk_types.items() if k in REQUESTS)} fields declared, "
+        f"{sum(len(m.UNSERVED) for m in REQUESTS.values())} of them refused when set, "
+        f"{len(INFORMATIONAL)} names informational"
+    )
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    with serving(tiny_llama, tmp_path_factory.mktemp("serve-fields")) as (url, service):
+        yield url, service, tiny_llama
+
+
+# a value that sets each refused field (anything but its default)
+SETS = {
+    "project_id": "p",
+    "optimizer_params": {"type": "dimuon", "learning_rate": 0.1},
+    "weights_access_token": "t",
+    "base_model": "m",
+    "model_path": "tinker://x/weights/y",
+    "prompt_logprobs": True,
+    "topk_prompt_logprobs": 2,
+    "topk_sample_logprobs": 2,
+    "target_prompt_logprobs": True,
+    "prompt_alt_tokens_k": 2,
+    "prompt_logprobs_last_n": 3,
+    "record_stability_info": True,
+}
+ROUTES = {
+    "CreateSessionRequest": "create_session",
+    "OptimStepRequest": "optim_step",
+    "LoadWeightsRequest": "load_weights",
+    "SampleRequest": "asample",
+}
+MINIMAL = {  # the fields each of those needs before its refused ones are read
+    "OptimStepRequest": {"model_id": "m:train:0"},
+    "LoadWeightsRequest": {"path": "tinker://m:train:0/weights/x"},
+    "SampleRequest": {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]}},
+}
+
+
+def test_a_field_orbit_does_not_serve_is_refused_by_name_and_so_is_an_unknown_one(served):
+    url, _, _ = served
+    refused = 0
+    for kind, route in ROUTES.items():
+        for field in REQUESTS[kind].UNSERVED:
+            body = {**MINIMAL.get(kind, {}), field: SETS[field]}
+            res = httpx.post(f"{url}/api/v1/{route}", json=body, timeout=30)
+            assert res.status_code == 400 and field in res.json()["detail"], (kind, field, res.text)
+            refused += 1
+        res = httpx.post(f"{url}/api/v1/{route}", json={**MINIMAL.get(kind, {}), "zzz": 1})
+        assert res.status_code == 400 and "zzz" in res.json()["detail"], (kind, res.text)
+    assert refused == sum(len(REQUESTS[k].UNSERVED) for k in ROUTES)
+    for method, route, _, why in NOT_SERVED:
+        path = route.format(session="s", run="r", kind="weights", name="n")
+        res = httpx.request(method, f"{url}/api/v1{path}", json={}, timeout=30)
+        assert res.status_code == 400 and why in res.json()["detail"], (route, res.text)
+
+
+def test_what_the_fields_orbit_keeps_do(served):
+    url, service, model = served
+    seen = sdk(url, model, "fields")
+    print("\n" + json.dumps(seen, indent=1)[:3000])
+    assert seen["short_expires"] != "None" and seen["ttl_set"] not in (None, "None")
+    assert seen["kept_metadata"] == {"renderer_name": "role_colon"}
+    assert seen["run_metadata"] == {"from": "kept"}
+    assert seen["expired"] and "expired at" in seen["expired"], seen["expired"]
+    assert seen["short"] not in seen["listed_after"] and seen["kept"] in seen["listed_after"]
+    assert seen["session"] in seen["sessions"] and len(seen["session_runs"]) == 2
+    assert seen["published"] and "publishes none" in seen["published"], seen["published"]
+    assert seen["models"], seen
+    assert not any(m.startswith("/") for m in seen["models"]) or len(seen["models"]) == 1
+
+
+def test_a_sample_sent_again_with_its_seq_id_is_the_same_request(served):
+    url, service, model = served
+    session = httpx.post(f"{url}/api/v1/create_session", json={}, timeout=30).json()["session_id"]
+    body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": str(model)}
+    made = httpx.post(f"{url}/api/v1/create_sampling_session", json=body, timeout=30).json()
+    sample = {
+        "sampling_session_id": made["sampling_session_id"],
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 4},
+        "seq_id": 5,
+    }
+    first = httpx.post(f"{url}/api/v1/asample", json=sample, timeout=30).json()
+    again = httpx.post(f"{url}/api/v1/asample", json=sample, timeout=30).json()
+    other = httpx.post(f"{url}/api/v1/asample", json={**sample, "seq_id": 6}, timeout=30).json()
+    assert first["request_id"] == again["request_id"] != other["request_id"]
