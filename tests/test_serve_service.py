@@ -139,7 +139,7 @@ def test_bad_input_hurts_only_its_sender(shared):
         "malformed protobuf": (fb, {"content": b"\x0a\xff\xff\xff not a message"}, "protocol"),
         "malformed JSON": ("optim_step", {"content": b"{not json"}, "not JSON"),
         "JSON not an object": ("optim_step", {"json": [1, 2]}, "not a JSON object"),
-        "unknown loss": (fb, {"content": _fb_body(mid, tokens, "dro", weights=ones)}, "dro"),
+        "unknown loss": (fb, {"content": _fb_body(mid, tokens, "custom", weights=ones)}, "custom"),
         "mismatched lengths": (
             fb,
             {"content": _fb_body(mid, tokens, weights=[1.0] * (n - 1))},

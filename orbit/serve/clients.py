@@ -154,6 +154,8 @@ class TrainingClient:
         datum's target tokens otherwise. Nothing is computed."""
         if loss_fn in losses.LOSSES[1:]:
             losses.algorithm(loss_fn, config)  # refuses clip bounds that mean nothing
+        elif config:
+            raise ClientError(f"loss_fn_config: {sorted(config)[0]!r} is not one {loss_fn} takes")
         if not data:
             raise ClientError("forward_backward: no datums (an empty batch)")
         targets = []

@@ -9,9 +9,22 @@ The clip bounds come from loss_fn_config's clip_low_threshold and clip_high_thre
 | importance_sampling | target_tokens, logprobs, advantages | -r A, r = p / p_sampler |
 | ppo | the same | -min(r A, clip(r, low, high) A); low 0.8, high 1.2 by default |
 | cispo | the same | -sg(clip(r, low, high)) A log p; low 0, high 4 by default |
+| gspo | the same, sequence_ratio_mask optional | -min(s_t A, clip(s_t, low, high) A), s_t below |
+| dro | target_tokens, logprobs, advantages | -(A log p - beta/2 (log p - log q)^2); beta 0.05 |
+
+gspo and dro are written here, as Tinker's loss pages define them, not through orbit/rl: their sums
+run over every token of the datum, where orbit/rl's run over a response mask. GSPO is the token
+variant (GSPO-token): s = exp(mean over the masked tokens of log p - log q), and each token's s_t
+has s's value with its own log p's gradient (s_t = sg(s) p / sg(p)). Not on Tinker's pages, chosen
+here and said in docs/tinker.md: gspo's mask, when the datum has no sequence_ratio_mask, is the
+tokens with a nonzero advantage (the sampled ones; a prompt's logprobs of 0 would swamp the mean);
+its clip bounds default to the GSPO paper's (1 - 3e-4, 1 + 4e-4); dro's beta defaults to 0.05, the
+value on Tinker's page.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,10 +32,13 @@ from torch import Tensor
 from orbit.rl import AlgorithmConfig, Norm, policy_loss
 from orbit.serve.futures import Refused
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro")
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _NEEDS = {"cross_entropy": ("target_tokens", "weights"), **{k: _RL_INPUTS for k in LOSSES[1:]}}
-_CLIPS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}  # the ratio's clip bounds, Tinker's defaults
+_OPTIONAL = {"gspo": ("sequence_ratio_mask",)}
+# the ratio's clip bounds: Tinker's defaults for ppo and cispo, the GSPO paper's for gspo
+_CLIPS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0), "gspo": (1 - 3e-4, 1 + 4e-4)}
+DRO_BETA = 0.05
 _SUM = Norm(tokens=1, sequences=1)  # token-mean over a normaliser of 1: the sum
 
 
@@ -35,7 +51,10 @@ def check(loss_fn: str, inputs: dict[str, Tensor], length: int, where: str) -> N
     other than the datum's, a non-finite value."""
     if loss_fn not in LOSSES:
         raise LossError(f"loss_fn {loss_fn!r}: Orbit computes {', '.join(LOSSES)} (docs/tinker.md)")
-    for name in _NEEDS[loss_fn]:
+    unused = sorted(set(inputs) - set(_NEEDS[loss_fn]) - set(_OPTIONAL.get(loss_fn, ())))
+    if unused:  # never dropped in silence (per-token clip bounds among them)
+        raise LossError(f"{where}: loss_fn {loss_fn} does not use loss_fn_inputs[{unused[0]!r}]")
+    for name in _NEEDS[loss_fn] + tuple(n for n in _OPTIONAL.get(loss_fn, ()) if n in inputs):
         if name not in inputs:
             raise LossError(f"{where}: loss_fn {loss_fn} needs loss_fn_inputs[{name!r}]")
         t = inputs[name]
@@ -48,10 +67,33 @@ def check(loss_fn: str, inputs: dict[str, Tensor], length: int, where: str) -> N
             raise LossError(f"{where}: loss_fn_inputs[{name!r}] is not finite")
 
 
-def algorithm(loss_fn: str, config: dict[str, float | str]) -> AlgorithmConfig:
-    """The policy loss an RL loss_fn is, its clip bounds from the request's loss_fn_config."""
+@dataclass(frozen=True)
+class Settings:
+    """An RL loss as a request sets it: orbit/rl's policy loss (importance_sampling, ppo, cispo), or
+    gspo's ratio bounds, or dro's beta."""
+
+    rl: AlgorithmConfig | None = None
+    low: float = 0.0
+    high: float = 0.0
+    beta: float = 0.0
+
+
+def algorithm(loss_fn: str, config: dict[str, float | str]) -> Settings:
+    """An RL loss_fn's settings from the request's loss_fn_config (a key it does not take is
+    refused, named)."""
+    known = {"dro": ("beta",), "importance_sampling": ()}.get(
+        loss_fn, ("clip_low_threshold", "clip_high_threshold")
+    )
+    unknown = sorted(set(config) - set(known))
+    if unknown:
+        raise LossError(f"loss_fn_config: {unknown[0]!r} is not one {loss_fn} takes")
     if loss_fn == "importance_sampling":
-        return AlgorithmConfig(ratio="importance")
+        return Settings(AlgorithmConfig(ratio="importance"))
+    if loss_fn == "dro":
+        beta = float(config.get("beta", DRO_BETA))
+        if not beta >= 0:
+            raise LossError(f"loss_fn_config: beta {beta}; at least 0")
+        return Settings(beta=beta)
     low, high = _CLIPS[loss_fn]
     low = float(config.get("clip_low_threshold", low))
     high = float(config.get("clip_high_threshold", high))
@@ -60,26 +102,51 @@ def algorithm(loss_fn: str, config: dict[str, float | str]) -> AlgorithmConfig:
             f"loss_fn_config: clip_low_threshold {low} and clip_high_threshold {high} must hold "
             "0 <= low < 1 < high"
         )
+    if loss_fn == "gspo":
+        return Settings(low=low, high=high)
     ratio = "clip" if loss_fn == "ppo" else "cispo"
-    return AlgorithmConfig(ratio=ratio, clip_eps_low=max(1.0 - low, 1e-9), clip_eps_high=high - 1.0)
+    return Settings(
+        AlgorithmConfig(ratio=ratio, clip_eps_low=max(1.0 - low, 1e-9), clip_eps_high=high - 1.0)
+    )
 
 
 def weighted(loss_fn: str, inputs: dict[str, Tensor]) -> list[bool]:
     """The positions whose logprob the loss has a gradient through: a weight (cross_entropy) or an
-    advantage (the RL losses, each a multiple of it) other than 0."""
+    advantage (the RL losses, each a multiple of it) other than 0; every one for dro, whose
+    penalty reaches every token."""
+    if loss_fn == "dro":
+        return [True] * len(inputs["advantages"])
     name = "weights" if loss_fn == "cross_entropy" else "advantages"
     return (inputs[name] != 0).tolist()
 
 
 def datum_loss(
-    loss_fn: str, logp: Tensor, inputs: dict[str, Tensor], cfg: AlgorithmConfig | None
+    loss_fn: str, logp: Tensor, inputs: dict[str, Tensor], cfg: Settings | None
 ) -> Tensor:
     """The loss of one datum, a sum over its tokens: `logp` [N], the model's logprobs of its target
     tokens; `cfg`: the RL loss's (`algorithm`), None for cross_entropy."""
     if cfg is None:
         return -(logp * inputs["weights"].to(logp.dtype)).sum()
+    if loss_fn == "gspo":
+        return _gspo(logp, inputs, cfg)
+    if loss_fn == "dro":
+        q, adv = inputs["logprobs"].to(logp.dtype), inputs["advantages"].to(logp.dtype)
+        return -(logp * adv - 0.5 * cfg.beta * (logp - q) ** 2).sum()
+    assert cfg.rl is not None
     ones = torch.ones_like(logp, dtype=torch.bool)
     loss, _ = policy_loss(
-        logp[None], inputs["logprobs"][None], inputs["advantages"][None], ones[None], cfg, _SUM
+        logp[None], inputs["logprobs"][None], inputs["advantages"][None], ones[None], cfg.rl, _SUM
     )
     return loss
+
+
+def _gspo(logp: Tensor, inputs: dict[str, Tensor], cfg: Settings) -> Tensor:
+    """GSPO-token (module docstring), as Tinker's page writes it."""
+    q, adv = inputs["logprobs"].to(logp.dtype), inputs["advantages"].to(logp.dtype)
+    mask = inputs.get("sequence_ratio_mask", inputs["advantages"]) != 0
+    if not bool(mask.any()):
+        return (logp * 0).sum()  # no token in the ratio: no signal
+    log_ratio = (logp.detach() - q)[mask].mean()
+    ratio = torch.exp(log_ratio + logp - logp.detach())
+    clipped = ratio.clamp(cfg.low, cfg.high)
+    return -torch.min(ratio * adv, clipped * adv).sum()
