@@ -312,3 +312,33 @@ def test_adapter_dtypes_are_converted_and_low_precision_runs(tiny_llama):
 def _run_one(core: EngineCore, prompt: list[int], sampling: SamplingParams, slot):
     rid = core.submit(prompt, sampling, slot)
     return dict(core.run_until_idle())[rid]
+
+
+@pytest.mark.parametrize("adapter", [None, "lora"])
+def test_prompt_logprobs_are_transformers_teacher_forced(tiny_llama, adapter):
+    """A request asking for its prompt's logprobs (and the top 3 at each position) gets what
+    transformers (+ peft) gives for the prompt, even when the same prompt is in the prefix cache
+    (the cache keeps the last position only: the prompt is run whole)."""
+    core = engine_core(tiny_llama)
+    ref, slot = hf_model(tiny_llama), None
+    if adapter:
+        ref, tensors, config = peft_adapter(tiny_llama, "lora", seed=3)
+        core.load_adapter(0, tensors, config, version=1)
+        slot = 0
+    prompt = prompts(1, seed=5, low=9, high=10)[0]
+    core.submit(prompt, SamplingParams(max_new_tokens=2), slot=slot)  # warms the prefix cache
+    core.run_until_idle()
+    core.submit(prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=3), slot=slot)
+    [(_, done)] = core.run_until_idle()
+    want = hf_logprobs(ref, prompt[:1], prompt[1:])
+    assert done.prompt_logprobs[0] is None and len(done.prompt_logprobs) == len(prompt)
+    assert max_diff(done.prompt_logprobs[1:], want) <= TOL
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    third = logp[:-1].topk(3, dim=-1).values[:, -1]
+    assert done.prompt_top[0] == []
+    # each its token's logprob, and none below transformers' third (a tie may swap two: by value)
+    for i, row in enumerate(done.prompt_top[1:]):
+        assert len(row) == 3 and len({t for t, _ in row}) == 3
+        assert max_diff([v for _, v in row], [float(logp[i, t]) for t, _ in row]) <= TOL
+        assert min(v for _, v in row) >= float(third[i]) - TOL

@@ -162,12 +162,18 @@ def _json_routes(a: dict, b: dict, model: str) -> dict[str, st.SearchStrategy]:
     )
     sampling = _maybe(
         {
-            "max_tokens": _ints(-2, 8),
+            "max_tokens": _ints(1, 8),
             "seed": _ints(-1, 2**40),
-            "stop": st.one_of(JUNK, st.lists(st.text(max_size=3), max_size=2)),
-            "temperature": _floats(),
-            "top_k": _ints(-2, 50),
-            "top_p": _floats(),
+            "stop": _or_junk(
+                st.one_of(
+                    st.text(max_size=3),
+                    st.lists(st.text(max_size=3), max_size=2),
+                    st.lists(st.integers(0, 150), max_size=2),
+                )
+            ),
+            "temperature": _or_junk(st.floats(0.0, 2.0)),
+            "top_k": _ints(-1, 50),
+            "top_p": _or_junk(st.floats(0.05, 1.0)),
         }
     )
     lora = _maybe(
@@ -255,9 +261,10 @@ def _json_routes(a: dict, b: dict, model: str) -> dict[str, st.SearchStrategy]:
                     {"chunks": _or_junk(st.lists(chunk, min_size=1, max_size=3))}, "chunks"
                 ),
                 "sampling_params": sampling,
-                "num_samples": _ints(0, 4),
+                "num_samples": _ints(1, 4),
                 "prompt_logprobs": st.booleans(),
                 "topk_prompt_logprobs": _ints(0, 3),
+                "prompt_logprobs_last_n": _ints(1, 4),
             },
             "sampling_session_id",
             "prompt",

@@ -88,6 +88,16 @@ def test_each_loss_against_its_formula(trained):
     def clip(x: float, lo: float, hi: float) -> float:
         return min(max(x, lo), hi)
 
+    def gspo(name: str, mask: list[bool], lo: float, hi: float) -> float:
+        logs = [x - y for x, y, m in zip(lp(name), b, mask, strict=True) if m]
+        s = math.exp(sum(logs) / len(logs))
+        return -sum(min(s * a, clip(s, lo, hi) * a) for a in adv)
+
+    def dro(name: str, beta: float) -> float:
+        return -sum(
+            x * a - 0.5 * beta * (x - y) ** 2 for x, y, a in zip(lp(name), b, adv, strict=True)
+        )
+
     want = {
         "cross_entropy": -sum(x * y for x, y in zip(lp("cross_entropy"), w, strict=True)),
         "importance_sampling": -sum(
@@ -100,6 +110,13 @@ def test_each_loss_against_its_formula(trained):
             clip(r, 0.0, 4.0) * a * x
             for r, a, x in zip(ratio("cispo"), adv, lp("cispo"), strict=True)
         ),
+        # GSPO-token (Tinker's page): every token carries the sequence ratio, the geometric mean of
+        # the token ratios over the masked tokens (default: those with an advantage), clipped
+        "gspo": gspo("gspo", [a != 0 for a in adv], 1 - 3e-4, 1 + 4e-4),
+        "gspo_masked": gspo("gspo_masked", [m != 0 for m in seen["mask"]], 0.5, 1.5),
+        # DRO (Tinker's page): -sum(log p A - beta/2 (log p - log q)^2), beta 0.05 unless given
+        "dro": dro("dro", 0.05),
+        "dro_beta": dro("dro_beta", 0.2),
     }
     for name, value in want.items():
         assert seen["results"][name]["loss"] == pytest.approx(value, rel=1e-5, abs=1e-5), name
@@ -148,7 +165,7 @@ def test_what_is_refused_is_said_and_the_client_goes_on(served):
     seen = sdk(url, model, "refusals")
     assert "not/a/model" in seen["base_model"] and "serves" in seen["base_model"]
     assert "lora_config.rank: 0; from 1 to 1024" in seen["rank"]
-    assert "loss_fn 'dro'" in seen["loss_fn"]
+    assert "loss_fn 'stable_reinforce'" in seen["loss_fn"]
     assert "has shape [1]; the datum has 7 tokens" in seen["lengths"]
     assert "outside the vocabulary" in seen["vocab"]
     assert "out of range" in seen["lr"]
@@ -219,3 +236,26 @@ def test_an_async_rl_loop_on_inflight_samplers(trained):
     target = next(t for t in service.sessions.targets() if t.model_id == seen["model_id"])
     assert target.newest().version == 5  # the first save, then one a step
     assert sum(cache.flips for cache in service.sampler.caches) >= 1
+
+
+def test_a_sampling_client_gives_the_prompts_logprobs_equal_to_forwards(served):
+    """compute_logprobs (the prompt's logprobs: KL penalties, DPO's reference, distillation's
+    teacher) on each engine, against the training client's forward of the same tokens at the same
+    weights; prompt_logprobs_last_n scores the last n only; the top 3 at each position hold the
+    token's own logprob when it is among them."""
+    url, service, model = served
+    seen = sdk(url, model, "prompt_logprobs")
+    sampled, trained = seen["sampled"], seen["trained"]
+    assert sampled[0] is None and len(sampled) == len(trained) + 1
+    diff = max(abs(a - b) for a, b in zip(sampled[1:], trained, strict=True))
+    backend = "embedded" if service.limits.max_rank is None else "sglang"
+    print(f"\n{backend}: compute_logprobs against forward, max |difference| {diff:.2e}")
+    assert diff <= AGREEMENT[backend]
+    assert seen["last_3"][:-3] == [None] * (len(sampled) - 3)
+    assert max(abs(a - b) for a, b in zip(seen["last_3"][-3:], sampled[-3:], strict=True)) <= 1e-5
+    top = seen["top"]
+    assert top[0] is None and all(len(row) == 3 for row in top[1:])
+    for i, row in enumerate(top[1:], start=1):
+        values = [v for _, v in row]
+        assert values == sorted(values, reverse=True) and values[-1] <= 0
+        assert max(values) >= sampled[i] - AGREEMENT[backend]  # nothing likelier left out

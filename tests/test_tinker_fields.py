@@ -139,6 +139,9 @@ def test_what_the_fields_orbit_keeps_do(served):
     assert seen["session"] in seen["sessions"] and len(seen["session_runs"]) == 2
     assert seen["published"] and "publishes none" in seen["published"], seen["published"]
     assert seen["models"], seen
+    # a checkpoint of another LoRA shape into a client: refused, naming both (it was a server error)
+    assert seen["misfit"] and "rank 4" in seen["misfit"] and "rank 8" in seen["misfit"], seen
+    assert "BadRequestError" in seen["misfit"], seen["misfit"]  # refused before it ran
     assert not any(m.startswith("/") for m in seen["models"]) or len(seen["models"]) == 1
 
 

@@ -49,9 +49,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # per-request generator; None = the engine's own stream
     ignore_eos: bool = False  # True: only stop_token_ids (or max_new_tokens) end the request
+    # the prompt's own logprobs (at temperature 1, under the request's weights): -1 none; 0 each
+    # prompt token's; k > 0 also the k likeliest tokens at each position (Completion.prompt_*)
+    prompt_logprobs: int = -1
 
     def check(self) -> None:
         """Raise EngineError naming the first value out of range."""
+        if self.prompt_logprobs < -1:
+            raise EngineError(f"prompt_logprobs must be >= -1, got {self.prompt_logprobs}")
         if self.max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -89,6 +94,10 @@ class Completion:
     # the engine's own word on why it finished, when it gives one (e.g. an abort's cause)
     detail: str = ""
     engine: int = 0  # which engine of the pool ran it (the pool sets it)
+    # asked for (SamplingParams.prompt_logprobs >= 0): log p(prompt[i] | prompt[:i]) at temperature
+    # 1, None at position 0; and with k > 0, the k likeliest (token, logprob) at each position
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
 
     @property
     def token_version(self) -> int:

@@ -9,6 +9,7 @@ A request Orbit refuses gets a 4xx with a JSON body naming what was wrong (the S
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, TypeVar
 
@@ -297,6 +298,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
                 raise Refused(f"prompt: a {chunk.type} chunk; Orbit serves text models")
             prompt += chunk.tokens
         params, stops = _sampling(req.sampling_params, service.max_context - len(prompt))
+        params = dataclasses.replace(params, prompt_logprobs=_prompt_logprobs(req, len(prompt)))
         record = service.sample(
             who(request),
             req.sampling_session_id,
@@ -305,6 +307,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             req.num_samples,
             stops,
             req.seq_id,
+            req.prompt_logprobs_last_n,
         )
         ids = [f"{record.id}:{i}" for i in range(req.num_samples)]
         return {"request_id": record.id, "sample_sequence_ids": ids}
@@ -398,6 +401,20 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         return JSONResponse(result)
 
     return api
+
+
+MAX_TOP = 20  # top-k prompt logprobs a request may ask for, per position
+
+
+def _prompt_logprobs(req: Sample, length: int) -> int:
+    """What the engines are asked for (SamplingParams.prompt_logprobs): -1 none, 0 the prompt's
+    logprobs, k also its top k; the request's values checked."""
+    k, last_n = req.topk_prompt_logprobs, req.prompt_logprobs_last_n
+    if not 0 <= k <= MAX_TOP:
+        raise Refused(f"topk_prompt_logprobs: {k}; from 0 to {MAX_TOP}")
+    if last_n is not None and not 1 <= last_n <= length - 1:
+        raise Refused(f"prompt_logprobs_last_n: {last_n}; from 1 to the prompt's length - 1")
+    return k if (req.prompt_logprobs or k or last_n is not None) else -1
 
 
 def _sampling(params: Sampling, room: int) -> tuple[SamplingParams, Stops]:

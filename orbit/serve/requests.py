@@ -180,7 +180,7 @@ class Sampling(BaseModel):
     top_p: float = 1.0
 
 
-_LOGPROBS = "Orbit's engines return the sampled tokens' logprobs only"
+_LOGPROBS = "Orbit returns the prompt's logprobs and top-k, and the sampled tokens' logprobs only"
 
 
 class Sample(Body):
@@ -202,12 +202,9 @@ class Sample(Body):
     UNSERVED = {
         "base_model": "sample from a sampling session (create_sampling_session names the model)",
         "model_path": "sample from a sampling session (create_sampling_session opens the path)",
-        "prompt_logprobs": _LOGPROBS,
-        "topk_prompt_logprobs": _LOGPROBS,
         "topk_sample_logprobs": _LOGPROBS,
         "target_prompt_logprobs": _LOGPROBS,
         "prompt_alt_tokens_k": _LOGPROBS,
-        "prompt_logprobs_last_n": _LOGPROBS,
         "record_stability_info": "Orbit does not record stability information (stable_reinforce)",
     }
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from orbit.engine.base import Completion, Engine, SamplingParams
 from orbit.serve import wire
 from orbit.serve.futures import Refused, RequestFailed
-from orbit.serve.wire import Sequence
+from orbit.serve.wire import Sampled, Sequence
 
 log = logging.getLogger(__name__)
 SLOT_WAIT_S = 120.0  # a request waits this long at most for a free slot
@@ -226,13 +226,21 @@ class Sampler:
         self.decode = decode
 
     def sample(
-        self, weights: Weights, prompt: list[int], params: SamplingParams, n: int, stops: Stops
-    ) -> Future[list[Sequence]]:
+        self,
+        weights: Weights,
+        prompt: list[int],
+        params: SamplingParams,
+        n: int,
+        stops: Stops,
+        last_n: int | None = None,
+    ) -> Future[Sampled]:
         """`n` samples of `prompt` (seeds params.seed + i when a seed is given) on the least loaded
-        engine. Blocks while a slot is loaded (call it off the event loop)."""
+        engine; with `params.prompt_logprobs` >= 0 the prompt's logprobs too (from the first
+        sample's request; `last_n`: only the last n positions'). Blocks while a slot is loaded
+        (call it off the event loop)."""
         cache = min(self.caches, key=SlotCache.load)
         slot = cache.acquire(weights)
-        result: Future[list[Sequence]] = Future()
+        result: Future[Sampled] = Future()
         futures = []
         try:
             for i in range(n):
@@ -245,6 +253,7 @@ class Sampler:
                     stop_token_ids=stops.token_ids,
                     seed=seed,
                     ignore_eos=not stops.eos,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else -1,
                 )
                 futures.append(cache.engine.generate(prompt, p, slot=slot))
         except BaseException:
@@ -260,7 +269,9 @@ class Sampler:
                     return
             cache.release(slot)
             try:
-                result.set_result([self._sequence(f.result(), stops) for f in futures])
+                first = futures[0].result()
+                sequences = [self._sequence(f.result(), stops) for f in futures]
+                result.set_result(Sampled(sequences, *_scored(first, last_n)))
             except BaseException as err:  # noqa: BLE001 - the engine's error is the sample's
                 result.set_exception(err)
 
@@ -294,6 +305,20 @@ class Sampler:
         return Sequence(tokens, logprobs, stopped=done.finish_reason == "stop")
 
 
+def _scored(
+    done: Completion, last_n: int | None
+) -> tuple[list[float | None] | None, list[list[tuple[int, float]]] | None]:
+    """A completion's prompt logprobs and top-k, only the last `last_n` positions kept."""
+    values, top = done.prompt_logprobs, done.prompt_top
+    if values is None or last_n is None:
+        return values, top
+    cut = len(values) - last_n
+    kept: list[float | None] = [None for _ in range(cut)]
+    kept += values[cut:]
+    empty: list[list[tuple[int, float]]] = [[] for _ in range(cut)]
+    return kept, None if top is None else empty + top[cut:]
+
+
 def _log_failed_flip(done: Future, engine: int, weights: Weights) -> None:
     """A background load that failed: the engine keeps serving the version it had (its next request
     for the key tries again)."""
@@ -315,7 +340,7 @@ def onto(sampled: Future, result: Future) -> None:
 
     def done(f: Future) -> None:
         try:
-            result.set_result(wire.sample_response(f.result(), None))
+            result.set_result(wire.sample_response(f.result()))
         except BaseException as err:  # noqa: BLE001 - as above
             result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
 

@@ -507,7 +507,7 @@ class Service:
             trainer = self.client(tenant, model_id)
             if metadata:
                 raise Refused("user_metadata: given when a client is made from a checkpoint")
-            self._loadable(tenant, path, optimizer)
+            self._fits(trainer, self._loadable(tenant, path, optimizer))
             return self._ordered(
                 tenant,
                 model_id,
@@ -534,6 +534,18 @@ class Service:
 
         return self.turns.run_now(record, work)
 
+    def _fits(self, trainer: TrainingClient, found: Checkpoint) -> None:
+        """Refuse a checkpoint whose LoRA is not the client's (rank, targets), naming both."""
+        spec = self.checkpoints.made_with(found)[1]
+        mine = trainer.spec
+        shape = (spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed)
+        if shape != (mine.rank, mine.train_attn, mine.train_mlp, mine.train_unembed):
+            raise Refused(
+                f"{found.path}: a LoRA of rank {spec.rank} on {spec.targets()}, not this client's "
+                f"(rank {mine.rank} on {mine.targets()}): create_training_client_from_state makes "
+                "a client of its shape"
+            )
+
     def _loadable(self, tenant: str, path: str, optimizer: bool) -> Checkpoint:
         found = self.checkpoint(tenant, path)
         if optimizer and found.kind != "weights":
@@ -544,6 +556,7 @@ class Service:
         self, tenant: str, trainer: TrainingClient, path: str, optimizer: bool
     ) -> dict[str, Any]:
         found = self._loadable(tenant, path, optimizer)
+        self._fits(trainer, found)
         trainer.load(found.directory, optimizer)
         return {"path": found.path, "model_id": trainer.model_id, "type": "load_weights"}
 
@@ -611,6 +624,7 @@ class Service:
         n: int,
         stops: Stops,
         seq_id: int | None = None,
+        last_n: int | None = None,
     ) -> Record:
         """`n` samples of `prompt` from the session's weights. A request the SDK sends again
         (the same session and `seq_id`: a retry after a lost answer) is the first one's future,
@@ -630,7 +644,9 @@ class Service:
                 self._samples[key] = record
                 while len(self._samples) > SAMPLES_KEPT:
                     self._samples.popitem(last=False)
-        submitted = self._sampling.submit(self.sampler.sample, weights, prompt, params, n, stops)
+        submitted = self._sampling.submit(
+            self.sampler.sample, weights, prompt, params, n, stops, last_n
+        )
         submitted.add_done_callback(lambda f: onto(f, record.future))
         return record
 

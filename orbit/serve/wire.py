@@ -166,13 +166,36 @@ class Sequence:
     stopped: bool
 
 
-def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None) -> bytes:
+@dataclass
+class Sampled:
+    """A sample request's result: its sequences, and, when asked for, its prompt's logprobs (None
+    where not scored) and the top k at each position ([] where not scored)."""
+
+    sequences: list[Sequence]
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
+
+
+NO_TOP = (0, -99999.0)  # the SDK's sentinel for a top-k entry with nothing in it
+
+
+def sample_response(sampled: Sampled) -> bytes:
     out = pb.SampleResponse()
-    for s in sequences:
+    for s in sampled.sequences:
         seq = out.sequences.add()
         seq.tokens = torch.tensor(s.tokens, dtype=torch.int32).numpy().tobytes()
         seq.logprobs = torch.tensor(s.logprobs, dtype=torch.float32).numpy().tobytes()
         seq.stop_reason = pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = torch.tensor(prompt_logprobs, dtype=torch.float32).numpy().tobytes()
+    if sampled.prompt_logprobs is not None:
+        values = [float("nan") if v is None else v for v in sampled.prompt_logprobs]
+        out.prompt_logprobs = torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+    if sampled.prompt_top:
+        k = max(len(row) for row in sampled.prompt_top)
+        rows = [row + [NO_TOP] * (k - len(row)) for row in sampled.prompt_top]
+        top = out.topk_prompt_logprobs
+        ids = [t for row in rows for t, _ in row]
+        top.token_ids = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
+        values = [v for row in rows for _, v in row]
+        top.logprobs = torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+        top.k, top.length = k, len(rows)
     return out.SerializeToString()

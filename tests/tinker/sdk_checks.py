@@ -104,16 +104,33 @@ def losses(service, model):
     behaviour = [-2.0 + 0.1 * i for i in range(n)]
     advantages = [1.5 if i % 2 else -0.5 for i in range(n)]
     weights = [0.0, 1.0, 1.0, 0.5, 1.0, 0.0, 1.0][:n]
+    rl = {"logprobs": behaviour, "advantages": advantages}
+    mask = [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0][:n]
     out = {}
-    for loss_fn, inputs in (
-        ("cross_entropy", {"weights": weights}),
-        ("importance_sampling", {"logprobs": behaviour, "advantages": advantages}),
-        ("ppo", {"logprobs": behaviour, "advantages": advantages}),
-        ("cispo", {"logprobs": behaviour, "advantages": advantages}),
+    for name, loss_fn, inputs, config in (
+        ("cross_entropy", "cross_entropy", {"weights": weights}, None),
+        ("importance_sampling", "importance_sampling", rl, None),
+        ("ppo", "ppo", rl, None),
+        ("cispo", "cispo", rl, None),
+        ("gspo", "gspo", rl, None),
+        (
+            "gspo_masked",
+            "gspo",
+            {**rl, "sequence_ratio_mask": mask},
+            {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5},
+        ),
+        ("dro", "dro", rl, None),
+        ("dro_beta", "dro", rl, {"beta": 0.2}),
     ):
-        result = a.forward([datum(TOKENS, **inputs)], loss_fn).result()
-        out[loss_fn] = {"loss": result.metrics["loss:sum"], "logprobs": logprobs(result)[0]}
-    return {"results": out, "behaviour": behaviour, "advantages": advantages, "weights": weights}
+        result = a.forward([datum(TOKENS, **inputs)], loss_fn, config).result()
+        out[name] = {"loss": result.metrics["loss:sum"], "logprobs": logprobs(result)[0]}
+    return {
+        "results": out,
+        "behaviour": behaviour,
+        "advantages": advantages,
+        "weights": weights,
+        "mask": mask,
+    }
 
 
 def lr_zero(service, model):
@@ -160,7 +177,7 @@ def refusals(service, model):
         out["rank"] = f"{type(err).__name__}: {err}"
     a = client(service, model, seed=29)
     try:
-        a.forward([datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "dro").result()
+        a.forward([datum(TOKENS, weights=[1.0] * (len(TOKENS) - 1))], "stable_reinforce").result()
     except Exception as err:  # noqa: BLE001
         out["loss_fn"] = f"{type(err).__name__}: {err}"
     try:
@@ -246,6 +263,25 @@ def inflight(service, model):
     }
 
 
+def prompt_logprobs(service, model):
+    """The prompt's logprobs from a sampling client (compute_logprobs, with and without
+    prompt_logprobs_last_n; the top 3 at each position) beside forward's of the same tokens at the
+    same weights."""
+    a = client(service, model, seed=47)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    sampler = a.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(TOKENS)
+    one = types.SamplingParams(max_tokens=1)
+    top = sampler.sample(prompt, 1, one, include_prompt_logprobs=True, topk_prompt_logprobs=3)
+    return {
+        "sampled": sampler.compute_logprobs(prompt).result(),
+        "last_3": sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result(),
+        "top": top.result().topk_prompt_logprobs,
+        "trained": logprobs(a.forward([ce(TOKENS)], "cross_entropy").result())[0],
+    }
+
+
 def fields(service, model):
     """What the SDK's fields do here: a checkpoint's TTL and metadata, a client made from a state
     with metadata, the key's sessions, the server's capabilities, and a route Orbit does not serve
@@ -279,7 +315,14 @@ def fields(service, model):
     except Exception as err:  # noqa: BLE001
         published = f"{type(err).__name__}: {err}"[:400]
     caps = rest.get_server_capabilities().result()
+    wider = service.create_lora_training_client(base_model=model, rank=8, seed=1).result()
+    try:
+        wider.load_state(kept).result()
+        misfit = None
+    except Exception as err:  # noqa: BLE001
+        misfit = f"{type(err).__name__}: {err}"[:400]
     return {
+        "misfit": misfit,
         "short_expires": str(listed[short].expires_at),
         "kept_metadata": listed[kept].user_metadata,
         "run_metadata": run.user_metadata,
@@ -337,6 +380,7 @@ CHECKS = {
         refusals,
         own_refusals,
         inflight,
+        prompt_logprobs,
         fields,
         sampling,
     )

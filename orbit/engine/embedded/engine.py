@@ -256,7 +256,9 @@ class EngineCore:
         for j, seq in enumerate(admitted):
             if seq.version_start is None:
                 seq.version_start, seq.t_start = self._version(seq.slot), now
-            if seq.retracted:  # recompute prompt + output so far; never from the cache
+            # recompute prompt + output so far, never from the cache; and a prompt whose logprobs
+            # are asked for is run whole (the cache keeps the last position's logits only)
+            if seq.retracted or self._scores_prompt(seq):
                 compute.append(j)
                 continue
             key = keys[j] = self._prefix_key(seq)
@@ -305,7 +307,31 @@ class EngineCore:
         ]
         logits = self.decoder.logits(last, self._head([s.slot for s in seqs]))
         self.counters["prefill_tokens"] += sum(lengths)
+        for i, seq in enumerate(seqs):
+            if self._scores_prompt(seq):
+                self._score_prompt(seq, hidden[i, : len(seq.prompt_ids) - 1])
         return logits
+
+    @staticmethod
+    def _scores_prompt(seq: Sequence) -> bool:
+        return seq.sampling.prompt_logprobs >= 0 and seq.prompt_logprobs is None
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The prompt's logprobs (and top-k) from its prefill's hidden states: position i predicts
+        prompt[i + 1], at temperature 1, through the request's slot."""
+        k = seq.sampling.prompt_logprobs
+        seq.prompt_logprobs, seq.prompt_top = [None], [[]] if k else None
+        if hidden.shape[0] == 0:
+            return
+        logp = torch.log_softmax(
+            self.decoder.logits(hidden, self._head([seq.slot] * hidden.shape[0])), dim=-1
+        )
+        targets = torch.tensor(seq.prompt_ids[1:], device=logp.device)
+        seq.prompt_logprobs += logp.gather(1, targets[:, None])[:, 0].tolist()
+        if k:
+            top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            for ids, values in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                seq.prompt_top.append(list(zip(ids, values, strict=True)))  # type: ignore[union-attr]
 
     def _decode(self) -> None:
         running = list(self.scheduler.running)

@@ -30,6 +30,9 @@ class Sequence:
     version_start: int | None = None  # set at first admission
     t_start: float = 0.0
     row: int = -1  # KV pool row while running, -1 otherwise
+    # its prompt's logprobs and top-k (when asked for), set at its first prefill
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +71,8 @@ class Sequence:
             t_start=self.t_start or t_end,
             t_end=t_end,
             meta=self.meta,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_top=self.prompt_top,
         )
 
 

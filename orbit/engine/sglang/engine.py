@@ -178,7 +178,7 @@ class SGLangEngine:
 
         async def run() -> None:
             out, version, t_start = await self._on_slot(bound, req.body(None))
-            reply = read_reply(out, req.truncated)
+            reply = read_reply(out, req.truncated, req.prompt_logprobs)
             version_end = (
                 version
                 if bound is not None
@@ -206,6 +206,8 @@ class SGLangEngine:
                     t_end=time.time(),
                     meta=meta if meta is not None else {},
                     detail=reply.detail,
+                    prompt_logprobs=reply.prompt_logprobs,
+                    prompt_top=reply.prompt_top,
                 ),
             )
 

@@ -5,6 +5,11 @@ A request is the fields of SGLang 0.5.23's `GenerateReqInput` (what `/generate` 
 top-k/top-p sampling, `return_sampling_mask`. Bad input is refused here with EngineError, before
 anything reaches SGLang (an out-of-vocabulary id kills its scheduler).
 
+A request for its prompt's logprobs (`SamplingParams.prompt_logprobs`) adds `logprob_start_len: 0`
+(SGLang then runs the prompt from its start, not from a cached prefix) and, for the top k at each
+position, `top_logprobs_num`; the reply's `input_token_logprobs` / `input_top_logprobs` are at
+temperature 1, as SGLang computes them.
+
 Logprobs of the reply are the sampled tokens' under the distribution they were sampled from: without
 top-k/top-p, `output_token_logprobs` (log_softmax(logits / T); log_softmax(logits) when greedy);
 with them, `output_token_sampling_logprobs`, SGLang's truncated and renormalised distribution
@@ -27,6 +32,7 @@ class Request:
     sampling_params: dict
     slot: Slot  # as the caller gave it: an index, None (base model) or ACTIVE
     truncated: bool  # top-k/top-p: the reply's logprobs come from the sampling mask
+    prompt_logprobs: int = -1  # as SamplingParams.prompt_logprobs
 
     def body(self, lora_path: str | None) -> dict:
         """The `GenerateReqInput` fields (JSON for `/generate`)."""
@@ -38,6 +44,10 @@ class Request:
         }
         if self.truncated:
             body["return_sampling_mask"] = True
+        if self.prompt_logprobs >= 0:
+            body["logprob_start_len"] = 0
+            if self.prompt_logprobs:
+                body["top_logprobs_num"] = self.prompt_logprobs
         return body
 
 
@@ -78,7 +88,7 @@ def build_request(
         # SGLang honours it only with deterministic inference (a GPU's); on a CPU, Orbit's
         # shim (d) does (orbit_sglang_cpu_shims.py)
         params["sampling_seed"] = sampling.seed
-    return Request(prompt, params, slot, truncated)
+    return Request(prompt, params, slot, truncated, sampling.prompt_logprobs)
 
 
 @dataclass
@@ -88,9 +98,11 @@ class Reply:
     finish: FinishReason
     detail: str  # SGLang's message (an abort's cause)
     meta_info: dict
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
 
 
-def read_reply(out: dict, truncated: bool) -> Reply:
+def read_reply(out: dict, truncated: bool, prompt_logprobs: int = -1) -> Reply:
     """SGLang's answer to one request. EngineError when it cannot be read (no meta_info, a finish
     reason Orbit does not know, logprobs that do not match the tokens)."""
     meta = out["meta_info"]
@@ -99,7 +111,17 @@ def read_reply(out: dict, truncated: bool) -> Reply:
     logprobs = _logprobs(meta, truncated, finish)
     if len(logprobs) != len(output_ids):
         raise EngineError(f"SGLang returned {len(logprobs)} logprobs for {len(output_ids)} tokens")
-    return Reply(output_ids, logprobs, finish, detail, meta)
+    reply = Reply(output_ids, logprobs, finish, detail, meta)
+    if prompt_logprobs >= 0 and finish != "abort":
+        reply.prompt_logprobs = [
+            None if lp is None else float(lp) for lp, _tok, _txt in meta["input_token_logprobs"]
+        ]
+        if prompt_logprobs:
+            reply.prompt_top = [
+                [(int(tok), float(lp)) for lp, tok, _txt in (row or [])]
+                for row in meta["input_top_logprobs"]
+            ]
+    return reply
 
 
 def finish_reason(info: object) -> tuple[FinishReason, str]:
