@@ -181,3 +181,28 @@ def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
     assert rl.returncode == 0, output[-4000:]
     rows = [r for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
     assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_the_rl_loop_with_a_kl_penalty_against_its_base(tinker_served, tmp_path):
+    """The cookbook's RL loop with `kl_penalty_coef` and a `KLReferenceConfig` on the base model:
+    its reference logprobs come from a sampling client's compute_logprobs (tests/tinker/
+    cookbook_kl.py builds math_rl's Config and sets the two fields its command line lacks)."""
+    url, _, model = tinker_served
+    script = Path(__file__).parent / "tinker" / "cookbook_kl.py"
+    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run(
+        [str(sdk_python()), str(script), url, str(model.resolve()), str(tmp_path / "rl")],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = [r for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    kl = [k for r in rows for k in r if "kl" in k.lower()]
+    print(f"\nKL metrics the cookbook logged: {sorted(set(kl))}")
+    assert any("kl_policy_base" in k or "kl_penalty" in k for k in kl), kl
