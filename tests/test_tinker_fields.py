@@ -1,5 +1,5 @@
 """No field of the `tinker` SDK 0.38 is dropped in silence: every request type the SDK has is
-served by a model that declares each of its fields (orbit/serve/requests.py), or its route
+served by a model that declares each of its fields (orbit/serve/bodies.py), or its route
 answers 400 naming why; a field Orbit does not serve is refused when set, naming it; a field the
 SDK does not have is refused; and the fields Orbit keeps do what the SDK says (a checkpoint's TTL
 and metadata, a client's metadata, sessions, capabilities, a sample sent again)."""
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from tinker_helpers import sdk, sdk_env, sdk_python, serving
 
-from orbit.serve.requests import INFORMATIONAL, NOT_SERVED, REQUESTS
+from orbit.serve.bodies import INFORMATIONAL, NOT_SERVED, REQUESTS
 
 pytestmark = pytest.mark.slow
 

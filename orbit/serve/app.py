@@ -19,11 +19,7 @@ from pydantic import ValidationError
 
 from orbit.engine.base import SamplingParams
 from orbit.serve import wire
-from orbit.serve.checkpoints import rest_checkpoint
-from orbit.serve.clients import AdamParams, LoraSpec
-from orbit.serve.futures import Busy, Gone, NotFound, Record, Refused, RequestFailed, result_of
-from orbit.serve.keys import Keys
-from orbit.serve.requests import (
+from orbit.serve.bodies import (
     NOT_SERVED,
     Adam,
     Body,
@@ -44,6 +40,10 @@ from orbit.serve.requests import (
     Telemetry,
     UnloadModel,
 )
+from orbit.serve.checkpoints import rest_checkpoint
+from orbit.serve.clients import AdamParams, LoraSpec
+from orbit.serve.futures import Busy, Gone, NotFound, Record, Refused, RequestFailed, result_of
+from orbit.serve.keys import Keys
 from orbit.serve.samplers import Stops
 from orbit.serve.service import Service
 
@@ -123,7 +123,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     async def body(request: Request, model: type[B]) -> B:
         """The request as `model` declares it: a field it does not know, or one Orbit does not
-        serve set, is refused, named (requests.py)."""
+        serve set, is refused, named (bodies.py)."""
         req = model.model_validate(await fields(request))
         req.refuse_unserved()
         return req
