@@ -206,3 +206,27 @@ def test_the_rl_loop_with_a_kl_penalty_against_its_base(tinker_served, tmp_path)
     kl = [k for r in rows for k in r if "kl" in k.lower()]
     print(f"\nKL metrics the cookbook logged: {sorted(set(kl))}")
     assert any("kl_policy_base" in k or "kl_penalty" in k for k in kl), kl
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_on_policy_distillation_from_a_teacher_this_service_trained(tinker_served, tmp_path):
+    """The cookbook's on-policy distillation: a teacher that is a checkpoint a client of this
+    service saved, whose logprobs of the student's samples (compute_logprobs) are the signal
+    (tests/tinker/cookbook_distill.py)."""
+    url, _, model = tinker_served
+    script = Path(__file__).parent / "tinker" / "cookbook_distill.py"
+    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run(
+        [str(sdk_python()), str(script), url, str(model.resolve()), str(tmp_path / "distill")],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "TEACHER tinker://" in done.stdout
+    rows = [r for r in _rows(tmp_path / "distill") if "teacher_kl" in r]
+    print(f"\nteacher_kl per step: {[r['teacher_kl'] for r in rows]}")
+    assert len(rows) == 2 and all(r["teacher_kl"] == r["teacher_kl"] for r in rows)  # not NaN
