@@ -5,6 +5,7 @@ cookbook's wheel, both at once against one service (one base, one set of engines
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -230,3 +231,30 @@ def test_on_policy_distillation_from_a_teacher_this_service_trained(tinker_serve
     rows = [r for r in _rows(tmp_path / "distill") if "teacher_kl" in r]
     print(f"\nteacher_kl per step: {[r['teacher_kl'] for r in rows]}")
     assert len(rows) == 2 and all(r["teacher_kl"] == r["teacher_kl"] for r in rows)  # not NaN
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
+    """The cookbook's DPO on labelled comparisons in a JSONL file: the reference model's logprobs
+    are a sampling client's compute_logprobs, the DPO loss the SDK's client-side custom loss
+    (tests/tinker/cookbook_dpo.py)."""
+    url, _, model = tinker_served
+    script = Path(__file__).parent / "tinker" / "cookbook_dpo.py"
+    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run(
+        [str(sdk_python()), str(script), url, str(model.resolve()), str(tmp_path / "dpo" / "log")],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = [r for r in _rows(tmp_path / "dpo" / "log") if "dpo_loss" in r]
+    print(f"\nDPO loss per step: {[r['dpo_loss'] for r in rows]}")
+    assert len(rows) == 2
+    # at step 0 the policy is the reference: the margin is 0 and the loss log 2, exactly when the
+    # reference's compute_logprobs equal the policy's forward logprobs
+    assert abs(rows[0]["dpo_loss"] - math.log(2)) < 1e-4 and abs(rows[0]["margin"]) < 1e-4
+    assert rows[1]["dpo_loss"] < rows[0]["dpo_loss"]
