@@ -639,6 +639,7 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
         return picked[-1]
 
     monkeypatch.setattr(server_module, "free_port", pick)
+    before = {f.name for f in Path("/dev/shm").glob("sglang_*")}
     try:
         engine = {"backend": "sglang-server", "slots": 2}
         with serving(tiny_llama, tmp_path / "serve", engine=engine) as (_, service):
@@ -647,3 +648,5 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
     finally:
         held.close()
     assert len(picked) == 2 and picked[0] == taken != picked[1]
+    # the failed start's load-snapshot file went with it (and the served one at the stop)
+    assert {f.name for f in Path("/dev/shm").glob("sglang_*")} <= before

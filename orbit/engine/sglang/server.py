@@ -57,7 +57,7 @@ class ServerProcess:
 
     def __init__(self, popen: subprocess.Popen, log: Path, api_key: str | None) -> None:
         self.popen, self.log, self._key = popen, log, api_key
-        self.files: list[Path] = []  # what its schedulers hold in /dev/shm, noted once it answers
+        self.files: list[Path] = []  # what its schedulers hold in /dev/shm, noted as it starts
 
     @property
     def pid(self) -> int:
@@ -287,6 +287,10 @@ def _launch(
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
+        # what its schedulers hold in /dev/shm, noted as they start: a server that fails before it
+        # answers (a port taken meanwhile, say) has no process left to ask at its stop
+        held = sglang_shm_files([p.pid for p in group_of(popen)])
+        server.files = sorted(set(server.files) | set(held))
         if server.exited() is not None:
             tail = server.log_tail()
             server.stop()
@@ -298,7 +302,8 @@ def _launch(
             )
         try:
             if httpx.get(f"{url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200:
-                server.files = sglang_shm_files([p.pid for p in group_of(popen)])
+                held = sglang_shm_files([p.pid for p in group_of(popen)])
+                server.files = sorted(set(server.files) | set(held))
                 return url, server
         except httpx.TransportError:
             pass
