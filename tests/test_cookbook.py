@@ -16,22 +16,38 @@ from tinker_helpers import sdk_python, serving
 pytestmark = pytest.mark.slow
 
 
+ENV = {
+    "TINKER_API_KEY": "tml-local",
+    "TINKER_TELEMETRY": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
 def _cookbook(recipe: str, args: dict[str, object], url: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "TINKER_API_KEY": "tml-local",
-        "TINKER_TELEMETRY": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
     words = [f"{k}={v}" for k, v in {**args, "base_url": url}.items()]
     return subprocess.Popen(
         [str(sdk_python()), "-m", f"tinker_cookbook.recipes.{recipe}.train", *words],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
+        env={**os.environ, **ENV},
     )
+
+
+def _script(name: str, url: str, model: Path, log: Path) -> str:
+    """tests/tinker/`name` (a cookbook entry point driven from Python) against the service at
+    `url`, logging to `log`: what it printed; it must succeed."""
+    script = Path(__file__).parent / "tinker" / name
+    done = subprocess.run(
+        [str(sdk_python()), str(script), url, str(model.resolve()), str(log)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, **ENV},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
 
 
 def _rows(log: Path) -> list[dict]:
@@ -191,17 +207,7 @@ def test_the_rl_loop_with_a_kl_penalty_against_its_base(tinker_served, tmp_path)
     its reference logprobs come from a sampling client's compute_logprobs (tests/tinker/
     cookbook_kl.py builds math_rl's Config and sets the two fields its command line lacks)."""
     url, _, model = tinker_served
-    script = Path(__file__).parent / "tinker" / "cookbook_kl.py"
-    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run(
-        [str(sdk_python()), str(script), url, str(model.resolve()), str(tmp_path / "rl")],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env=env,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    _script("cookbook_kl.py", url, model, tmp_path / "rl")
     rows = [r for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
     assert [r["step"] for r in rows] == [0, 1]
     kl = [k for r in rows for k in r if "kl" in k.lower()]
@@ -216,18 +222,8 @@ def test_on_policy_distillation_from_a_teacher_this_service_trained(tinker_serve
     service saved, whose logprobs of the student's samples (compute_logprobs) are the signal
     (tests/tinker/cookbook_distill.py)."""
     url, _, model = tinker_served
-    script = Path(__file__).parent / "tinker" / "cookbook_distill.py"
-    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run(
-        [str(sdk_python()), str(script), url, str(model.resolve()), str(tmp_path / "distill")],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env=env,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "TEACHER tinker://" in done.stdout
+    printed = _script("cookbook_distill.py", url, model, tmp_path / "distill")
+    assert "TEACHER tinker://" in printed
     rows = [r for r in _rows(tmp_path / "distill") if "teacher_kl" in r]
     print(f"\nteacher_kl per step: {[r['teacher_kl'] for r in rows]}")
     assert len(rows) == 2 and all(r["teacher_kl"] == r["teacher_kl"] for r in rows)  # not NaN
@@ -240,17 +236,7 @@ def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
     are a sampling client's compute_logprobs, the DPO loss the SDK's client-side custom loss
     (tests/tinker/cookbook_dpo.py)."""
     url, _, model = tinker_served
-    script = Path(__file__).parent / "tinker" / "cookbook_dpo.py"
-    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run(
-        [str(sdk_python()), str(script), url, str(model.resolve()), str(tmp_path / "dpo" / "log")],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env=env,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    _script("cookbook_dpo.py", url, model, tmp_path / "dpo" / "log")
     rows = [r for r in _rows(tmp_path / "dpo" / "log") if "dpo_loss" in r]
     print(f"\nDPO loss per step: {[r['dpo_loss'] for r in rows]}")
     assert len(rows) == 2

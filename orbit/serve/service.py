@@ -215,10 +215,13 @@ class Service:
 
     # -- training clients -------------------------------------------------------------------
 
+    def _public_names(self) -> list[str]:
+        """The base model's names but its absolute paths (where the server keeps its files)."""
+        return sorted(n for n in self.names if not n.startswith("/"))
+
     def check_base(self, base_model: str) -> None:
         if base_model not in self.names:
-            # the names but the absolute paths: no refusal shows where the server keeps its files
-            shown = sorted(n for n in self.names if not n.startswith("/"))
+            shown = self._public_names()  # no refusal shows where the server keeps its files
             served = " or ".join(shown) if shown else "one base model, by its recipe's model path"
             raise Refused(f"base_model {str(base_model)[:200]!r}: this orbit serve serves {served}")
 
@@ -652,8 +655,8 @@ class Service:
 
     def capabilities(self) -> dict[str, Any]:
         """The models served (RestClient.get_server_capabilities): the base, by each name it has
-        but the server's own paths."""
-        names = sorted(n for n in self.names if not n.startswith("/")) or [str(self.model)]
+        but the server's own paths (by its path when it has no other)."""
+        names = self._public_names() or [str(self.model)]
         return {
             "supported_models": [
                 {

@@ -13,13 +13,13 @@ import sys
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import tinker  # noqa: E402
+from cookbook_kl import sums  # noqa: E402  (this directory: the script's own, on sys.path)
 from tinker import types  # noqa: E402
 from tinker_cookbook.distillation.datasets import (  # noqa: E402
     DistillationDatasetConfig,
     TeacherConfig,
 )
 from tinker_cookbook.distillation.train_on_policy import Config, main  # noqa: E402
-from tinker_cookbook.recipes.math_rl.train import get_dataset_builder  # noqa: E402
 
 
 def teacher(base_url: str, model: str) -> str:
@@ -38,19 +38,11 @@ def teacher(base_url: str, model: str) -> str:
 
 
 def config(base_url: str, model: str, log_path: str, teacher_path: str) -> Config:
-    dataset = get_dataset_builder(
-        env="arithmetic",
-        batch_size=2,
-        model_name=model,
-        renderer_name="role_colon",
-        group_size=4,
-        seed=0,
-    )
     return Config(
         learning_rate=3e-4,
         dataset_configs=[
             DistillationDatasetConfig(
-                dataset_builder=dataset,
+                dataset_builder=sums(model),
                 teacher_config=TeacherConfig(base_model=model, load_checkpoint_path=teacher_path),
                 groups_per_batch=2,
             )

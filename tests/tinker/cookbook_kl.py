@@ -16,17 +16,22 @@ from tinker_cookbook.recipes.math_rl.train import get_dataset_builder  # noqa: E
 from tinker_cookbook.rl.train import Config, KLReferenceConfig, main  # noqa: E402
 
 
+def sums(model: str):
+    """math_rl's arithmetic sums: 2 groups of 4 a batch, the role_colon renderer."""
+    return get_dataset_builder(
+        env="arithmetic",
+        batch_size=2,
+        model_name=model,
+        renderer_name="role_colon",
+        group_size=4,
+        seed=0,
+    )
+
+
 def config(base_url: str, model: str, log_path: str) -> Config:
     made = Config(
         learning_rate=3e-4,
-        dataset_builder=get_dataset_builder(
-            env="arithmetic",
-            batch_size=2,
-            model_name=model,
-            renderer_name="role_colon",
-            group_size=4,
-            seed=0,
-        ),
+        dataset_builder=sums(model),
         model_name=model,
         recipe_name="recipe_math_rl",
         renderer_name="role_colon",
