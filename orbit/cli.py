@@ -12,6 +12,7 @@ from orbit.host import interrupts
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orbit":
     interrupts.exit_while_importing()
 
+import dataclasses  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from enum import Enum  # noqa: E402
@@ -228,6 +229,11 @@ def serve(
         help="a name clients may call the base model by (e.g. HuggingFaceTB/SmolLM2-135M-Instruct,"
         " for the cookbook's model table); again for more",
     ),
+    pack_tokens: int | None = typer.Option(
+        None,
+        help="tokens of several clients' forward/forward_backward requests that may share one "
+        "pass over the base (default: docs/tinker.md's); 0: each request a pass of its own",
+    ),
 ) -> None:
     """Serve the Tinker API (the `tinker` SDK, tinker-cookbook) on the recipe's base model and
     engines: `orbit serve recipes/smollm2-serve.yaml`, then TINKER_BASE_URL=<the address it
@@ -243,6 +249,8 @@ def serve(
             _fail(f"bad recipe {recipe}:\n{err}")
         if max_clients < 1 or max_queued < 1:
             _fail("--max-clients and --max-queued: at least 1")
+        if pack_tokens is not None and pack_tokens < 0:
+            _fail(f"--pack-tokens {pack_tokens}: 0 (no packs) or more")
         if not session_timeout >= 10:  # the SDK beats every 10 s; NaN fails too
             _fail(f"--session-timeout {session_timeout}: at least 10 (seconds)")
         try:
@@ -251,6 +259,8 @@ def serve(
             _fail(str(err))
         quotas = Quotas(max_clients, max_queued, session_timeout)
         options = Options(host, port, dir, db, taken, quotas)
+        if pack_tokens is not None:
+            options = dataclasses.replace(options, pack_tokens=pack_tokens)
         try:
             options.check()
         except ValueError as err:

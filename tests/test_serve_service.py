@@ -235,8 +235,13 @@ def test_eight_training_clients_and_eight_samplers_all_progress(shared):
              for x in c.get(k, [])]  # fmt: skip
     assert len(waits) == 8 * 3 * 2 + 8 * 3 and max(waits) < 30, max(waits)
     assert all(len(c["asample"]) == 3 for n, c in clients.items() if n.startswith("sample"))
+    # clients with a forward_backward ready at once shared passes over the base (packs)
+    packs = list(service.turns.packs)
+    assert max(p.clients for p in packs) > 1, packs
+    assert all(p.tokens <= service.turns.pack_tokens or p.clients == 1 for p in packs)
     print(
-        f"\n16 clients, 3 steps each: {seen['seconds']:.1f} s, longest request {max(waits):.2f} s"
+        f"\n16 clients, 3 steps each: {seen['seconds']:.1f} s, longest request {max(waits):.2f} s, "
+        f"{len(packs)} packs of {max(p.clients for p in packs)} requests at most"
     )
 
 
@@ -544,6 +549,9 @@ def test_the_services_page_shows_clients_engines_and_latency_and_no_key(shared):
             assert page.locator("#engines tbody tr").count() == len(service.sampler.caches)
             targets = page.locator("#targets tbody tr").all_inner_texts()
             assert any(a["model_id"] in t and "\t1\t" in t for t in targets), targets
+            packs = page.locator("#packsum tbody tr").all_inner_texts()
+            assert int(packs[0].split("\t")[0]) == len(service.turns.packs) > 0, packs
+            assert page.locator("#packs .main-svg").count() > 0
     finally:
         page_server.stop()
     assert tenant_of(KEY_A) in text and KEY_A not in text and KEY_B not in text

@@ -322,6 +322,11 @@ class TrainerConfig(_Section):
         description="padded tokens per forward/backward (samples of similar "
         "length together); 0 = the whole batch at once",
     )
+    pack: bool = Field(
+        True,
+        description="in a sweep: runs whose batches are ready together take their steps in one "
+        "forward/backward over the shared base (orbit/train/packed.py); false: one run at a time",
+    )
     schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="the learning rate over the run: constant, or decaying to 0 at the last step "

@@ -69,6 +69,8 @@ class StepMetrics:
     train_s: float = 0.0
     # a sweep's run waiting for the shared trainer while other runs trained
     trainer_queue_s: float = 0.0
+    # a sweep's runs whose steps shared this step's passes over the base, its own included
+    trainer_packed: int = 1
     trainer_idle_s: float = 0.0  # train_wait_s + the part of the push that held the trainer
     # the engines' own busy time in the step (generating), summed over engines
     engine_busy_s: float = 0.0

@@ -210,6 +210,7 @@ def _metrics(
         stale_dropped=batch.stale_dropped,
         train_s=train_s - result.queue_s,
         trainer_queue_s=result.queue_s,
+        trainer_packed=result.packed,
         trainer_idle_s=wait_s + pushed.seconds,
         engine_busy_s=after.busy_s - before.busy_s,
         tokens_generated=tokens,

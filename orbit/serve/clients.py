@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from orbit.serve import losses
 from orbit.serve.futures import Refused
 from orbit.serve.wire import Datum
 from orbit.train import peft_adapter, state
+from orbit.train.packing import Route, Router
 from orbit.train.sequences import micro_batches, target_logprobs
 from orbit.train.shared import SharedBase
 
@@ -32,6 +35,11 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
 LOSSES_KEPT = 500  # a client's newest forward_backward losses, for the page
 MICRO_BATCH_TOKENS = 4096  # padded tokens per forward/backward: memory bounded whatever the batch
+# A packed pass on a CPU: the same FLOPs as the requests' own passes, but tensors that outgrow the
+# caches slow every elementwise op. 8 clients' 252-token requests on SmolLM2 (one thread), packed
+# in passes of 256, 512, 1024, 4096 tokens: 1.10, 1.14-1.21, 0.96, 0.94-1.10 times the
+# requests' own passes' speed (bench/README.md, "orbit serve under load")
+CPU_PACKED_PASS_TOKENS = 512
 
 
 class ClientError(Refused):
@@ -89,6 +97,20 @@ class AdamParams:
 
 
 @dataclass
+class Request:
+    """One forward or forward_backward request of a training client."""
+
+    client: TrainingClient
+    data: list[Datum]
+    loss_fn: str
+    config: dict[str, float | str]
+    forward_only: bool
+
+    def tokens(self) -> int:
+        return sum(len(d.tokens) for d in self.data)
+
+
+@dataclass
 class Scored:
     """What forward_backward gives back: each datum's target logprobs, and the summed loss."""
 
@@ -119,33 +141,11 @@ class TrainingClient:
         self, data: list[Datum], loss_fn: str, config: dict[str, float | str], forward_only: bool
     ) -> Scored:
         """Every datum's target logprobs and loss; unless `forward_only`, the loss's gradient added
-        to the adapter's. A bad request is refused (ClientError) before anything is computed."""
-        targets = self.check(data, loss_fn, config)
-        cfg = None if loss_fn == "cross_entropy" else losses.algorithm(loss_fn, config)
-        out: list[Tensor] = [torch.empty(0)] * len(data)
-        total = 0.0
-        model = self.base.base
-        with self.base.turn(self.name), torch.set_grad_enabled(not forward_only):
-            for chunk in micro_batches([d.tokens for d in data], MICRO_BATCH_TOKENS):
-                logp = target_logprobs(
-                    model.model,
-                    model.get_output_embeddings(),
-                    [data[i].tokens for i in chunk],
-                    [targets[i] for i in chunk],
-                    [losses.weighted(loss_fn, data[i].inputs) for i in chunk],
-                )
-                loss = logp.new_zeros(())
-                for row, i in enumerate(chunk):
-                    n = len(data[i].tokens)
-                    loss = loss + losses.datum_loss(loss_fn, logp[row, :n], data[i].inputs, cfg)
-                    out[i] = logp[row, :n].detach().cpu()
-                # a chunk whose every weight (advantage) is 0 has no gradient to add
-                if not forward_only and loss.requires_grad:
-                    loss.backward()
-                total += float(loss.detach())
-        if not forward_only:
-            self.losses.append(total)
-        return Scored(out, total)
+        to the adapter's. A bad request is refused (ClientError) before anything is computed. A
+        pass of its own over the base (peft's forward); `forward_backward` packs several."""
+        return forward_backward(
+            self.base, [Request(self, data, loss_fn, config, forward_only)], packed=False
+        )[0]
 
     def check(
         self, data: list[Datum], loss_fn: str, config: dict[str, float | str]
@@ -244,3 +244,95 @@ class TrainingClient:
 
 def _present(base: SharedBase, target: str) -> bool:
     return any(name.rpartition(".")[2] == target for name, _ in base.base.named_modules())
+
+
+def forward_backward(base: SharedBase, requests: list[Request], packed: bool) -> list[Scored]:
+    """Each request's Scored, computed in passes over `base` of at most MICRO_BATCH_TOKENS padded
+    tokens; each loss's gradient added to its own client's adapter (unless forward_only, which all
+    of them are or none). `packed`: the requests' rows share each pass, each under its own adapter
+    (orbit/train/packing.py); otherwise one request, in a turn of its own. Every request is checked
+    before anything is computed: a refusal (ClientError) computes nothing for any of them."""
+    forward_only = requests[0].forward_only
+    assert all(r.forward_only == forward_only for r in requests), "one kind a pack"
+    assert packed or len(requests) == 1, "requests share a pass only when packed"
+    targets = [r.client.check(r.data, r.loss_fn, r.config) for r in requests]
+    cfgs = [
+        None if r.loss_fn == "cross_entropy" else losses.algorithm(r.loss_fn, r.config)
+        for r in requests
+    ]
+    where = [(r, d) for r, req in enumerate(requests) for d in range(len(req.data))]
+    rows = [requests[r].data[d].tokens for r, d in where]
+    names = [requests[r].client.name for r, _ in where]
+    out: list[list[Tensor]] = [[torch.empty(0)] * len(r.data) for r in requests]
+    totals = [0.0] * len(requests)
+    model = base.base
+    with _on(base, names, packed) as router, torch.set_grad_enabled(not forward_only):
+        for chunk in micro_batches(
+            rows,
+            int(__import__("os").environ.get("PB", MICRO_BATCH_TOKENS)),
+            names if packed else None,
+        ):
+            logp = target_logprobs(
+                model.model,
+                model.get_output_embeddings(),
+                [rows[i] for i in chunk],
+                [targets[where[i][0]][where[i][1]] for i in chunk],
+                [
+                    losses.weighted(
+                        requests[where[i][0]].loss_fn, _datum(requests, where[i]).inputs
+                    )
+                    for i in chunk
+                ],
+                Route(router, [names[i] for i in chunk]) if router is not None else None,
+            )
+            loss = logp.new_zeros(())
+            for row, i in enumerate(chunk):
+                r, d = where[i]
+                n = len(rows[i])
+                datum = losses.datum_loss(
+                    requests[r].loss_fn, logp[row, :n], requests[r].data[d].inputs, cfgs[r]
+                )
+                loss = loss + datum
+                totals[r] += float(datum.detach())
+                out[r][d] = logp[row, :n].detach().cpu()
+            # a chunk whose every weight (advantage) is 0 has no gradient to add
+            if not forward_only and loss.requires_grad:
+                loss.backward()
+    if not forward_only:
+        for r, req in enumerate(requests):
+            req.client.losses.append(totals[r])
+    return [Scored(out[r], totals[r]) for r in range(len(requests))]
+
+
+def forward_backward_checked(base: SharedBase, requests: list[Request]) -> list[Scored | Refused]:
+    """A pack of one kind's requests (orbit/serve/training.py): each checked again, a refusal
+    its own answer, the rest computed together (`forward_backward`, packed when several)."""
+    refused: dict[int, Refused] = {}
+    for i, r in enumerate(requests):
+        try:
+            r.client.check(r.data, r.loss_fn, r.config)
+        except Refused as err:  # ClientError, losses.LossError
+            refused[i] = err
+    good = [r for i, r in enumerate(requests) if i not in refused]
+    scored = iter(forward_backward(base, good, len(good) > 1) if good else [])
+    return [refused[i] if i in refused else next(scored) for i in range(len(requests))]
+
+
+def _pass_tokens(model: torch.nn.Module, packed: bool) -> int:
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return CPU_PACKED_PASS_TOKENS if packed and on_cpu else MICRO_BATCH_TOKENS
+
+
+def _datum(requests: list[Request], at: tuple[int, int]) -> Datum:
+    return requests[at[0]].data[at[1]]
+
+
+@contextmanager
+def _on(base: SharedBase, names: list[str], packed: bool) -> Iterator[Router | None]:
+    """The base for these rows' adapters: packed (yields the router), or the one's turn (None)."""
+    if packed:
+        with base.pack(list(dict.fromkeys(names))) as router:
+            yield router
+    else:
+        with base.turn(names[0]):
+            yield None

@@ -26,7 +26,7 @@ from orbit.serve.app import MAX_BODY, app
 from orbit.serve.clients import ATTN, MLP, UNEMBED
 from orbit.serve.keys import Keys
 from orbit.serve.samplers import Sampler
-from orbit.serve.service import EngineLimits, Quotas, Service
+from orbit.serve.service import PACK_TOKENS, EngineLimits, Quotas, Service
 from orbit.serve.store import Store, default_url, instance
 
 
@@ -41,6 +41,8 @@ class Options:
     keys: Keys = field(default_factory=Keys)
     quotas: Quotas = field(default_factory=Quotas)
     max_body: int = MAX_BODY
+    # tokens a pack of clients' forward(-backward) requests may hold (training.py); 0: one a turn
+    pack_tokens: int = PACK_TOKENS
 
     def check(self) -> None:
         """ValueError when the service would be open to other machines without keys."""
@@ -144,6 +146,7 @@ def serving(
             limits=limits(recipe),
             quotas=options.quotas,
             threads=recipe.trainer.threads,
+            pack_tokens=options.pack_tokens,
         )
         api = app(service, options.keys, options.max_body)
         server = ThreadServer(api, options.host, options.port, name="orbit serve").start()

@@ -1,7 +1,8 @@
 """The service's page: `orbit serve RECIPE --watch`. Every tenant's training clients (their steps,
 their losses, how many of their requests wait), the engines and what each slot holds, each inflight
-target's version on each engine, and each kind of request's latency; refreshed every two seconds,
-drawn with Plotly (the `plotly` package's own script: nothing is fetched from the web).
+target's version on each engine, the packs (how many requests share a pass over the base), and
+each kind of request's latency; refreshed every two seconds, drawn with Plotly (the `plotly`
+package's own script: nothing is fetched from the web).
 
 It listens on 127.0.0.1 only, on a port of its own, whatever `--host` the API has: it names every
 tenant's clients, so it is for whoever runs the service. Tenants appear as their key's digest
@@ -19,6 +20,8 @@ from fastapi.responses import HTMLResponse, Response
 
 from orbit.host.net import ThreadServer
 from orbit.serve.service import Service
+
+PACKS_SHOWN = 60
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -68,6 +71,7 @@ def state(service: Service) -> dict[str, Any]:
             }
             for t in service.sessions.targets()
         ],
+        "packs": _packs(service),
         "latency": {
             kind: {
                 "count": len(v),
@@ -76,6 +80,20 @@ def state(service: Service) -> dict[str, Any]:
             }
             for kind, v in sorted(latency.items())
         },
+    }
+
+
+def _packs(service: Service) -> dict[str, Any]:
+    """The newest packs (training.py): how many, their requests and tokens on average, the last
+    PACKS_SHOWN of them."""
+    packs = list(service.turns.packs)
+    return {
+        "bound": service.turns.pack_tokens,
+        "count": len(packs),
+        "clients": statistics.fmean(p.clients for p in packs) if packs else 0.0,
+        "tokens": statistics.fmean(p.tokens for p in packs) if packs else 0.0,
+        "largest": max((p.clients for p in packs), default=0),
+        "recent": [{"clients": p.clients, "tokens": p.tokens} for p in packs[-PACKS_SHOWN:]],
     }
 
 

@@ -30,15 +30,27 @@ from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
 from orbit.serve import wire
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, iso, rest_checkpoint
-from orbit.serve.clients import AdamParams, LoraSpec, TrainingClient
+from orbit.serve.clients import (
+    AdamParams,
+    LoraSpec,
+    Request,
+    Scored,
+    TrainingClient,
+    forward_backward_checked,
+)
 from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused, RequestFailed
 from orbit.serve.samplers import Sampler, Stops, onto
 from orbit.serve.sampling_sessions import SamplingSessions
 from orbit.serve.store import ClientRow, SessionRow, Store
-from orbit.serve.training import Turns
+from orbit.serve.training import Packable, Turns
 from orbit.train.shared import SharedBase
 
 log = logging.getLogger(__name__)
+# A pack's bound in tokens (training.py): two of the trainer's packed passes on a CPU
+# (clients.CPU_PACKED_PASS_TOKENS). Each request of a pack is answered when the whole pack is done,
+# and on a CPU a pass of many clients costs about what their own passes would (bench/README.md,
+# "orbit serve under load"): a bigger pack adds latency and little speed
+PACK_TOKENS = 1024
 SAMPLES_KEPT = 4096  # samples' requests remembered for resends (service.sample)
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
 
@@ -90,13 +102,14 @@ class Service:
         limits: EngineLimits = EngineLimits(),
         quotas: Quotas = Quotas(),
         threads: int = 1,
+        pack_tokens: int = PACK_TOKENS,
     ) -> None:
         self.model, self.names, self.sampler, self.limits = model, names, sampler, limits
         self.directory, self.store, self.quotas = directory, store, quotas
         self.max_context, self.vocab_size = max_context, vocab_size
         self.base = SharedBase(model, dtype)
         self.futures = Futures(store)
-        self.turns = Turns(threads)
+        self.turns = Turns(threads, pack_tokens, self._run_pack)
         self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
         self.checkpoints = Checkpoints(directory / "checkpoints", store, str(model))
         self.sessions = SamplingSessions(
@@ -395,14 +408,18 @@ class Service:
         trainer = self.client(tenant, request.model_id)
         trainer.check(request.data, request.loss_fn, request.config)  # a 4xx before it queues
 
-        def work() -> bytes:
-            scored = trainer.forward_backward(
-                request.data, request.loss_fn, request.config, request.forward_only
-            )
+        def answer(scored: Scored) -> bytes:
             return wire.forward_backward_output(scored.logprobs, {"loss:sum": scored.loss})
 
+        asked = Request(
+            trainer, request.data, request.loss_fn, request.config, request.forward_only
+        )
         kind = "Forward" if request.forward_only else "ForwardBackward"
+        work = Packable(kind, asked.tokens(), asked, answer)
         return self._ordered(tenant, request.model_id, request.seq_id, kind, work, proto=True)
+
+    def _run_pack(self, requests: list[Request]) -> list[Scored | Refused]:
+        return forward_backward_checked(self.base, requests)
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Record:
         trainer = self.client(tenant, model_id)

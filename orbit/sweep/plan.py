@@ -21,7 +21,8 @@ import yaml
 from orbit.config import Recipe, RecipeError, dump_recipe, parse_recipe, set_dotted
 from orbit.run.preflight import preflight
 
-# What the runs of a sweep share: the base model, the engines, the loop and the trainer's device.
+# What the runs of a sweep share: the base model, the engines, the loop, the trainer's device and
+# whether their steps are packed.
 SHARED = (
     "model",
     "engine",
@@ -32,6 +33,7 @@ SHARED = (
     "trainer.dtype",
     "trainer.threads",
     "trainer.shard",
+    "trainer.pack",
 )
 # adapters one engine holds at once (each a few MB at most: tensors, not models)
 MAX_ENGINE_SLOTS = 64

@@ -47,6 +47,7 @@ from orbit.sweep.lanes import SharedEngines
 from orbit.sweep.plan import SWEEP_FILE, SweepPlan, dump_sweep
 from orbit.sweep.watch import RunStatus, SweepTable, print_summary, summarize
 from orbit.tasks import TaskError, close_task, make_task
+from orbit.train.packed import StepPacker
 from orbit.train.shared import SharedBase
 from orbit.train.trainer import recipe_trainer
 
@@ -193,6 +194,8 @@ def _start(
         # first: a server that cannot hold K rings of slots says so at once
         engines = start_engines(starter)
         base = SharedBase(recipe.model, recipe.trainer.dtype)
+        if recipe.trainer.pack:
+            base.packer = StepPacker(base)
         for i, (planned, task, stop_ids) in enumerate(zip(plan.runs, tasks, stops, strict=True)):
             r = planned.recipe
             trainer = recipe_trainer(r, shared=base, name=f"run{i}")

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from orbit.rl.truncation import truncated_entropy, truncated_logprobs
 from orbit.rollout.sample import Sample
+from orbit.train.packing import Route, routed
 
 CHUNK_ROWS = 256  # output positions projected to the vocabulary at once
 # The samples of a micro-batch continue their prompts in up to this many passes of similar lengths
@@ -143,13 +144,19 @@ def collate(samples: list[Sample], pad_id: int, version: int, device: torch.devi
     )
 
 
-def output_hidden(decoder, batch: Batch, buckets: int = 1, cost: int = 0) -> Tensor:
+def output_hidden(
+    decoder, batch: Batch, buckets: int = 1, cost: int = 0, route: Route | None = None
+) -> Tensor:
     """[N, C, H] the decoder's last hidden state at each position that predicts an output token: the
     prompt's last position for output 0, output j-1 for output j. Each prompt runs once; its samples
     continue from its keys and values, in up to `buckets` passes of samples of similar lengths
     (`length_buckets`, a further pass counted as `cost` tokens: a sample padded to the longest of a
-    batch costs as much as the longest)."""
-    prompt = decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, use_cache=True)
+    batch costs as much as the longest). With `route` (a packed pass, `join`), prompt group g and
+    its samples compute under adapter `route.names[g]`."""
+    with routed(route, route.names if route is not None else []):
+        prompt = decoder(
+            input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, use_cache=True
+        )
     rows = batch.group_of
     width_c = batch.output_ids.shape[1]
     last = prompt.last_hidden_state[rows, batch.prompt_len[rows] - 1]  # [N, H]
@@ -157,13 +164,47 @@ def output_hidden(decoder, batch: Batch, buckets: int = 1, cost: int = 0) -> Ten
     # runs (on that token, its result unused): under FSDP every rank must make the same forward
     # calls (ranks.py), which is also why the trainer asks for one bucket there.
     parts, order = [], []
+    groups = batch.group_of.tolist()
     for members, width in length_buckets(output_widths(batch), buckets, cost):
+        names = []
+        if route is not None:  # one adapter's rows next to each other: a block each (packing.py)
+            members = sorted(members, key=lambda m: route.names[groups[m]])
+            names = [route.names[groups[m]] for m in members]
         index = torch.tensor(members, device=rows.device)
-        out = _continue(decoder, batch, prompt.past_key_values, index, width)
+        with routed(route, names):
+            out = _continue(decoder, batch, prompt.past_key_values, index, width)
         parts.append(F.pad(out, (0, 0, 0, max(width_c - 1, 1) - width)))
         order += members
     rest = torch.cat(parts)[torch.argsort(torch.tensor(order, device=rows.device))]
     return torch.cat([last[:, None], rest[:, : width_c - 1]], dim=1)
+
+
+def join(batches: list[Batch], pad_id: int) -> Batch:
+    """Several batches as one (a packed pass): their prompts and their samples, one after another,
+    each padded to the widest; batch i's samples are rows offset[i] : offset[i] + N_i."""
+    width_p = max(b.prompt_ids.shape[1] for b in batches)
+    width_c = max(b.output_ids.shape[1] for b in batches)
+
+    def cat(field: str, width: int, value: float | int | bool) -> Tensor:
+        parts = [getattr(b, field) for b in batches]
+        return torch.cat([F.pad(t, (0, width - t.shape[1]), value=value) for t in parts])
+
+    groups = [0]
+    for b in batches[:-1]:
+        groups.append(groups[-1] + b.prompt_ids.shape[0])
+    return Batch(
+        prompt_ids=cat("prompt_ids", width_p, pad_id),
+        prompt_mask=cat("prompt_mask", width_p, 0),
+        prompt_len=torch.cat([b.prompt_len for b in batches]),
+        group_of=torch.cat([b.group_of + g for b, g in zip(batches, groups, strict=True)]),
+        output_ids=cat("output_ids", width_c, pad_id),
+        outputs=cat("outputs", width_c, False),
+        generated=cat("generated", width_c, False),
+        loss_mask=cat("loss_mask", width_c, False),
+        behaviour=cat("behaviour", width_c, 0.0),
+        advantages=torch.cat([b.advantages for b in batches]),
+        fresh=torch.cat([b.fresh for b in batches]),
+    )
 
 
 def output_widths(batch: Batch) -> list[int]:
@@ -240,12 +281,14 @@ def token_logprobs(
     top_p: float,
     top_k: int,
     entropy_grad: bool = False,
+    entropy: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """[N, C] logprob of each token of `token_ids` where `scored` [N, C] is true, from the hidden
     states that predict them (`output_hidden`) and the output projection `head` (its weight [V, H],
     or a module, a LoRA on the head included): log_softmax(head(hidden) / T), truncated to
     top-k/top-p (orbit/rl/truncation.py); and [N, C] that distribution's entropy at each position
-    (differentiable only with `entropy_grad`: an entropy bonus). Zero elsewhere. Computed (and
+    (differentiable only with `entropy_grad`: an entropy bonus; not computed, zero, without
+    `entropy`). Zero elsewhere. Computed (and
     recomputed for the backward) a chunk of positions at a time: no [N, C, V] tensor is ever
     whole."""
     rows = scored.nonzero(as_tuple=True)
@@ -254,18 +297,18 @@ def token_logprobs(
     parts = []
     for i in range(0, targets.shape[0], CHUNK_ROWS):
         h, t = picked_hidden[i : i + CHUNK_ROWS], targets[i : i + CHUNK_ROWS]
-        args = (h, head, t, temperature, top_p, top_k, entropy_grad)
+        args = (h, head, t, temperature, top_p, top_k, entropy_grad, entropy)
         if recompute and torch.is_grad_enabled() and h.requires_grad:
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(*args))
     logp = torch.zeros(token_ids.shape, dtype=torch.float32, device=hidden.device)
-    entropy = torch.zeros_like(logp)
+    spread = torch.zeros_like(logp)
     if not parts:
-        return logp, entropy
+        return logp, spread
     return (
         logp.index_put(rows, torch.cat([p[0] for p in parts])),
-        entropy.index_put(rows, torch.cat([p[1] for p in parts])),
+        spread.index_put(rows, torch.cat([p[1] for p in parts])) if entropy else spread,
     )
 
 
@@ -285,14 +328,17 @@ def _chunk_logprobs(
     top_p: float,
     top_k: int,
     entropy_grad: bool,
+    entropy: bool = True,
 ) -> tuple[Tensor, Tensor]:
     logits = (head(h) if callable(head) else torch.nn.functional.linear(h, head)).float()
     # in place: the projection's backward does not need its output, and a fresh [rows, V] tensor
     # costs as much as the division
     logp = torch.log_softmax(logits.div_(temperature), dim=-1)
+    if not entropy:  # an exp and a sum over the whole vocabulary that nobody reads
+        return truncated_logprobs(logp, targets, top_p, top_k), logp.new_zeros(())
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = truncated_entropy(logp, top_p, top_k)
-    return truncated_logprobs(logp, targets, top_p, top_k), entropy
+        spread = truncated_entropy(logp, top_p, top_k)
+    return truncated_logprobs(logp, targets, top_p, top_k), spread
 
 
 def spread_over_groups(

@@ -61,6 +61,9 @@ class StepResult:
     borrowed_frac: float = 0.0
     # waiting for the shared base while other adapters of a sweep trained (shared.py)
     queue_s: float = 0.0
+    # the runs of a sweep whose steps shared this one's passes over the base, it included
+    # (packed.py); 1: a pass of its own
+    packed: int = 1
 
 
 @dataclass

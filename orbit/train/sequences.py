@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from orbit.train.batch import Head, token_logprobs
+from orbit.train.packing import AdapterHead, Route, adapted, routed
 
 # A second decoder pass (the rests) costs more than its tokens: sharing fewer is not worth it
 MIN_SAVED = 8
@@ -49,14 +50,16 @@ def _cost(lengths: list[int], shared: int) -> int:
     return shared + sum(n - shared for n in lengths)
 
 
-def prefix_groups(rows: list[list[int]]) -> list[Group]:
+def prefix_groups(rows: list[list[int]], names: list[str] | None = None) -> list[Group]:
     """The sequences in groups that share a prefix: in sorted order, a sequence joins the group
     before it when running the group's (possibly shorter) common prefix once saves at least
     `MIN_SAVED` decoder tokens over running the sequence alone. A group of one runs whole (`shared`
-    its length)."""
+    its length). With `names` (a packed pass), only sequences of one adapter share a prefix: its
+    keys and values are the adapter's."""
+    name = names or [""] * len(rows)
     groups: list[Group] = []
-    for i in sorted(range(len(rows)), key=lambda i: rows[i]):
-        if groups:
+    for i in sorted(range(len(rows)), key=lambda i: (name[i], rows[i])):
+        if groups and name[groups[-1].members[0]] == name[i]:
             g = groups[-1]
             lengths = [len(rows[m]) for m in g.members]
             shared = min(g.shared, _common(rows[g.members[0]], rows[i]))
@@ -69,14 +72,17 @@ def prefix_groups(rows: list[list[int]]) -> list[Group]:
     return groups
 
 
-def micro_batches(rows: list[list[int]], budget: int) -> list[list[int]]:
+def micro_batches(
+    rows: list[list[int]], budget: int, names: list[str] | None = None
+) -> list[list[int]]:
     """The sequences (by index), their groups kept together in order, cut into micro-batches of
     at most `budget` padded decoder tokens: its prefixes (padded to the longest) and its members'
     rests (padded to the longest). A group too big for one is split, each part running the prefix;
-    one sequence at least; 0: one micro-batch."""
+    one sequence at least; 0: one micro-batch. `names`: each sequence's adapter in a packed pass
+    (a micro-batch may hold several)."""
     out: list[list[int]] = []
     size = (0, 0, 0, 0)  # the last micro-batch's prefixes, widest prefix, members, widest rest
-    for g in sorted(prefix_groups(rows), key=lambda g: (g.shared, len(g.members))):
+    for g in sorted(prefix_groups(rows, names), key=lambda g: (g.shared, len(g.members))):
         first = True  # whether g is not yet in the last micro-batch
         for m in g.members:
             rest = len(rows[m]) - g.shared
@@ -99,14 +105,21 @@ def _pad(rows: list[list[int]], width: int, device: torch.device) -> tuple[Tenso
     return ids.to(device), mask.to(device)
 
 
-def hidden_states(decoder: torch.nn.Module, rows: list[list[int]], groups: list[Group]) -> Tensor:
+def hidden_states(
+    decoder: torch.nn.Module,
+    rows: list[list[int]],
+    groups: list[Group],
+    route: Route | None = None,
+) -> Tensor:
     """[B, T, H] the decoder's last hidden state at every position of the groups' sequences (in the
     groups' member order, right-padded): each group's prefix run once, each member's rest on its
-    keys and values."""
+    keys and values; with `route`, each under its own adapter."""
     device = next(decoder.parameters()).device
     width = max(g.shared for g in groups)
     prefix_ids, prefix_mask = _pad([rows[g.members[0]][: g.shared] for g in groups], width, device)
-    prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True)
+    names = route.names if route is not None else []
+    with routed(route, [names[g.members[0]] for g in groups] if names else []):
+        prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True)
     of = [gi for gi, g in enumerate(groups) for _ in g.members]
     shared = [g.shared for g in groups for _ in g.members]
     members = [rows[m] for g in groups for m in g.members]
@@ -122,13 +135,14 @@ def hidden_states(decoder: torch.nn.Module, rows: list[list[int]], groups: list[
         positions = torch.tensor(shared, device=device)[:, None] + torch.arange(
             rest_width, device=device
         )
-        tail = decoder(
-            input_ids=ids,
-            attention_mask=torch.cat([prefix_mask[index], mask], dim=1),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=False,
-        ).last_hidden_state
+        with routed(route, [names[m] for g in groups for m in g.members] if names else []):
+            tail = decoder(
+                input_ids=ids,
+                attention_mask=torch.cat([prefix_mask[index], mask], dim=1),
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=False,
+            ).last_hidden_state
         out = torch.cat([out, tail], dim=1)
     # member b's positions: its prefix (0 .. s-1 of the first part), then its rest
     order = [
@@ -146,26 +160,46 @@ def target_logprobs(
     rows: list[list[int]],
     targets: list[list[int]],
     weighted: list[list[bool]] | None = None,
+    route: Route | None = None,
 ) -> Tensor:
     """[B, T] log p(targets[b][i] | rows[b][: i + 1]) at temperature 1, zero past each sequence's
     end, for the sequences in the order given. With grad enabled it is differentiable at the
-    positions `weighted` marks (None: all); elsewhere the value alone."""
+    positions `weighted` marks (None: all); elsewhere the value alone. With `route` (a packed pass)
+    sequence b is scored under adapter `route.names[b]`."""
     device = next(decoder.parameters()).device
-    groups = prefix_groups(rows)
+    groups = prefix_groups(rows, route.names if route is not None else None)
     order = [m for g in groups for m in g.members]
-    hidden = hidden_states(decoder, rows, groups)
+    hidden = hidden_states(decoder, rows, groups, route)
+    names = [route.names[m] for m in order] if route is not None else None
     width = hidden.shape[1]
     wanted, real = _pad([targets[m] for m in order], width, device)
     real = real.bool()
     if weighted is None or not torch.is_grad_enabled():
-        logp, _ = token_logprobs(hidden, head, wanted, real, 1.0, 1.0, 0)
+        logp = _project(hidden, head, wanted, real, names)
     else:
         graded, _ = _pad([[int(w) for w in weighted[m]] for m in order], width, device)
         graded = graded.bool() & real
-        logp, _ = token_logprobs(hidden, head, wanted, graded, 1.0, 1.0, 0)
+        logp = _project(hidden, head, wanted, graded, names)
         with torch.no_grad():
-            rest, _ = token_logprobs(hidden.detach(), head, wanted, real & ~graded, 1.0, 1.0, 0)
+            rest = _project(hidden.detach(), head, wanted, real & ~graded, names)
         logp = logp + rest
     back = torch.empty(len(order), dtype=torch.long, device=device)
     back[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
     return logp[back]
+
+
+def _project(
+    hidden: Tensor, head: Head, wanted: Tensor, scored: Tensor, names: list[str] | None
+) -> Tensor:
+    """token_logprobs at temperature 1; in a packed pass whose output projection is adapted, each
+    adapter's rows through the projection under that adapter (packing.AdapterHead)."""
+    if names is None or not adapted(head):
+        return token_logprobs(hidden, head, wanted, scored, 1.0, 1.0, 0, entropy=False)[0]
+    logp = torch.zeros(wanted.shape, dtype=torch.float32, device=hidden.device)
+    for name in dict.fromkeys(names):
+        mine = torch.tensor([n == name for n in names], device=hidden.device)[:, None]
+        part, _ = token_logprobs(
+            hidden, AdapterHead(head, name), wanted, scored & mine, 1.0, 1.0, 0, entropy=False
+        )
+        logp = logp + part
+    return logp

@@ -3,10 +3,11 @@ multi-adapter model).
 
 A single run has one adapter, peft's "default". A sweep (orbit/sweep/) adds one per run: each run's
 `Trainer` owns its adapter's parameters, optimizer and version, and the base is held once. Only one
-adapter can compute on the base at a time (peft activates one adapter per forward), so `turn(name)`
-hands the base to the adapters in the order they asked for it: first come, first served. A run whose
+adapter computes on the base in peft's own forward (it activates one adapter), so `turn(name)` hands
+the base to the adapters in the order they asked for it: first come, first served. A run whose
 batch is complete first trains first, a slow run never holds back a fast one, and no adapter waits
-behind more than one step of each other adapter.
+behind more than one step of each other adapter. `pack(names)` hands it to several adapters at once,
+for a pass that carries all of their rows (packing.py).
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import peft
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from orbit.train.packing import Router
+
+if TYPE_CHECKING:
+    from orbit.train.packed import StepPacker
 
 
 class FirstComeLock:
@@ -61,6 +68,9 @@ class SharedBase:
         self.model: peft.PeftModel | None = None
         self._active: str | None = None
         self._lock = FirstComeLock()
+        self._params: dict[str, list[nn.Parameter]] = {}
+        # a sweep's runs' steps, packed (packed.py); None: each in a turn of its own
+        self.packer: StepPacker | None = None
 
     def add(self, name: str, config: peft.PeftConfig) -> list[nn.Parameter]:
         """Add adapter `name` (initialised from torch's random state, as peft does); returns its
@@ -75,6 +85,7 @@ class SharedBase:
         params = [p for key, p in self.model.named_parameters() if f".{name}." in key]
         for p in params:
             p.data = p.data.float()
+        self._params[name] = params
         return params
 
     def remove(self, name: str) -> None:
@@ -82,6 +93,7 @@ class SharedBase:
         with self._lock.held():
             assert self.model is not None, "add an adapter first"
             self.model.delete_adapter(name)
+            self._params.pop(name, None)
             if self._active == name:
                 self._active = None
 
@@ -92,6 +104,34 @@ class SharedBase:
         with self._lock.held() as waited:
             self._activate(name)
             yield waited
+
+    @contextmanager
+    def pack(self, names: list[str]) -> Iterator[Router]:
+        """The base for adapters `names` together, after those that asked before; yields the router
+        that sends each row of a forward to its adapter (packing.py)."""
+        with self.held():
+            yield self.routed(names)
+
+    @contextmanager
+    def held(self) -> Iterator[float]:
+        """The base, for whatever the holder runs on it (`routed`, `use`); yields the seconds
+        waited."""
+        with self._lock.held() as waited:
+            yield waited
+
+    def routed(self, names: list[str]) -> Router:
+        """While holding the base: the router for a pass of adapters `names`. Every one of their
+        parameters requires grad (peft's `set_adapter` leaves only the active one's so)."""
+        assert self.model is not None, "add an adapter first"
+        for name in names:
+            for p in self._params[name]:
+                p.requires_grad_(True)
+        self._active = None  # the next turn activates its adapter again, and its grads alone
+        return Router(self.model, self.base.get_output_embeddings())
+
+    def use(self, name: str) -> None:
+        """While holding the base: peft's own forward computes with adapter `name`."""
+        self._activate(name)
 
     def _activate(self, name: str) -> None:
         assert self.model is not None, "add an adapter first"

@@ -185,6 +185,8 @@ class Trainer:
         if not samples:
             raise ValueError("step needs at least one sample")
         self.ranks.send("step", samples)
+        if self.shared.packer is not None:  # a sweep's: with the other runs' steps ready now
+            return self.shared.packer.step(self, samples)
         # after the adapters (of a sweep) that asked first
         with self.shared.turn(self.name) as waited:
             result = self._step(samples)
@@ -211,10 +213,14 @@ class Trainer:
             if before is not None:  # no half-trained batch: the adapter stays at its version
                 self._set_state(before)
             raise
+        return self._finish(totals, norms, len(samples), lr)
+
+    def _finish(self, totals: Totals, norms: list[float], samples: int, lr: float) -> StepResult:
+        """The adapter one version newer, kept; the step's figures."""
         self.version += 1
         self._snapshot()
         result = totals.result(
-            self.version, fmean(norms), len(samples), len(norms), lr, self.algo.epochs
+            self.version, fmean(norms), samples, len(norms), lr, self.algo.epochs
         )
         result.flops = self._flops
         result.borrowed_frac = self.cores.take_share() if self.cores is not None else 0.0
@@ -227,35 +233,62 @@ class Trainer:
         of at most `cfg.micro_batch_tokens` padded tokens (batch.py); with ranks, each on its share,
         the gradients summed. `measure`: this forward is the step's engine agreement (its weights
         are those that made fresh samples)."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        norm = self._norm(samples)  # the whole share's counts, on every rank
+        norm = self._start_step(samples)
         step = Totals()
         for chunk, counts in self._micro_batches(samples):
             batch = self._collate(chunk)
             logp, entropy = self._logprobs(batch, entropy_grad=self.algo.entropy_coef > 0)
-            ref = self._ref_logprobs(batch) if self.algo.kl_coef > 0 else None
-            loss, stats = policy_loss(
-                logp,
-                batch.behaviour,
-                batch.advantages,
-                batch.loss_mask,
-                self.algo,
-                norm,
-                ref_logp=ref,
-                prox_logp=saved_rows(prox, chunk, logp) if prox else None,
-                entropy=entropy,
-            )
-            # a pad (FSDP): its forward and backward are collectives, its loss is not ours
-            if not counts:
-                (loss * 0.0).backward()
-                continue
-            loss.backward()
-            step.add(
-                loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch
-            )
-            if measure:
-                _keep(chunk, logp)
+            self._chunk_loss(
+                chunk, counts, batch, logp, entropy, norm, prox, step, measure
+            ).backward()
+        return self._end_step(samples, step, totals, measure)
+
+    def _start_step(self, samples: list[Sample]) -> Norm:
+        """Before an optimizer step's forwards: training mode, no gradient; the normaliser."""
+        if not self.model.training:  # every switch goes through the peft model: its flag is true
+            self.model.train()  # a walk over every module: a few ms a step on a small model
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._norm(samples)  # the whole share's counts, on every rank
+
+    def _chunk_loss(
+        self,
+        chunk: list[Sample],
+        counts: bool,
+        batch: Batch,
+        logp: Tensor,
+        entropy: Tensor,
+        norm: Norm,
+        prox: dict[int, Tensor] | None,
+        step: Totals,
+        measure: bool,
+    ) -> Tensor:
+        """A micro-batch's loss, to backward (a pad's, FSDP: times 0), its figures added to
+        `step`."""
+        ref = self._ref_logprobs(batch) if self.algo.kl_coef > 0 else None
+        loss, stats = policy_loss(
+            logp,
+            batch.behaviour,
+            batch.advantages,
+            batch.loss_mask,
+            self.algo,
+            norm,
+            ref_logp=ref,
+            prox_logp=saved_rows(prox, chunk, logp) if prox else None,
+            entropy=entropy,
+        )
+        # a pad (FSDP): its forward and backward are collectives, its loss is not ours
+        if not counts:
+            return loss * 0.0
+        step.add(loss, stats, (logp.detach() - batch.behaviour).abs() if measure else None, batch)
+        if measure:
+            _keep(chunk, logp)
+        return loss
+
+    def _end_step(
+        self, samples: list[Sample], step: Totals, totals: Totals, measure: bool
+    ) -> float:
+        """After an optimizer step's backwards: the gradients summed over ranks, the agreement
+        measured apart where the forwards could not, the step made; its gradient norm."""
         self.ranks.sum_grads(self.params)
         step.sum_over(self.ranks)
         if measure and (step.diff_tokens[0] == 0 or self.adapter.dropout > 0):
@@ -409,10 +442,17 @@ class Trainer:
         state, the vocabulary projection a chunk at a time."""
         if self.cores is not None:
             self.cores.apply()
+        self._count_flops(batch)
+        hidden = output_hidden(self._decoder, batch, self.buckets, self.bucket_cost)
+        return self._project(hidden, batch, entropy_grad)
+
+    def _count_flops(self, batch: Batch) -> None:
         tokens = int(batch.prompt_mask.sum()) + int(batch.outputs.sum())
         # a backward: 2 more
         self._flops += (4 if torch.is_grad_enabled() else 2) * self.matmul_params * tokens
-        hidden = output_hidden(self._decoder, batch, self.buckets, self.bucket_cost)
+
+    def _project(self, hidden: Tensor, batch: Batch, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        """`_logprobs` from the decoder's hidden states (`output_hidden`)."""
         return token_logprobs(
             hidden,
             self._head,

@@ -32,6 +32,27 @@ def ce(step: int) -> list[types.Datum]:
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 
+def group(client: int, step: int, spec: dict) -> list[types.Datum]:
+    """An RL-shaped batch: `group` sequences of one `prompt`-token prompt (the client's and the
+    step's own) and `completion` tokens each, trained on the completion (weight 1) only."""
+    import random
+
+    rng = random.Random(client * 1000 + step)
+    vocab = spec.get("vocab", 1000)
+    prompt = [rng.randrange(3, vocab) for _ in range(spec["prompt"])]
+    out = []
+    for _ in range(spec["group"]):
+        tokens = prompt + [rng.randrange(3, vocab) for _ in range(spec["completion"])]
+        weights = [0.0] * (len(prompt) - 1) + [1.0] * spec["completion"]
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+            )
+        )
+    return out
+
+
 def train(client, steps: range) -> None:
     for step in steps:
         client.forward_backward(ce(step), "cross_entropy").result()
@@ -154,7 +175,8 @@ def crowd(service, model, arg):
 def load(service, model, arg):
     """`clients` training clients and `samplers` sampling clients at once, each in a thread of its
     own: every training client takes `steps` steps (forward_backward, optim_step), every sampler
-    asks for `steps` samples. Each request's latency, and when each client finished."""
+    asks for `steps` samples. Each request's latency, and when each client finished. With `group`
+    in the spec, a step's batch is `group` (RL-shaped) rather than `ce`'s one short sequence."""
     import threading
 
     spec = json.loads(arg)
@@ -173,7 +195,9 @@ def load(service, model, arg):
         seen[name] = {}
         c = service.create_lora_training_client(base_model=model, rank=4, seed=i).result()
         for step in range(spec["steps"]):
-            timed(name, "forward_backward", c.forward_backward(ce(step + i), "cross_entropy"))
+            data = group(i, step, spec) if "group" in spec else ce(step + i)
+            seen[name].setdefault("tokens", []).append(sum(d.model_input.length for d in data))
+            timed(name, "forward_backward", c.forward_backward(data, "cross_entropy"))
             timed(name, "optim_step", c.optim_step(ADAM))
         seen[name]["finished_s"] = time.time() - start
 
