@@ -1,93 +1,165 @@
-"""`orbit serve` under load: N training clients and N sampling clients at once through the real
-`tinker` SDK, on one base and one set of engines. Prints the requests a second, each kind's p50 and
-p99 latency, each client's share of the trainer's turns, and the memory a training client costs
-(its adapter, gradient and Adam state, measured against the process's growth).
+"""`orbit serve` under load, packed against turn by turn in one run: N training clients (and, with
+`--samplers`, N sampling clients) at once through the real `tinker` SDK, on one base and one set of
+engines. For each client count and each way the trainer runs their requests (`packed`: the ready
+clients' forward_backward requests share a pass over the base, orbit/train/packing.py; `turns`:
+`--pack-tokens 0`, one request a pass), it prints the tokens trained a second summed over clients,
+the requests a second, each kind's p50 and p99 latency (and a step's: forward_backward plus
+optim_step), the trainer's useful FLOP rate against this machine's measured matmul peak, and the
+process's peak memory; then the packed-over-turns ratios.
 
-    .venv/bin/python bench/serve_load.py [--model .cache/smollm2-135m-instruct] [--clients 4,8]
-        [--steps 4]
+    .venv/bin/python bench/serve_load.py [--model .cache/smollm2-135m-instruct]
+        [--clients 1,2,4,8,16] [--steps 4] [--group 4 --prompt 48 --completion 16] [--samplers]
 
-Needs `make tinker` (the SDK runs in .venv-tinker, its clients in threads of one process). The
-figures are in bench/README.md ("orbit serve under load").
+A step's batch is RL-shaped (tests/tinker/sdk_service.py `group`): `--group` sequences of one
+`--prompt`-token prompt and `--completion` tokens each, cross-entropy on the completion. Needs
+`make tinker` (the SDK runs in .venv-tinker, its clients in threads of one process). The figures are
+in bench/README.md ("orbit serve under load").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import quantiles
 
-import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+MODES = {"turns": 0, "packed": None}  # --pack-tokens: 0, or the service's default
 
 
-def _q(values: list[float], q: float) -> float:
+def _q(values: list[float], q: int) -> float:
     return quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def one(model: Path, clients: int, steps: int) -> dict:
+def one(model: Path, mode: str, clients: int, args: argparse.Namespace) -> dict:
     from tinker_helpers import sdk, serving  # the tests' way to serve in this process
 
+    from orbit.measure.memory import PeakRss
     from orbit.serve.command import Options
 
-    spec = {"clients": clients, "samplers": clients, "steps": steps, "max_tokens": 16}
+    spec = {
+        "clients": clients,
+        "samplers": clients if args.samplers else 0,
+        "steps": args.steps,
+        "max_tokens": 16,
+        "group": args.group,
+        "prompt": args.prompt,
+        "completion": args.completion,
+    }
     script = ROOT / "tests" / "tinker" / "sdk_service.py"
     engine = {"backend": "embedded", "slots": 4, "max_running": 64, "max_context": 1024}
     with tempfile.TemporaryDirectory() as tmp:
         options = Options(directory=Path(tmp))
+        if MODES[mode] is not None:
+            options = dataclasses.replace(options, pack_tokens=MODES[mode])
         with serving(model, Path(tmp), options, engine=engine) as (url, service):
-            rss0 = psutil.Process().memory_info().rss
-            seen = sdk(url, model, "load", timeout=3600, script=script, arg=json.dumps(spec))
-            rss1 = psutil.Process().memory_info().rss
-            trainers = service.live()
-            params = sum(p.numel() for t in trainers.values() for p in t.params)
-    per_client = params * 4 * 4 / max(len(trainers), 1)  # fp32 weight, gradient, Adam's two
-    return {"seen": seen, "rss_growth": (rss1 - rss0) / clients, "per_client": per_client}
+            with PeakRss() as rss:
+                seen = sdk(url, model, "load", timeout=3600, script=script, arg=json.dumps(spec))
+            packs = list(service.turns.packs)
+    return {"seen": seen, "peak_rss": rss.peak, "packs": packs}
 
 
-def report(clients: int, out: dict) -> None:
+def figures(out: dict, params: int, peak_gflops: float) -> dict:
+    """What a run shows: trained tokens a second, requests a second, latencies, FLOP rate."""
     seen = out["seen"]
     rows = seen["clients"]
+    trainers = {k: c for k, c in rows.items() if k.startswith("train")}
+    tokens = sum(sum(c.get("tokens", [])) for c in trainers.values())
+    # the training clients' span: from the start to the last one's end (samplers may run longer)
+    span = max(c["finished_s"] for c in trainers.values())
     n = sum(len(c.get(k, [])) for c in rows.values() for k in ("forward_backward", "optim_step"))
     n += sum(len(c.get("asample", [])) for c in rows.values())
-    print(
-        f"\n{clients} training + {clients} sampling clients: {n} requests in "
-        f"{seen['seconds']:.1f} s ({n / seen['seconds']:.2f} a second)"
-    )
-    print("| request | p50 s | p99 s |\n|---|---|---|")
+    latency = {}
     for kind in ("forward_backward", "optim_step", "asample"):
         values = [x for c in rows.values() for x in c.get(kind, [])]
-        print(f"| {kind} | {_q(values, 50):.2f} | {_q(values, 99):.2f} |")
-    trainers = {k: c for k, c in rows.items() if k.startswith("train")}
-    spent = {k: sum(c["forward_backward"]) + sum(c["optim_step"]) for k, c in trainers.items()}
-    finished = [c["finished_s"] for c in trainers.values()]
+        if values:
+            latency[kind] = (_q(values, 50), _q(values, 99))
+    # a training step, as its client sees it: its forward_backward and its optim_step, each from
+    # when it was sent to when it was answered
+    steps = [
+        f + o
+        for c in trainers.values()
+        for f, o in zip(c["forward_backward"], c["optim_step"], strict=True)
+    ]
+    latency["step"] = (_q(steps, 50), _q(steps, 99))
+    packs = out["packs"]
+    return {
+        "tokens_s": tokens / span,
+        "requests_s": n / seen["seconds"],
+        "latency": latency,
+        "useful_gflops": 4 * params * tokens / span / 1e9,
+        "of_peak": 4 * params * tokens / span / 1e9 / peak_gflops,
+        "peak_rss_mib": out["peak_rss"] / 2**20,
+        "requests_a_pack": sum(p.clients for p in packs) / max(len(packs), 1),
+        "seconds": span,
+    }
+
+
+def report(clients: int, results: dict[str, dict]) -> None:
+    kinds = [
+        k for k in ("forward_backward", "optim_step", "asample") if k in results["turns"]["latency"]
+    ]
+    samplers = " + as many sampling clients" if "asample" in kinds else ""
+    print(f"\n{clients} training clients{samplers}:")
+    head = "| | tokens/s | requests/s | " + " | ".join(f"{k} p50 / p99 s" for k in kinds)
+    print(head + " | useful GFLOP/s (of peak) | requests a pack | peak RSS MiB |")
+    print("|---" * (len(kinds) + 6) + "|")
+    for mode, r in results.items():
+        lat = " | ".join(f"{r['latency'][k][0]:.2f} / {r['latency'][k][1]:.2f}" for k in kinds)
+        print(
+            f"| {mode} | {r['tokens_s']:.0f} | {r['requests_s']:.2f} | {lat} | "
+            f"{r['useful_gflops']:.1f} ({r['of_peak']:.2f}) | {r['requests_a_pack']:.2f} | "
+            f"{r['peak_rss_mib']:.0f} |"
+        )
+    t, p = results["turns"], results["packed"]
+    fb = "forward_backward"
     print(
-        f"training clients finished between {min(finished):.1f} and {max(finished):.1f} s; "
-        f"each one's share of the time its requests waited or ran: "
-        + ", ".join(f"{spent[k] / sum(spent.values()):.3f}" for k in sorted(spent))
-    )
-    print(
-        f"a training client: {out['per_client'] / 2**20:.1f} MiB of adapter, gradient and Adam "
-        f"state; the process grew {out['rss_growth'] / 2**20:.1f} MiB a client"
+        f"packed / turns: tokens/s {p['tokens_s'] / t['tokens_s']:.2f}, "
+        f"p99 {fb} {p['latency'][fb][1] / t['latency'][fb][1]:.2f}, "
+        f"p99 step {p['latency']['step'][1] / t['latency']['step'][1]:.2f}"
     )
 
 
 def main() -> None:
+    from orbit.measure.flops import matmul_params, matmul_peak
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "smollm2-135m-instruct")
-    parser.add_argument("--clients", default="4,8", help="client counts to run, one after another")
+    parser.add_argument("--clients", default="1,2,4,8,16", help="client counts, one after another")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4, help="sequences a forward_backward")
+    parser.add_argument("--prompt", type=int, default=48, help="a group's prompt tokens")
+    parser.add_argument("--completion", type=int, default=16, help="each sequence's own tokens")
+    parser.add_argument("--samplers", action="store_true", help="as many sampling clients too")
+    parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    model = args.model.resolve()
+    params = matmul_params(model)
+    peak = matmul_peak(1)  # the trainer's threads (recipe default trainer.threads: 1)
+    print(f"matmul peak, 1 thread: {peak:.1f} GFLOP/s; {params / 1e6:.1f} M weights a token")
+    everything = {}
     for clients in (int(c) for c in args.clients.split(",")):
-        report(clients, one(args.model.resolve(), clients, args.steps))
+        results = {}
+        for mode in MODES:
+            t0 = time.time()
+            results[mode] = figures(one(model, mode, clients, args), params, peak)
+            results[mode]["wall_s"] = time.time() - t0
+        report(clients, results)
+        everything[clients] = results
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=1))
 
 
 if __name__ == "__main__":

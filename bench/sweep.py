@@ -1,5 +1,6 @@
-"""A sweep of K adapters at once against the same K runs one after another, side by side in one
-script.
+"""A sweep of K adapters at once, its runs' steps packed (one forward/backward over the base for
+every run ready: orbit/train/packed.py) and turn by turn (`trainer.pack: false`), against the same K
+runs one after another, side by side in one script.
 
 The workload is recipes/tiny.yaml (double-buffer, one embedded engine, the tiny model) with a
 learning-rate sweep (`--lrs`, K = 4 by default). Measured:
@@ -8,12 +9,17 @@ learning-rate sweep (`--lrs`, K = 4 by default). Measured:
   (each `orbit train`, its own engine and trainer), every one from start to its last checkpoint;
 - engine utilisation: the engine's busy time (generating) over the wall time, for the sweep and each
   run alone;
+- the trainer: tokens trained a second summed over runs, each step's time (p50, p99), the runs a
+  pack held, its useful FLOP rate against this machine's measured matmul peak, and the peak memory;
 - each adapter's final reward (mean reward of its last 8 steps) in the sweep against its run alone,
   and against
   the same run alone with another seed: the noise a second seed gives, the yardstick for "the same
   adapter".
 
     .venv/bin/python bench/sweep.py [--lrs 0.005,0.01,0.02,0.04] [--steps 30] [--backend embedded]
+        [--runs-only]
+
+`--runs-only` measures the two sweeps only (no runs alone): e.g. with 1, 2, 4, 8 and 16 `--lrs`.
 
 It prints a table and writes runs/bench-sweep/summary.json. With 2 cores, run nothing else
 meanwhile.
@@ -71,19 +77,45 @@ def solo(args: argparse.Namespace, out: Path, lr: float, seed: int) -> tuple[flo
     return time.perf_counter() - t0, out
 
 
-def swept(args: argparse.Namespace, out: Path):
+def swept(args: argparse.Namespace, out: Path, pack: bool):
     import yaml
 
+    from orbit.measure.memory import PeakRss
     from orbit.sweep.plan import plan_sweep, preflight_sweep
     from orbit.sweep.run import sweep
 
     data = recipe_data(args, out)
+    data["trainer"]["pack"] = pack
     data["runs"] = [{"name": f"lr={lr:g}", "trainer": {"lr": lr}} for lr in args.lrs]
     path = out.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(data))
     t0 = time.perf_counter()
-    result = sweep(preflight_sweep(plan_sweep(path, []))[0], live=False)
-    return time.perf_counter() - t0, result
+    with PeakRss() as rss:
+        result = sweep(preflight_sweep(plan_sweep(path, []))[0], live=False)
+    return time.perf_counter() - t0, result, rss.peak
+
+
+def trainer_figures(result, wall_s: float, params: int, peak_gflops: float, rss: int) -> dict:
+    """The sweep's trainer: tokens trained a second over all runs, step times, packs, FLOP rate."""
+    from statistics import quantiles
+
+    rows = [
+        json.loads(line)
+        for s in result.statuses
+        for line in (s.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    tokens = sum(r["trained_tokens"] for r in rows)
+    train = sorted(r["train_s"] for r in rows)
+    q = quantiles(train, n=100, method="inclusive")
+    return {
+        "tokens_s": tokens / wall_s,
+        "step_p50": q[49],
+        "step_p99": q[98],
+        "packed": fmean(r.get("trainer_packed", 1) for r in rows),
+        "useful_gflops": 4 * params * tokens / wall_s / 1e9,
+        "of_peak": 4 * params * tokens / wall_s / 1e9 / peak_gflops,
+        "peak_rss_mib": rss / 2**20,
+    }
 
 
 def main() -> None:
@@ -99,11 +131,42 @@ def main() -> None:
     )
     parser.add_argument("--backend", default="embedded", choices=["embedded", "sglang"])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-sweep")
+    parser.add_argument("--runs-only", action="store_true", help="the two sweeps, no runs alone")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
 
-    sweep_s, result = swept(args, args.out / "sweep")
+    from orbit.measure.flops import matmul_params, matmul_peak
+
+    params = matmul_params(recipe_data(args, args.out)["model"])
+    peak = matmul_peak(1)
+    # a short sweep first: whichever sweep ran first would pay the process's first start-ups
+    warm = argparse.Namespace(**{**vars(args), "steps": 2, "lrs": args.lrs[:2]})
+    swept(warm, args.out / "warm-up", True)
+    sweeps = {}
+    for name, pack in (("packed", True), ("turns", False)):
+        wall, res, rss = swept(args, args.out / f"sweep-{name}", pack)
+        sweeps[name] = (wall, res, trainer_figures(res, wall, params, peak, rss))
+    print(f"\n{len(args.lrs)} runs × {args.steps} steps, {args.backend} engine, tiny model")
+    print("| sweep | wall s | tokens trained/s | step p50 / p99 s | runs a pack | useful GFLOP/s "
+          "(of 1-thread peak) | peak RSS MiB |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for name, (wall, _, f) in sweeps.items():
+        print(
+            f"| {name} | {wall:.1f} | {f['tokens_s']:.0f} | {f['step_p50']:.3f} / "
+            f"{f['step_p99']:.3f} | {f['packed']:.2f} | {f['useful_gflops']:.2f} "
+            f"({f['of_peak']:.3f}) | {f['peak_rss_mib']:.0f} |"
+        )
+    packed_s, turns_s = sweeps["packed"][0], sweeps["turns"][0]
+    print(
+        f"packed / turns: wall {packed_s / turns_s:.2f}, tokens trained/s "
+        f"{sweeps['packed'][2]['tokens_s'] / sweeps['turns'][2]['tokens_s']:.2f}"
+    )
+    if args.runs_only:
+        (args.out / "summary.json").write_text(
+            json.dumps({k: {"wall_s": v[0], **v[2]} for k, v in sweeps.items()}, indent=1)
+        )
+        return
+    sweep_s, result, _ = sweeps["packed"]
     alone, second = [], []
     for lr in args.lrs:
         alone.append(solo(args, args.out / f"alone-lr={lr:g}", lr, seed=0))
@@ -138,6 +201,8 @@ def main() -> None:
         "steps": args.steps,
         "backend": args.backend,
         "sweep_s": sweep_s,
+        "turns_s": turns_s,
+        "trainer": {k: v[2] for k, v in sweeps.items()},
         "alone_s": alone_s,
         "ratio": sweep_s / alone_s,
         "engine_busy_sweep": result.engine_busy_frac,
@@ -149,13 +214,13 @@ def main() -> None:
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
-    print(f"\n{len(args.lrs)} runs × {args.steps} steps, {args.backend} engine, tiny model")
     print(
-        f"  sweep (one engine, one trainer):     {sweep_s:7.1f} s, engine busy "
+        f"\n  sweep (one engine, one trainer):     {sweep_s:7.1f} s, engine busy "
         f"{result.engine_busy_frac:.0%}"
     )
     print(f"  the same runs one after another:     {alone_s:7.1f} s, engine busy {alone_busy:.0%}")
     print(f"  sweep / one after another:           {sweep_s / alone_s:7.2f}x (goal <= 0.5x)")
+    print(f"  sweep turn by turn / one after another: {turns_s / alone_s:7.2f}x")
     print(
         f"  floor: one start-up {startup_s:.1f} s + max(generating {work['engine']:.1f} s, "
         f"training {work['trainer']:.1f} s) = {floor_s:.1f} s, {floor_s / alone_s:.2f}x of one "
