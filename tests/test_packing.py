@@ -86,6 +86,16 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert float((a - b).abs().max()) <= REL * scale, f"{what}: {a} against {b}"
 
 
+def _same_adapter(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+    """Adapters after an optimizer step, to REL of the adapter's norm. Not element by element: Adam
+    divides each coordinate's step by that coordinate's own gradient scale, so where a gradient is
+    near 0 a difference of 1e-6 of the largest gradient becomes a visible one of that coordinate's
+    step (up to 1.5e-5 of the largest weight under AVX2, with every gradient equal to 1e-6)."""
+    diff = torch.cat([(x - y).detach().flatten() for x, y in zip(a, b, strict=True)])
+    norm = torch.cat([y.detach().flatten() for y in b]).norm()
+    assert float(diff.norm()) <= REL * float(norm), f"{what}: {float(diff.norm()) / float(norm)}"
+
+
 def test_a_packed_pass_equals_each_clients_own_pass(tiny_llama):
     alone_base, alone = _clients(tiny_llama)
     packed_base, packed = _clients(tiny_llama)
@@ -113,8 +123,7 @@ def test_a_packed_pass_equals_each_clients_own_pass(tiny_llama):
     for (_, _, lr), a, b in zip(CLIENTS, alone, packed, strict=True):
         a.optim_step(AdamParams(learning_rate=lr))
         b.optim_step(AdamParams(learning_rate=lr))
-        for p, q in zip(a.params, b.params, strict=True):
-            _close(q.detach(), p.detach(), "the adapter after its step")
+        _same_adapter(b.params, a.params, "the adapter after its step")
     # learning rate 0: bit-identical, however many others trained in its pack
     for p, old in zip(packed[3].params, before[3], strict=True):
         assert torch.equal(p.detach(), old)
@@ -375,8 +384,7 @@ def test_a_sweeps_packed_steps_equal_each_runs_own(tiny_llama, kind):
             assert (a.version, a.tokens) == (b.version, b.tokens)
     assert packed[0].shared.packer.packs == [len(runs)] * 2  # one pack a step
     for a, b in zip(alone, packed, strict=True):
-        for p, q in zip(a.params, b.params, strict=True):
-            _close(q.detach(), p.detach(), "the adapter after two steps")
+        _same_adapter(b.params, a.params, "the adapter after two steps")
     if kind == "lora":  # learning rate 0: bit-identical, whatever shared its passes
         for p, old in zip(packed[2].params, start[2], strict=True):
             assert torch.equal(p.detach(), old)
