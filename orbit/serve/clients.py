@@ -35,11 +35,6 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
 LOSSES_KEPT = 500  # a client's newest forward_backward losses, for the page
 MICRO_BATCH_TOKENS = 4096  # padded tokens per forward/backward: memory bounded whatever the batch
-# A packed pass on a CPU: the same FLOPs as the requests' own passes, but tensors that outgrow the
-# caches slow every elementwise op. 8 clients' 252-token requests on SmolLM2 (one thread), packed
-# in passes of 256, 512, 1024, 4096 tokens: 1.10, 1.14-1.21, 0.96, 0.94-1.10 times the
-# requests' own passes' speed (bench/README.md, "orbit serve under load")
-CPU_PACKED_PASS_TOKENS = 512
 
 
 class ClientError(Refused):
@@ -316,11 +311,6 @@ def forward_backward_checked(base: SharedBase, requests: list[Request]) -> list[
     good = [r for i, r in enumerate(requests) if i not in refused]
     scored = iter(forward_backward(base, good, len(good) > 1) if good else [])
     return [refused[i] if i in refused else next(scored) for i in range(len(requests))]
-
-
-def _pass_tokens(model: torch.nn.Module, packed: bool) -> int:
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    return CPU_PACKED_PASS_TOKENS if packed and on_cpu else MICRO_BATCH_TOKENS
 
 
 def _datum(requests: list[Request], at: tuple[int, int]) -> Datum:

@@ -11,7 +11,9 @@ request takes a pack of its own rather than holding small ones back. Clients in 
 forward_backward, then optim_step once it is answered, then the next) would take turns forever, one
 forward_backward a pass, so a pack about to form first lets each other client's ready request that
 cannot join it run (once each: an optim_step is quick), and waits up to LINGER_S for a client that
-was answered just now (its next request is on its way). `pack_tokens` 0: one request a turn.
+was answered just now and whose last request came within LINGER_S of the answer before it (its next
+is on its way; an RL loop that samples between steps does not hold packs back). `pack_tokens` 0:
+one request a turn.
 
 The SDK numbers a client's requests from 1 and sends each only once the one before it was answered
 (its `_take_turn`); the chunks of one forward_backward would go at once, the first last, but
@@ -108,6 +110,8 @@ class Turns:
         self._quick: set[str] = set()
         self._linger_from = 0.0
         self._answered: dict[str, float] = {}
+        # how soon after its last answer each client's newest request arrived
+        self._gap: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="orbit-serve-trainer", daemon=True)
         self._thread.start()
 
@@ -125,6 +129,8 @@ class Turns:
             queue = self._queues.get(client)
             if queue is None:
                 raise RequestFailed(f"no training client {client!r}", "user")
+            if client in self._answered:
+                self._gap[client] = time.monotonic() - self._answered[client]
             if seq_id <= 0:
                 queue.unnumbered.append((max([queue.next - 1, *queue.waiting]), record, work))
                 self._cond.notify_all()
@@ -200,7 +206,10 @@ class Turns:
         on_way = [
             c
             for c, at in self._answered.items()
-            if now - at < LINGER_S and c in self._queues and self._queues[c].head() is None
+            if now - at < LINGER_S
+            and self._gap.get(c, LINGER_S) < LINGER_S
+            and c in self._queues
+            and self._queues[c].head() is None
         ]
         if on_way:
             self._linger_from = self._linger_from or now
@@ -289,6 +298,7 @@ class Turns:
                     self._answered[client] = time.monotonic()
                 for client in [c for c in self._answered if c not in self._queues]:
                     del self._answered[client]  # closed
+                    self._gap.pop(client, None)
 
     def _pack(self, jobs: list[tuple[Record, Packable]]) -> None:
         """Run packed requests together; each gets its own result or its own failure."""

@@ -18,17 +18,23 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import peft
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from orbit.rollout.sample import Sample
+from orbit.train.measure import StepResult
 from orbit.train.packing import Router
 
-if TYPE_CHECKING:
-    from orbit.train.packed import StepPacker
+
+class Packer(Protocol):
+    """What runs' trainers call to step with the others ready now (packed.py's StepPacker)."""
+
+    # trainer: a Trainer (trainer.py imports this module)
+    def step(self, trainer: Any, samples: list[Sample]) -> StepResult: ...
 
 
 class FirstComeLock:
@@ -70,7 +76,7 @@ class SharedBase:
         self._lock = FirstComeLock()
         self._params: dict[str, list[nn.Parameter]] = {}
         # a sweep's runs' steps, packed (packed.py); None: each in a turn of its own
-        self.packer: StepPacker | None = None
+        self.packer: Packer | None = None
 
     def add(self, name: str, config: peft.PeftConfig) -> list[nn.Parameter]:
         """Add adapter `name` (initialised from torch's random state, as peft does); returns its
