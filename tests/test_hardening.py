@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -254,7 +255,10 @@ def test_a_silent_stall_stops_the_run_and_says_what_was_seen(tmp_path, tiny_llam
         and "grant(s) left" in message
         and "engine versions [" in message
     )
-    assert "engine 0: 0 running, 0 waiting, not paused" in message
+    # nothing in flight; paused or not: the stall may come while a push flips the engine
+    assert re.search(r"engine 0: 0 running, 0 waiting, (not )?paused, active slot \d", message), (
+        message
+    )
     assert _saved_version(run_dir) == run_metrics(run_dir)[-1]["version"] >= 2
     assert _gone(engines[0].info.pid)
 

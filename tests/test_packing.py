@@ -271,7 +271,8 @@ def test_clients_in_step_share_passes():
         packs.append(len(requests))
         return requests
 
-    turns = Turns(pack_tokens=100, run_pack=run_pack)
+    # a linger far above a loaded machine's thread wake-ups: the policy is under test, not 0.1 s
+    turns = Turns(pack_tokens=100, run_pack=run_pack, linger_s=1.0)
 
     def client(name: str) -> None:
         for step in range(1, 11, 2):

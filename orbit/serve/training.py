@@ -11,9 +11,9 @@ request takes a pack of its own rather than holding small ones back. Clients in 
 forward_backward, then optim_step once it is answered, then the next) would take turns forever, one
 forward_backward a pass, so a pack about to form first lets each other client's ready request that
 cannot join it run (once each: an optim_step is quick), and waits up to LINGER_S for a client that
-was answered just now and whose last request came within LINGER_S of the answer before it (its next
-is on its way; an RL loop that samples between steps does not hold packs back). `pack_tokens` 0:
-one request a turn.
+was answered just now and whose last request came within LINGER_S of the answer before it, or that
+had no answer before it (its next is on its way; an RL loop that samples between steps does not
+hold packs back). `pack_tokens` 0: one request a turn.
 
 The SDK numbers a client's requests from 1 and sends each only once the one before it was answered
 (its `_take_turn`); the chunks of one forward_backward would go at once, the first last, but
@@ -92,13 +92,19 @@ class Queue:
 
 class Turns:
     """The trainer thread and every client's queue; `run_pack` computes a pack of `Packable`
-    requests (one alone too, with `pack_tokens` 0)."""
+    requests (one alone too, with `pack_tokens` 0). `linger_s`: how long a pack forming waits for
+    a client on its way (LINGER_S)."""
 
     def __init__(
-        self, threads: int = 1, pack_tokens: int = 0, run_pack: PackRunner | None = None
+        self,
+        threads: int = 1,
+        pack_tokens: int = 0,
+        run_pack: PackRunner | None = None,
+        linger_s: float = LINGER_S,
     ) -> None:
         self.threads = threads  # the trainer's torch threads, on its own thread
         self.pack_tokens = pack_tokens
+        self.linger_s = linger_s
         self._run_pack = run_pack
         self.packs: deque[Pack] = deque(maxlen=PACKS_KEPT)
         self._queues: dict[str, Queue] = {}
@@ -202,19 +208,19 @@ class Turns:
             if not isinstance(queue.waiting[other_seq][1], Packable) and other not in self._quick:
                 self._quick.add(other)
                 return self._ran([(other, self._take(queue, other_seq))])
-        # ...and a client just answered, whose next request is on its way, at most LINGER_S
+        # ...and a client just answered, whose next request is on its way, at most linger_s
         on_way = [
             c
             for c, at in self._answered.items()
-            if now - at < LINGER_S
-            and self._gap.get(c, LINGER_S) < LINGER_S
+            if now - at < self.linger_s
+            and self._gap.get(c, 0.0) < self.linger_s  # a new client counts as in step
             and c in self._queues
             and self._queues[c].head() is None
         ]
         if on_way:
             self._linger_from = self._linger_from or now
-            if now - self._linger_from < LINGER_S:
-                return self._linger_from + LINGER_S - now
+            if now - self._linger_from < self.linger_s:
+                return self._linger_from + self.linger_s - now
         self._linger_from, self._quick = 0.0, set()
         first = self._queues[client].waiting[seq_id][1]
         later = self._order[self._order.index(client) + 1 :]
