@@ -4,8 +4,9 @@ The workload is an Orbit recipe (default the laptop recipe, recipes/smollm2-math
 model, LoRA adapter, prompts (Orbit's stream, in its order) and grader (the task's own), group and
 batch, sampling and optimisation; bench/trl_grpo.py maps each onto GRPOConfig and lists what has no
 counterpart (OUT/table.md). TRL runs with `use_vllm: false` and torch on `--trl-threads` threads;
-Orbit as the recipe says. Both save a checkpoint every 10 steps, and `orbit eval CHECKPOINT --n N`
-reads them all the same way.
+Orbit as the recipe says. Both save a checkpoint every `--every` (5) steps, and `orbit eval
+CHECKPOINT --n N` reads them all the same way. `--orbit-only` runs Orbit alone (a recipe's change
+measured against TRL runs recorded before).
 
     pip install -c constraints.txt -e '.[trl]'              # TRL 1.16.0, never part of make test
     .venv/bin/python bench/vs_trl.py [--seeds 0,1,2] [--steps 60] [--recipe
@@ -36,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ORBIT = [sys.executable, "-m", "orbit.cli"]
-EVERY = 10
+LATE = 30  # the late steps' figures are over steps 31 on, where dynamic sampling costs the most
 
 
 def measured(cmd: list[str], log: Path) -> tuple[float, float]:
@@ -63,7 +64,7 @@ def measured(cmd: list[str], log: Path) -> tuple[float, float]:
 def seed_recipe(args: argparse.Namespace, seed: int) -> Path:
     data = yaml.safe_load(args.recipe.read_text())
     data["seed"], data["trainer"]["steps"] = seed, args.steps
-    data["trainer"]["save_every"], data["trainer"]["keep_last"] = EVERY, 1000
+    data["trainer"]["save_every"], data["trainer"]["keep_last"] = args.every, 1000
     path = args.out / f"recipe-{seed}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -100,6 +101,8 @@ def run_orbit(args: argparse.Namespace, seed: int) -> dict:
                 "step_s": r["step_s"],
                 "reward": r["reward_mean"],
                 "generated": r["tokens_generated"],
+                "trained": r["trained_tokens"],
+                "wait_s": r["train_wait_s"],
             }
             for r in rows
         ],
@@ -124,7 +127,7 @@ def run_trl(args: argparse.Namespace, seed: int) -> dict:
         "--threads",
         str(args.trl_threads),
         "--save-every",
-        str(EVERY),
+        str(args.every),
     ]
     wall, peak = measured(cmd, args.out / f"trl-{seed}.log")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -202,8 +205,18 @@ def time_to(result: dict, reach: float) -> float | None:
 
 
 def figures(result: dict, reach: float) -> dict:
-    steps = result["steps"]
+    steps, late = result["steps"], result["steps"][LATE:]
+    orbit = "trained" in steps[0]  # TRL's metrics have no trained tokens or wait
+    at_10 = [c["accuracy"] for c in result["checkpoints"] if c["step"] == 10]
     return {
+        "held_out_10": at_10[0] if at_10 else None,
+        "generated_per_trained_late": sum(s["generated"] for s in late)
+        / max(sum(s["trained"] for s in late), 1)
+        if orbit and late
+        else None,
+        "wait_share_late": sum(s["wait_s"] for s in late) / sum(s["step_s"] for s in late)
+        if orbit and late
+        else None,
         "time_to_reach_s": time_to(result, reach),
         "wall_s": result["wall_s"],
         "step_first10_s": statistics.median(s["step_s"] for s in steps[:10]),
@@ -215,8 +228,12 @@ def figures(result: dict, reach: float) -> dict:
     }
 
 
-def cell(fmt: str, value: float | None) -> str:
-    return "not reached" if value is None else fmt.format(value)
+def cell(fmt: str, value: float | None, key: str = "time_to_reach_s") -> str:
+    """A figure, or what its absence means (a threshold never reached; a figure this system has
+    not)."""
+    if value is None:
+        return "not reached" if key == "time_to_reach_s" else "-"
+    return fmt.format(value)
 
 
 def median_ratio(runs: dict, key: str) -> str:
@@ -224,6 +241,47 @@ def median_ratio(runs: dict, key: str) -> str:
     pairs = [(r["trl"]["figures"][key], r["orbit"]["figures"][key]) for r in runs.values()]
     ratios = [t / o for t, o in pairs if t is not None and o]
     return f"{statistics.median(ratios):.2f}×" if ratios else "-"
+
+
+ROWS = [
+    ("held-out accuracy at step 10", "held_out_10", "{:.1%}"),
+    (
+        f"engine tokens per trained token, steps {LATE + 1} on",
+        "generated_per_trained_late",
+        "{:.2f}",
+    ),
+    (f"trainer's wait, share of the step, steps {LATE + 1} on", "wait_share_late", "{:.0%}"),
+]
+
+
+def orbit_report(args: argparse.Namespace, runs: dict) -> str:
+    """Orbit's figures alone (`--orbit-only`): per seed and the median."""
+    seeds = sorted(runs)
+    rows = [
+        (f"time to {args.reach:.0%} held out, from launch (s)", "time_to_reach_s", "{:.0f}"),
+        *ROWS,
+        ("wall time, launch to exit (s)", "wall_s", "{:.0f}"),
+        ("median step, all steps (s)", "step_all_s", "{:.1f}"),
+        (f"held-out accuracy after {args.steps} steps", "final_accuracy", "{:.1%}"),
+    ]
+    lines = [
+        f"`{args.recipe}`, {args.steps} steps, checkpoints every {args.every}; base model held out "
+        f"{runs[seeds[0]]['orbit']['figures']['base_accuracy']:.1%}",
+        "",
+        "| | " + " | ".join(f"seed {s}" for s in seeds) + " | median |",
+        "|---" * (len(seeds) + 2) + "|",
+    ]
+    for label, key, fmt in rows:
+        values = [runs[s]["orbit"]["figures"][key] for s in seeds]
+        known = [v for v in values if v is not None]
+        mid = cell(fmt, statistics.median(known)) if known else "-"
+        cells = " | ".join(cell(fmt, v, key) for v in values)
+        lines.append(f"| {label} | {cells} | {mid} |")
+    lines += ["", "Held out at each checkpoint:", ""]
+    for s in seeds:
+        held = " / ".join(f"{c['accuracy']:.1%}" for c in runs[s]["orbit"]["checkpoints"])
+        lines.append(f"- seed {s}: {held}")
+    return "\n".join(lines)
 
 
 def report(args: argparse.Namespace, runs: dict) -> str:
@@ -239,6 +297,7 @@ def report(args: argparse.Namespace, runs: dict) -> str:
             "{:.1%}",
         ),
         (f"time to {args.reach:.0%} held out, from launch (s)", "time_to_reach_s", "{:.0f}"),
+        *ROWS,
     ]
     seeds = sorted(runs)
     head = (
@@ -256,7 +315,7 @@ def report(args: argparse.Namespace, runs: dict) -> str:
     for label, key, fmt in rows:
         cells = []
         for s in seeds:
-            cells += [cell(fmt, runs[s][k]["figures"][key]) for k in ("orbit", "trl")]
+            cells += [cell(fmt, runs[s][k]["figures"][key], key) for k in ("orbit", "trl")]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {median_ratio(runs, key)} |")
     lines += [
         "",
@@ -318,20 +377,27 @@ def main() -> None:
     parser.add_argument(
         "--reach", type=float, default=0.5, help="held-out accuracy whose first crossing is timed"
     )
+    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument(
+        "--orbit-only", action="store_true", help="Orbit's runs and figures alone (no TRL)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/vs-trl"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        runs[seed] = {"orbit": run_orbit(args, seed), "trl": run_trl(args, seed)}
+        runs[seed] = {"orbit": run_orbit(args, seed)}
+        if not args.orbit_only:
+            runs[seed]["trl"] = run_trl(args, seed)
         # Evaluated before the next seed trains, so that a cut-short sweep keeps whole seeds.
         for result in runs[seed].values():
             evaluate(args, result)
             result["figures"] = figures(result, args.reach)
-    text = report(args, runs)
+    text = orbit_report(args, runs) if args.orbit_only else report(args, runs)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps(runs, indent=1))
-    picture(runs, args.out / "curves.png")
+    if not args.orbit_only:
+        picture(runs, args.out / "curves.png")
     print(text)
 
 

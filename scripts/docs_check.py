@@ -1,12 +1,12 @@
 """`make docs-check`: every command the docs show still runs as written.
 
-From the README, CONTRIBUTING and docs/ (and bench/README.md), every line of a code block that runs
-`orbit`, `make` or a bench script is checked against the code: an `orbit` command and every option
-it uses must exist (parsed by the command line's own parser, without running it), a recipe file it
-names must load (the schema; not its model), a `make` target must be in the Makefile, and a bench
-script must exist and know the options it is shown with. A synopsis line (`orbit train RECIPE
-[--mode M]`) is checked for its command and options only. tests/test_docs.py runs it; a snippet that
-no longer runs is a failing test.
+From the README, CONTRIBUTING and docs/ (and bench/README.md and bench/investigations/), every line
+of a code block that runs `orbit`, `make` or a bench script is checked against the code: an `orbit`
+command and every option it uses must exist (parsed by the command line's own parser, without
+running it), a recipe file it names must load (the schema; not its model), a `make` target must be
+in the Makefile, and a bench script must exist and know the options it is shown with. A synopsis
+line (`orbit train RECIPE [--mode M]`) is checked for its command and options only.
+tests/test_docs.py runs it; a snippet that no longer runs is a failing test.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ PAGES = [
     "README.md",
     "CONTRIBUTING.md",
     "bench/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "investigations").glob("*.md")),
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
 ]
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9_]{1,}\b")

@@ -334,8 +334,8 @@ def test_vs_trl_times_each_run_to_its_first_checkpoint_at_the_accuracy():
 
 
 def test_cores_table_gives_medians_over_seeds_and_each_seeds_own_ratio():
-    """bench/cores.py over several seeds: a figure's median [range], and the on/off ratio is the
-    median of each seed's own ratio (not the ratio of the medians)."""
+    """bench/investigations/cores.py over several seeds: a figure's median [range], and the on/off
+    ratio is the median of each seed's own ratio (not the ratio of the medians)."""
     from cores import table
 
     def run(step: float, train: float) -> dict:
@@ -361,3 +361,59 @@ def test_cores_table_gives_medians_over_seeds_and_each_seeds_own_ratio():
     assert "| 0.50 [0.50–0.50] |" in text  # useful over the 2-thread peak
     # ratios 0.9, 1.0, 0.5: the median is 0.9 (the medians' ratio would be 10/12)
     assert "| embedded | 0.900× [0.500×–1.000×] | 1.000× [1.000×–1.000×] |" in text
+
+
+def test_vs_trl_figures_read_the_late_steps_and_the_step_10_checkpoint():
+    """bench/vs_trl.py: engine tokens per trained token and the trainer's wait share are over steps
+    31 on; held out at step 10 is that checkpoint's; time to accuracy is the first checkpoint at
+    the threshold."""
+    from vs_trl import figures
+
+    steps = [
+        {
+            "step": i,
+            "step_s": 10.0,
+            "reward": 0.5,
+            "generated": 300 if i < 30 else 900,
+            "trained": 300,
+            "wait_s": 1.0 if i < 30 else 6.0,
+        }
+        for i in range(60)
+    ]
+    checkpoints = [
+        {"step": s, "t": 10.0 * s, "accuracy": a}
+        for s, a in ((5, 0.2), (10, 0.35), (15, 0.55), (20, 0.5))
+    ]
+    result = {
+        "steps": steps,
+        "checkpoints": checkpoints,
+        "wall_s": 600.0,
+        "peak_gb": 1.0,
+        "base_accuracy": 0.17,
+    }
+    f = figures(result, reach=0.5)
+    assert f["generated_per_trained_late"] == 3.0 and f["wait_share_late"] == 0.6
+    assert f["held_out_10"] == 0.35 and f["time_to_reach_s"] == 150.0
+    # TRL's metrics have neither trained tokens nor waits
+    for s in steps:
+        del s["trained"], s["wait_s"]
+    f = figures(result, reach=0.5)
+    assert f["generated_per_trained_late"] is None and f["wait_share_late"] is None
+
+
+def test_learning_table_gives_each_variant_its_median_and_first_crossing():
+    from learning import reached, table
+
+    class Args:
+        recipe, seeds, n, reach = "r.yaml", "0,1,2", 200, 0.5
+
+    curves = {
+        "default": [
+            {0: 0.17, 5: 0.2, 10: 0.4},
+            {0: 0.17, 5: 0.3, 10: 0.5},
+            {0: 0.17, 5: 0.6, 10: 0.7},
+        ],
+    }
+    text = table(Args, curves)
+    assert "| default | 30.0 [20.0–60.0] | 50.0 [40.0–70.0] | steps -, 10, 5 |" in text
+    assert reached({0: 0.17, 5: 0.49, 10: 0.5}, 0.5) == 10

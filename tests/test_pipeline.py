@@ -34,7 +34,7 @@ def _pipeline(
     pool: EnginePool, batch: int = 2, k: int | None = 1, run_ahead: bool = False, **kw
 ) -> Pipeline:
     pipe = Pipeline(pool, batch, k, group_size=2, max_inflight=kw.pop("max_inflight", 64), **kw)
-    if run_ahead:  # the former rule, bench/admission.py's
+    if run_ahead:  # the former rule, bench/investigations/admission.py's
         pipe.admission = RunAhead(batch, k)
     return pipe
 

@@ -96,6 +96,39 @@ def test_dapo_keeps_every_batch_full_of_signal_and_nothing_stale(tmp_path, warm_
     )
 
 
+@pytest.mark.timeout(300)
+def test_staged_sampling_generates_the_rest_only_of_groups_whose_first_samples_differ(
+    tmp_path, warm_arith
+):
+    """algorithm.screen: 2 of groups of 4 on the embedded engine: a group whose first two answers
+    agree is dropped with no more requests; every trained group has its 4 samples."""
+    patch = {
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8},
+        "trainer": {"steps": 6, "lr": 0.002},
+        "task": {"name": "arith", "max_digits": 2, "ops": "+-"},
+        "algorithm": {"preset": "dapo", "screen": 2},
+        "mode": "double-buffer",
+        "max_staleness": 1,
+    }
+    train(checked(_recipe(warm_arith, tmp_path / "run", **patch)), live=False)
+    rows = run_metrics(tmp_path / "run")
+    screened = sum(r["groups_screened"] for r in rows)
+    assert len(rows) == 6 and screened > 0
+    assert all(r["groups_screened"] <= r["groups_filtered"] for r in rows)
+    requests: dict[int, int] = {}
+    for line in (tmp_path / "run" / "timeline.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e["kind"] == "request" and e["finish"] != "abort":
+            requests[e["group"]] = requests.get(e["group"], 0) + 1
+    logged = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    trained = {json.loads(line)["group"] for line in logged}
+    assert trained and all(requests[g] == 4 for g in trained)
+    # a group stops at 2 requests (screened out) or runs to 4; the ones still in flight at the end
+    # may have fewer
+    assert sum(n == 2 for n in requests.values()) >= screened
+    assert all(n <= 4 for n in requests.values())
+
+
 def test_truncated_sampling_end_to_end_with_task_figures(tmp_path, tiny_llama):
     """top_p/top_k: engine and trainer score the same truncated distribution, so logprob_diff stays
     at rounding (it would be ~1 with one side untruncated); a task that knows correctness gets its

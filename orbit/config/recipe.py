@@ -75,7 +75,7 @@ class EngineConfig(_Section):
         True,
         description="the embedded engine on this machine's CPU, with the trainer on it too: the "
         "engines also compute on the trainer's threads while it waits for a batch "
-        "(bench/cores.py); SGLang fixes its threads when it starts",
+        "(bench/investigations/cores.py); SGLang fixes its threads when it starts",
     )
     replicas: int | None = Field(
         None,
@@ -314,7 +314,7 @@ class TrainerConfig(_Section):
         True,
         description="on CPU, with the engines on this machine's CPU: the trainer also "
         "uses the engines' threads while they have nothing to generate (orbit/train/cores.py; "
-        "bench/cores.py measured it faster on both engines)",
+        "bench/investigations/cores.py measured it faster on both engines)",
     )
     micro_batch_tokens: int = Field(
         0,
@@ -445,6 +445,12 @@ class Recipe(_Section):
             raise ValueError(
                 f"engine.max_inflight ({self.engine.max_inflight}) must be >= rollout.group_size "
                 f"({self.rollout.group_size}), else no group ever completes"
+            )
+        screen = self.algorithm.screen
+        if screen is not None and screen >= self.rollout.group_size:
+            raise ValueError(
+                f"algorithm.screen ({screen}): the samples generated first must be fewer than "
+                f"rollout.group_size ({self.rollout.group_size})"
             )
         if (
             self.max_staleness is not None

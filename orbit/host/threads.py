@@ -11,8 +11,8 @@ OpenMP workers for its life. While libgomp counts more of its threads than the m
 it stops spinning between parallel regions (its throttled spin count, whatever GOMP_SPINCOUNT says):
 every worker then sleeps after each op and must be woken for the next. On a 2-core laptop the
 pusher's copy of an adapter into shared memory gave the trainer's process a second team, and a
-decoder layer on the trainer's 2 threads ran no faster than on 1 (bench/README.md, "The trainer
-borrowing idle cores").
+decoder layer on the trainer's 2 threads ran no faster than on 1
+(bench/investigations/trainer.md, "The trainer borrowing idle cores").
 """
 
 from __future__ import annotations

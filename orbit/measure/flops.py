@@ -35,7 +35,7 @@ def matmul_peak(
     a fresh process (this one's thread settings and warm caches left alone): the best of `rounds`
     timings of `reps` products. The best, because a peak is what the cores reach: one timing of
     half a second took a neighbour's burst for the machine's rate (90 against 139-172 GFLOP/s on 2
-    threads in six runs of bench/cores.py one after another)."""
+    threads in six runs of bench/investigations/cores.py one after another)."""
     code = (
         f"import time, torch; torch.set_num_threads({threads}); a = torch.randn({rows}, {hidden}); "
         f"b = torch.randn({hidden}, {inner}); [a @ b for _ in range(3)]\n"

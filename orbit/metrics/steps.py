@@ -46,6 +46,7 @@ METRIC_FIELDS = (
     "entropy",
     "zero_variance_frac",
     "groups_filtered",
+    "groups_screened",
     "lr",
 )
 
@@ -102,13 +103,16 @@ class StepMetrics:
     zero_variance_frac: float = 0.0
     # groups dynamic sampling dropped in the step (not waste: they carried no signal)
     groups_filtered: int = 0
+    # of those, groups dropped on their first samples (staged sampling: the rest never generated)
+    groups_screened: int = 0
     # agent episodes lost in the step (the agent raised, hung, or gave no number)
     episodes_lost: int = 0
     truncated_frac: float = 0.0  # share of the batch's samples cut by max_new_tokens
     masked_frac: float = 0.0  # share of trained tokens the algorithm's mask band dropped
     lr: float = 0.0  # the learning rate of the step's last optimizer step
     optimizer_steps: int = 1  # optimizer steps taken on the batch (algorithm.minibatches × epochs)
-    # the trainer's achieved rate: its matmul FLOPs / train_s (bench/cores.py: the peak)
+    # the trainer's achieved rate: its matmul FLOPs / train_s (the peak:
+    # bench/investigations/cores.py)
     trainer_tflops: float = 0.0
     # share of the trainer's thread checks that borrowed the idle engines' cores
     borrowed_frac: float = 0.0

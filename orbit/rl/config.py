@@ -131,6 +131,15 @@ class AlgorithmConfig(_Section):
         "groups has carried signal yet, else dynamic sampling stands aside for the rest of the "
         "run (with a warning)",
     )
+    screen: int | None = Field(
+        None,
+        ge=2,
+        description="with dynamic_sampling: generate this many samples of a group first, and "
+        "the rest only unless all of them reached the best reward the run has seen (a prompt "
+        "the policy already solves, which dynamic sampling would most likely drop whole). "
+        "Weights a prompt of pass rate p by 1 - p^k - (1-p)^n instead of 1 - p^n - (1-p)^n "
+        "(docs/algorithms.md)",
+    )
     overlong: Literal["none", "mask", "penalty"] = Field(
         "none",
         description="completions cut by max_new_tokens: none (as any); mask (left out of the "
@@ -186,6 +195,11 @@ class AlgorithmConfig(_Section):
             raise ValueError(
                 "algorithm.norm_length: the constant of seq-mean-token-sum-norm; aggregation is "
                 f"{self.aggregation!r}"
+            )
+        if self.screen is not None and not self.dynamic_sampling:
+            raise ValueError(
+                "algorithm.screen: staged sampling drops early the groups dynamic sampling "
+                "would drop; dynamic_sampling is off"
             )
         if self.overlong_buffer is not None and self.overlong != "penalty":
             raise ValueError(

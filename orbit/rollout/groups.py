@@ -8,6 +8,7 @@ itself is orbit/rl's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from orbit import rl
@@ -113,3 +114,28 @@ class Signal:
             left_out = rl.left_out([s.finish_reason for s in group.samples], self.algorithm)
             for sample, a, out in zip(group.samples, values, left_out, strict=True):
                 sample.advantage, sample.left_out = a, out
+
+
+class Screen:
+    """Staged sampling's test of a group's first `k` samples (`algorithm.screen`): did every one
+    reach the best shaped reward the run has seen? Then the policy already solves the prompt, and
+    the group's other samples would most likely agree: dynamic sampling would drop it. Agreement on
+    a failure does not count: a prompt the policy rarely solves is the one whose rare success
+    teaches most. Until two different rewards were seen there is no best: nothing is screened (the
+    first groups of a task the base model always fails). Used by the producer's thread alone."""
+
+    def __init__(self, k: int, signal: Signal) -> None:
+        self.k, self.signal = k, signal
+        self.best, self.worst = -math.inf, math.inf
+
+    def seen(self, group: Group) -> None:
+        """A group completed: its rewards widen the range seen."""
+        self._see(self.signal.rewards(group))
+
+    def solved(self, first: Group) -> bool:
+        rewards = self.signal.rewards(first)
+        self._see(rewards)
+        return self.best > self.worst and min(rewards) >= self.best
+
+    def _see(self, rewards: list[float]) -> None:
+        self.best, self.worst = max(self.best, *rewards), min(self.worst, *rewards)

@@ -5,14 +5,18 @@ It starts every group the pipeline admits (pipeline.py), on the engine the pool 
 up to `max_inflight` requests stay in flight. When one is answered it resubmits a sample the engine
 aborted (at most `rollout.max_attempts` times), runs the next turn of a multi-turn episode
 (episode.py), and once every sample of a group is done scores the group (pipeline.py) and hands it
-to the pipeline. The two loop kinds differ only in grants: serial grants one batch per step,
-overlapped grants the whole run at start (and each dropped group is granted again).
+to the pipeline. With staged sampling (`algorithm.screen`) a group starts with its first samples
+only; once they are scored the pipeline drops the group if they all reached the best reward seen,
+else the rest are submitted, ahead of any new group. The two loop kinds differ only in grants:
+serial grants one batch per step, overlapped grants the whole run at start (and each dropped group
+is granted again).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -62,6 +66,7 @@ class Producer:
         for _ in range(pipeline.next_group):
             self._next_prompt()
         self._ready: Prompt | None = None
+        self._rest: deque[int] = deque()  # screened groups whose other samples wait for room
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orbit-producer", daemon=True)
 
@@ -86,6 +91,14 @@ class Producer:
             self.pipeline.fail(err)
 
     def _fill(self) -> None:
+        screen = self.pipeline.screen
+        n, first = self.pipeline.group_size, screen.k if screen is not None else 0
+        while self._rest and self.pipeline.room(n - first):
+            gid = self._rest.popleft()
+            for idx in range(first, n):
+                self._submit(gid, idx, self.pipeline.in_flight[gid])
+        if self._rest:
+            return  # groups already started finish before new ones start
         while not self._stop.is_set():
             # the next prompt is read ahead: the task runs outside the pipeline's lock, and prompts
             # are still taken strictly in group order (a resumed run skips exactly the groups it
@@ -96,7 +109,7 @@ class Producer:
                 return
             gid, group = started
             self._ready = None
-            for idx in range(self.pipeline.group_size):
+            for idx in range(first if group.screening else n):
                 self._submit(gid, idx, group)
 
     def _next_prompt(self) -> Prompt:
@@ -178,6 +191,9 @@ class Producer:
         if self.agents is not None:
             self.pipeline.count(episodes_ended=1, episodes_lost=int(completion is LOST), why=why)
         group.completions[idx] = completion
+        if group.screening:
+            self._screen(gid, group)
+            return
         if any(c is None for c in group.completions):
             return
         kept = [c for c in group.completions if c is not LOST]
@@ -185,6 +201,22 @@ class Producer:
             self.pipeline.complete(gid, build_group(self.task, group.prompt, kept, gid))
         else:  # every episode of the group was lost: another prompt's group takes its place
             self.pipeline.drop(gid)
+
+    def _screen(self, gid: int, group: InFlight) -> None:
+        """Staged sampling: once a group's first samples are done, score them (they are scored
+        again with the whole group: the task's score is cheap beside generation) and either queue
+        the rest or let the pipeline drop the group."""
+        assert self.pipeline.screen is not None
+        first = group.completions[: self.pipeline.screen.k]
+        if any(c is None for c in first):
+            return
+        group.screening = False
+        kept = [c for c in first if c is not LOST]
+        if kept and not self.pipeline.screened(
+            gid, build_group(self.task, group.prompt, kept, gid)
+        ):
+            return
+        self._rest.append(gid)
 
     def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
         """An agent episode that failed: counted, told, and left out of its group; the run goes

@@ -84,7 +84,8 @@ def lendable_cores(recipe: Recipe) -> Cores | None:
     """The engines' threads the trainer may borrow while they are idle: with the trainer and every
     engine on this machine's CPU (one trainer rank; servers Orbit started, not attached ones),
     `trainer.borrow_cores` on (the default: it took 9% off the trainer's time per token beside the
-    embedded engine and 6% beside SGLang, bench/README.md "The trainer borrowing idle cores")."""
+    embedded engine and 6% beside SGLang, bench/investigations/trainer.md "The trainer borrowing
+    idle cores")."""
     t, e = recipe.trainer, recipe.engine
     if not t.borrow_cores or not _local(recipe):
         return None

@@ -29,7 +29,7 @@ from orbit.host import interrupts
 from orbit.host.interrupts import Interrupted
 from orbit.metrics.steps import JsonlWriter, Timeline
 from orbit.push.fleet import FleetPush
-from orbit.rollout.groups import Signal
+from orbit.rollout.groups import Screen, Signal
 from orbit.rollout.pipeline import Pipeline, sampling_params
 from orbit.rollout.producer import Producer
 from orbit.run.directory import (
@@ -281,6 +281,7 @@ def start(
             keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
             stood_aside=bool(run_state.get("filter_stood_aside", False)),
             filter_limit=recipe.algorithm.filter_limit,
+            screen=Screen(recipe.algorithm.screen, signal) if recipe.algorithm.screen else None,
             max_lost_frac=recipe.rollout.max_lost_frac,
             on_warning=warner(console, run_dir, prefix),
         )

@@ -93,7 +93,7 @@ def one_step(p: LoopParts, serial: bool) -> tuple[StepMetrics, bool]:
     version = p.trainer.version
     before = p.pool.stats()
     c = p.pipeline.counts
-    counts = (c.resubmitted, c.aborted_tokens, c.filtered, c.episodes_lost)
+    counts = (c.resubmitted, c.aborted_tokens, c.filtered, c.episodes_lost, c.screened)
     signal = p.signal
 
     # 1. Rollouts: a batch of complete groups, fresh enough for this version.
@@ -181,7 +181,7 @@ def _metrics(
     pushed: PushResult,
     before: EngineStats,
     after: EngineStats,
-    counts: tuple[int, int, int, int],
+    counts: tuple[int, int, int, int, int],
     signal: Signal,
 ) -> StepMetrics:
     step_s = time.time() - t_step
@@ -234,6 +234,7 @@ def _metrics(
         entropy=_finite(result.entropy),
         zero_variance_frac=silent / (len(batch.groups) + filtered),
         groups_filtered=filtered,
+        groups_screened=p.pipeline.counts.screened - counts[4],
         episodes_lost=p.pipeline.counts.episodes_lost - counts[3],
         truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
         masked_frac=result.masked_frac,

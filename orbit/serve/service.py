@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # A pack's bound in tokens (training.py). Each request of a pack is answered when the whole pack is
 # done: 8 RL-shaped clients (252 tokens a request) packed 4 at a time trained 1.29x the tokens a
 # second of one request a pass with a lower p99 latency; 16 at a time (8192) as fast as one a pass,
-# and a p99 1.5-1.8x (bench/README.md, "orbit serve under load")
+# and a p99 1.5-1.8x (bench/investigations/service.md, "orbit serve under load")
 PACK_TOKENS = 1024
 SAMPLES_KEPT = 4096  # samples' requests remembered for resends (service.sample)
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"

@@ -37,10 +37,11 @@ from orbit.train.packing import Route, routed
 
 CHUNK_ROWS = 256  # output positions projected to the vocabulary at once
 # The samples of a micro-batch continue their prompts in up to this many passes of similar lengths
-# (bench/README.md, "Where a trainer step goes": padding was 11-38% of a laptop step's decoder
-# tokens). A further pass has a fixed cost, its small ops: about 2 ms a layer on a CPU, which at
-# 100 GFLOP/s is PASS_FLOPS; it is worth it when it saves more padded tokens than that buys
-# (`bucket_cost`: 28 tokens on SmolLM2-135M, thousands on a test's tiny model, which never splits).
+# (bench/investigations/trainer.md, "Where a trainer step goes": padding was 11-38% of a laptop
+# step's decoder tokens). A further pass has a fixed cost, its small ops: about 2 ms a layer on a
+# CPU, which at 100 GFLOP/s is PASS_FLOPS; it is worth it when it saves more padded tokens than that
+# buys (`bucket_cost`: 28 tokens on SmolLM2-135M, thousands on a test's tiny model, which never
+# splits).
 MAX_BUCKETS = 4
 PASS_FLOPS = 2e8
 # A micro-batch's log-softmax is kept for its backward up to this size and recomputed past it

@@ -11,9 +11,10 @@ thread count is the calling thread's (an OpenMP setting), so only the trainer's 
 it: hence the checks, not a watcher.
 
 Idle OpenMP workers spin for a while before they sleep (GOMP_SPINCOUNT), so a borrowed worker keeps
-the engines' core busy for a moment after the trainer gives it back; bench/cores.py measures what
-that costs the engines. They spin only while the trainer's OpenMP team is the process's one team
-(orbit/host/threads.py); with a second, every op of a borrowed layer waited for a woken worker.
+the engines' core busy for a moment after the trainer gives it back; bench/investigations/cores.py
+measures what that costs the engines. They spin only while the trainer's OpenMP team is the
+process's one team (orbit/host/threads.py); with a second, every op of a borrowed layer waited for a
+woken worker.
 
 The other way round, when the engines are the bottleneck, the trainer's threads go to them while it
 waits for a batch: the pipeline's `on_wait` and `Engine.lend_threads` (orbit/run/engines.py).

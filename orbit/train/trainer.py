@@ -50,7 +50,7 @@ SNAPSHOTS = 4  # adapter versions kept to re-score stale samples with the weight
 # step's groups, their place in the batch moving on by as many each version (so no place, such as
 # the batch's first group, is the only one ever measured), and up to RESCORE_SAMPLES samples of
 # them, round-robin: about 0.10-0.13 of a laptop step alone, where 8 samples over all 4 groups took
-# about 0.17 (bench/README.md, "Where a trainer step goes").
+# about 0.17 (bench/investigations/trainer.md, "Where a trainer step goes").
 RESCORE_GROUPS = 2
 RESCORE_SAMPLES = 4
 

@@ -56,11 +56,13 @@ class EngineOptions:
     seed: int = 0
     prefix_cache_size: int = 64  # prompts kept (LRU)
     # prompt tokens admitted per step (at least one request). Not less: a long step is not taken for
-    # a hang (orbit/engine/liveness.py), and bench/prefill_step.py measured smaller steps slower
+    # a hang (orbit/engine/liveness.py), and bench/investigations/prefill_step.py measured smaller
+    # steps slower
     max_prefill_tokens: int = 4096
     slots: int = NUM_SLOTS  # adapter slots (engine.slots)
     # Threads the trainer lends (process.py) are used for a step only if its rows x the model's
-    # weights reach this. bench/engine_rows.py on SmolLM2 (134.5M weights), 2 threads against 1:
+    # weights reach this. bench/investigations/engine_rows.py on SmolLM2 (134.5M weights), 2
+    # threads against 1:
     # 0.95x at 1 row, 0.96x at 4, 1.07x at 16, 1.44x at 32, 1.42x at 64; a step of a few rows reads
     # the weights once from memory whatever the threads. A tests' tiny model was 2-10x slower.
     lend_min_work: float = 4e9

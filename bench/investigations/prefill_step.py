@@ -8,8 +8,8 @@ for. This runs the laptop workload (SmolLM2, 4 chat prompts a wave, 8 samples ea
 at temperature 0.7, waves one after another) on the engine core in this process under each setting,
 interleaved, and prints tokens/s and the longest step.
 
-    .venv/bin/python bench/prefill_step.py [--model .cache/smollm2-135m-instruct] [--settings
-    256,512,4096] [--waves 4] [--repeat 2] [--threads 1]
+    .venv/bin/python bench/investigations/prefill_step.py [--model .cache/smollm2-135m-instruct]
+    [--settings 256,512,4096] [--waves 4] [--repeat 2] [--threads 1]
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ per case: groups trained and dropped, the dropped share of all generated groups,
 waste (tokens of dropped or aborted samples / tokens generated) and useful tokens per second (tokens
 trained on / wall time).
 
-    .venv/bin/python bench/admission.py                      # recipes/tiny.yaml: the issue's cases
-    .venv/bin/python bench/admission.py bench/five-panel.yaml --cases double-buffer:2 --steps 10
+    .venv/bin/python bench/investigations/admission.py       # recipes/tiny.yaml: the issue's cases
+    .venv/bin/python bench/investigations/admission.py bench/five-panel.yaml \
+        --cases double-buffer:2 --steps 10
 """
 
 from __future__ import annotations

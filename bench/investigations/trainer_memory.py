@@ -15,7 +15,8 @@ Each runs in its own process (peak RSS is per process): the figure is the peak R
 the RSS once the model is loaded. Tokens/s counts the tokens forwarded (prompts and outputs), median
 of 3 steps after one warm-up, one torch thread.
 
-    .venv/bin/python bench/trainer_memory.py [--model .cache/smollm2-135m-instruct] [--samples 32]
+    .venv/bin/python bench/investigations/trainer_memory.py [--model .cache/smollm2-135m-instruct]
+        [--samples 32]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WAYS = ("plain", "orbit", "orbit-micro")
 
 

@@ -3,8 +3,8 @@
 without, side by side in one script, on each engine; and the trainer's achieved FLOP rate against
 this machine's measured matmul peak.
 
-    .venv/bin/python bench/cores.py [--recipe recipes/smollm2-math.yaml] [--steps 20] [--engines
-    embedded,sglang] [--settings off,on] [--seeds 0,1,2]
+    .venv/bin/python bench/investigations/cores.py [--recipe recipes/smollm2-math.yaml] [--steps 20]
+    [--engines embedded,sglang] [--settings off,on] [--seeds 0,1,2]
 
 Per engine and setting (off; on: the trainer borrows the idle engines' cores and the embedded
 engine the waiting trainer's; trainer-only: the first without the second; on-passive: on with
@@ -33,11 +33,13 @@ import time
 from pathlib import Path
 
 import yaml
-from seeds import spread
 
-from orbit.measure.flops import matmul_params, matmul_peak
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # seeds.py, in bench/ beside this folder
+from seeds import spread  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from orbit.measure.flops import matmul_params, matmul_peak  # noqa: E402
+
 # setting: (trainer.borrow_cores, engine.borrow_cores, environment)
 SETTINGS = {
     "off": (False, False, {}),

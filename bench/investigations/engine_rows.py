@@ -1,8 +1,8 @@
 """The embedded engine on the laptop recipe's own work: tokens/s by rows decoded at once
 (`engine.max_running`) and torch threads.
 
-    .venv/bin/python bench/engine_rows.py [--model .cache/smollm2-135m-instruct] [--rows 32,64]
-        [--threads 1,2] [--repeat 3]
+    .venv/bin/python bench/investigations/engine_rows.py [--model .cache/smollm2-135m-instruct]
+        [--rows 32,64] [--threads 1,2] [--repeat 3]
 
 64 requests (`--requests`), each the chat-templated "What is A + B?" of the arith task (two-digit
 numbers), 32 new tokens each (ignore_eos, so every setting generates the same tokens), temperature

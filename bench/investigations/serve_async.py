@@ -3,10 +3,11 @@ same loop on snapshots, one after the other in one run on one service (the same 
 sums): each step's wall time, the reward, the staleness, and the engines' flips as the service's
 page shows them (orbit/serve/page.py).
 
-    .venv/bin/python bench/serve_async.py [--model .cache/smollm2-135m-instruct] [--steps 12]
+    .venv/bin/python bench/investigations/serve_async.py [--model .cache/smollm2-135m-instruct]
+        [--steps 12]
 
 Needs `make tinker` and `make smollm2`. The loop is tests/tinker/async_rl.py. The figures are in
-bench/README.md ("Inflight samplers against snapshots").
+bench/investigations/service.md ("Inflight samplers against snapshots").
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 

@@ -2,11 +2,12 @@
 work done by Orbit's own trainer and engine in this process, and a sampler's weights reaching the
 engine as a slot push (an unnamed snapshot) against a save to disk and a load (a named checkpoint).
 
-    .venv/bin/python bench/tinker_cost.py [--model .cache/smollm2-135m-instruct] [--steps 3]
+    .venv/bin/python bench/investigations/tinker_cost.py [--model .cache/smollm2-135m-instruct]
+        [--steps 3]
 
 The batch is math_rl's on SmolLM2 (tinker-cookbook, env=arithmetic): 8 groups of 8 samples of up to
 8 tokens after a 34-token prompt. Needs `make tinker` (the SDK runs in .venv-tinker). Prints a
-table; the figures are in bench/README.md ("orbit serve").
+table; the figures are in bench/investigations/service.md ("What `orbit serve` costs").
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from statistics import median
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT, NEW, SAMPLES = 34, 8, 64
 
 CLIENT = r"""

@@ -10,8 +10,8 @@ The same GRPO batch (groups of samples sharing a prompt) and seed, one torch thr
 Median step time of `--steps` steps after one warm-up; the ratio is 1 rank's time over N ranks'. On
 a 2-core machine two ranks are the whole machine: nothing else should run meanwhile.
 
-    .venv/bin/python bench/trainer_ranks.py [--model .cache/smollm2-135m-instruct] [--samples 32]
-    [--device cpu]
+    .venv/bin/python bench/investigations/trainer_ranks.py [--model .cache/smollm2-135m-instruct]
+    [--samples 32] [--device cpu]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -7,8 +7,9 @@ time, the useful rate as issue 39 counts it (4 x matmul weights x trained tokens
 torch.mm's rate on the model's shapes in the same dtype, and with --profile one step under
 torch.profiler: the GPU's kernel time against the step's wall time and the kernel launches.
 
-    python bench/trainer_gpu.py [--model .cache/smollm2-135m-instruct] [--steps 10] [--profile]
-        [--compile]    # each dtype also with compile_layers: step, warm-up, logprob agreement
+    python bench/investigations/trainer_gpu.py [--model .cache/smollm2-135m-instruct] [--steps 10]
+        [--profile] [--compile]    # --compile: each dtype also with compile_layers: step, warm-up,
+                                   # logprob agreement
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from orbit.measure.flops import matmul_params
 from orbit.rollout.sample import Sample
 from orbit.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

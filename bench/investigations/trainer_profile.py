@@ -1,8 +1,8 @@
 """Where a laptop trainer step's time goes: phase by phase, its FLOPs and its seconds, against the
 step's floor (its useful FLOPs at this machine's measured matmul peak).
 
-    .venv/bin/python bench/trainer_profile.py [--recipe recipes/smollm2-math.yaml] [--steps 6]
-        [--threads 1,2] [--record] [--compile]
+    .venv/bin/python bench/investigations/trainer_profile.py [--recipe recipes/smollm2-math.yaml]
+        [--steps 6] [--threads 1,2] [--record] [--compile]
 
 The batches are real: the recipe's own first steps, recorded once (`--record`, or when none are
 saved) into .cache/bench/ with the samples exactly as its trainer received them. Each batch is then
@@ -21,7 +21,7 @@ FLOPs are torch.profiler's (matmuls) per phase. LoRA's own matmuls are those wit
 as a dimension, counted across phases. Padding: the decoder tokens that are padding, as a share of
 the decoder tokens run. Useful FLOPs, as issue 39 counts them: 4 x parameters x trained tokens
 (forward and backward through the frozen base). The matmul peak is torch.mm on the model's shapes
-(bench/cores.py). Run nothing else meanwhile.
+(bench/investigations/cores.py). Run nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch  # noqa: E402
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-from trainer_gpu import compile_layers  # noqa: E402  (bench/: the script's own folder)
+ROOT = Path(__file__).resolve().parents[2]
+from trainer_gpu import compile_layers  # noqa: E402  (bench/investigations/: its own folder)
 
 from orbit.config import load_recipe  # noqa: E402
 from orbit.measure.flops import matmul_peak  # noqa: E402

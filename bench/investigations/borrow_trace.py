@@ -1,20 +1,21 @@
 """Where borrowing the engine's core goes: every trainer layer timed, with the threads it ran on.
 
-    .venv/bin/python bench/borrow_trace.py [--recipe recipes/smollm2-math.yaml] [--steps 8]
-        [--engine embedded] [--out runs/borrow-trace] [--probe-every 97] [--hold 2]
+    .venv/bin/python bench/investigations/borrow_trace.py [--recipe recipes/smollm2-math.yaml]
+        [--steps 8] [--engine embedded] [--out runs/borrow-trace] [--probe-every 97] [--hold 2]
 
-bench/cores.py measured the trainer borrowing at 45% of its checks beside the embedded engine and
-training no faster per token. This runs the recipe once with `trainer.borrow_cores` on, in this
-process, and records each of the trainer's thread checks (orbit/train/cores.py: before a decoder
-layer's forward and as its gradient arrives) with the time and the thread count it set, and each
-time the pipeline says the engines went idle or busy. The time from one check to the next of the
-same kind is one layer's forward (or backward) on the threads the first set. Printed: a layer's
-median forward and backward time on 1 thread and on 2 threads, and how long the engines' idle
-spells last, and the CPU seconds that each thread of this process, each engine's process and the
-machine's idle and stolen time took while the engines were idle and while they were busy.
-`--probe-every N` also times a torch.mm of a layer's shape on 1 and on 2 threads at every Nth check
-(what the cores give at that moment); `--hold 2` keeps the trainer on 2 threads throughout and
-tags each layer by whether the engines were idle instead. With 2 cores, run nothing else meanwhile.
+bench/investigations/cores.py measured the trainer borrowing at 45% of its checks beside the
+embedded engine and training no faster per token. This runs the recipe once with
+`trainer.borrow_cores` on, in this process, and records each of the trainer's thread checks
+(orbit/train/cores.py: before a decoder layer's forward and as its gradient arrives) with the time
+and the thread count it set, and each time the pipeline says the engines went idle or busy. The time
+from one check to the next of the same kind is one layer's forward (or backward) on the threads the
+first set. Printed: a layer's median forward and backward time on 1 thread and on 2 threads, and how
+long the engines' idle spells last, and the CPU seconds that each thread of this process, each
+engine's process and the machine's idle and stolen time took while the engines were idle and while
+they were busy. `--probe-every N` also times a torch.mm of a layer's shape on 1 and on 2 threads at
+every Nth check (what the cores give at that moment); `--hold 2` keeps the trainer on 2 threads
+throughout and tags each layer by whether the engines were idle instead. With 2 cores, run nothing
+else meanwhile.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 the page the whole time, polling once a second), alternated so that both see the same machine, side
 by side in one script.
 
-    .venv/bin/python bench/watch_cost.py [--recipe recipes/tiny.yaml] [--steps 40] [--pairs 3]
+    .venv/bin/python bench/investigations/watch_cost.py [--recipe recipes/tiny.yaml] [--steps 40]
+        [--pairs 3]
 
 Prints each run's median step time and the ratio watched / unwatched per pair and overall (the
 median of the pairs). Needs chromium (`make browser`). With 2 cores, run nothing else meanwhile.
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 

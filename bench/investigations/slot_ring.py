@@ -7,8 +7,9 @@ versions back, so some pushes wait for them (a long tail); with a ring of `slots
 the same recipe and prints the median and p90 of each engine's update (load to flip, from the
 timeline's `update` events) and of the trainer's blocking push (`update_weights_s`).
 
-    .venv/bin/python bench/slot_ring.py                                   # five-panel workload,
-    SGLang .venv/bin/python bench/slot_ring.py bench/five-panel.yaml --engine embedded --slots 2 4
+    .venv/bin/python bench/investigations/slot_ring.py          # five-panel workload, SGLang
+    .venv/bin/python bench/investigations/slot_ring.py bench/five-panel.yaml --engine embedded \
+        --slots 2 4
 """
 
 from __future__ import annotations
