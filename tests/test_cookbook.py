@@ -169,9 +169,10 @@ def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
-def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
-    """The cookbook's async RL loop (`AsyncConfig`: sampling runs one step ahead of training), as it
-    ships, with the clipped loss its docs advise for stale data."""
+def test_math_rl_with_its_default_loss(tinker_served, tmp_path):
+    """math_rl as it ships, its loss the default (`stable_reinforce`): the cookbook samples with
+    record_stability_info and names each sampled token's sequence in its datums' provenance; the
+    service trains on the sequences it recorded (the sampler's logprobs as the engine gave them)."""
     url, _, model = tinker_served
     rl = _cookbook(
         "math_rl",
@@ -181,7 +182,40 @@ def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
             "lora_rank": 4,
             "behavior_if_log_dir_exists": "delete",
             "env": "arithmetic",
-            "loss_fn": "ppo",
+            "group_size": 4,
+            "groups_per_batch": 2,
+            "max_tokens": 6,
+            "max_steps": 2,
+            "learning_rate": 3e-4,
+            "eval_every": 0,
+            "save_every": 0,
+            "log_path": tmp_path / "rl",
+        },
+        url,
+    )
+    output = rl.communicate(timeout=540)[0]
+    assert rl.returncode == 0, output[-4000:]
+    assert "stable_reinforce" in (tmp_path / "rl" / "config.json").read_text()
+    rows = [r for r in _rows(tmp_path / "rl") if "optim/kl_sample_train_v1" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in rows)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
+    """The cookbook's async RL loop (`AsyncConfig`: sampling runs one step ahead of training), as it
+    ships, with its default loss (stable_reinforce, made for off-policy data: the sequences a step
+    trains on were recorded by the sampler a version before)."""
+    url, _, model = tinker_served
+    rl = _cookbook(
+        "math_rl",
+        {
+            "model_name": model.resolve(),
+            "renderer_name": "role_colon",
+            "lora_rank": 4,
+            "behavior_if_log_dir_exists": "delete",
+            "env": "arithmetic",
             "max_steps_off_policy": 1,
             "group_size": 4,
             "groups_per_batch": 2,

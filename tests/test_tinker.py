@@ -122,6 +122,47 @@ def test_each_loss_against_its_formula(trained):
         assert seen["results"][name]["loss"] == pytest.approx(value, rel=1e-5, abs=1e-5), name
 
 
+def test_stable_reinforce_trains_on_the_recorded_sequences(trained):
+    """Sampled with record_stability_info, named by provenance as the cookbook names them:
+    stable_reinforce's loss is Orbit's reading of it (losses.py), computed here apart from Orbit's
+    code on the sampler's logprobs as recorded (the client's copy, one token off by 0.25, is
+    reported in the metrics and not used); a step moves the policy; what does not hold is refused
+    by name."""
+    url, _, model = trained
+    seen = sdk(url, model, "stable_reinforce")
+
+    def want(logprobs: list[list[float]], kl_coeff: float) -> float:
+        total = 0.0
+        for row, lp in zip(seen["rows"], logprobs, strict=True):
+            start = row["prompt"]
+            for j, q in enumerate(row["sampler"]):
+                x, a = lp[start + j], row["advantages"][start + j]
+                r = math.exp(x - q)
+                total -= min(r, 2.0) * a * x  # truncated importance sampling, C = 2
+                d = q - x
+                total += kl_coeff * (math.exp(d) - d - 1.0)  # k3 toward the sampler
+        return total
+
+    for name, kl in (("plain", 0.0), ("kl", 0.5)):
+        got = seen[name]
+        assert got["loss"] == pytest.approx(want(got["logprobs"], kl), rel=1e-5, abs=1e-5), name
+        assert got["diff"] == pytest.approx(0.25, abs=1e-6), name
+    moved = max(
+        abs(x - y)
+        for new, old in zip(seen["after"], seen["plain"]["logprobs"], strict=True)
+        for x, y in zip(new, old, strict=True)
+    )
+    assert moved > 1e-4
+    assert (
+        "no recorded sequence" in seen["unrecorded"]
+        and "record_stability_info" in (seen["unrecorded"])
+    )
+    assert "model_input[4] is" in seen["wrong_token"], seen["wrong_token"]
+    assert "on a prompt token" in seen["prompt_advantage"]
+    assert "provenance works within one session" in seen["other_session"]
+    assert "kl_coeff -1.0; at least 0" in seen["kl_bad"]
+
+
 def test_sampling_params_and_the_base_model(served):
     """The same seed samples the same; temperature 0 and top_k 1 are greedy; a stop token ends a
     sample and stays in it; the base model samples, and a new client (B = 0) scores it alike; the
@@ -165,7 +206,7 @@ def test_what_is_refused_is_said_and_the_client_goes_on(served):
     seen = sdk(url, model, "refusals")
     assert "not/a/model" in seen["base_model"] and "serves" in seen["base_model"]
     assert "lora_config.rank: 0; from 1 to 1024" in seen["rank"]
-    assert "loss_fn 'stable_reinforce'" in seen["loss_fn"]
+    assert "stable_reinforce needs provenance" in seen["loss_fn"]
     assert "has shape [1]; the datum has 7 tokens" in seen["lengths"]
     assert "outside the vocabulary" in seen["vocab"]
     assert "out of range" in seen["lr"]

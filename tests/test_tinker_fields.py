@@ -94,7 +94,6 @@ SETS = {
     "target_prompt_logprobs": True,
     "prompt_alt_tokens_k": 2,
     "prompt_logprobs_last_n": 3,
-    "record_stability_info": True,
 }
 ROUTES = {
     "CreateSessionRequest": "create_session",

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from orbit.engine.base import SamplingParams
-from orbit.serve import wire
+from orbit.serve import provenance, wire
 from orbit.serve.bodies import (
     NOT_SERVED,
     Adam,
@@ -308,8 +308,9 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             stops,
             req.seq_id,
             req.prompt_logprobs_last_n,
+            req.record_stability_info,
         )
-        ids = [f"{record.id}:{i}" for i in range(req.num_samples)]
+        ids = provenance.sequence_ids(record.id, req.num_samples)
         return {"request_id": record.id, "sample_sequence_ids": ids}
 
     # ---- RestClient: training runs and checkpoints -----------------------------------------

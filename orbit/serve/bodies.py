@@ -205,7 +205,6 @@ class Sample(Body):
         "topk_sample_logprobs": _LOGPROBS,
         "target_prompt_logprobs": _LOGPROBS,
         "prompt_alt_tokens_k": _LOGPROBS,
-        "record_stability_info": "Orbit does not record stability information (stable_reinforce)",
     }
 
 

@@ -264,7 +264,7 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
     with _on(base, names, packed) as router, torch.set_grad_enabled(not forward_only):
         for chunk in micro_batches(
             rows,
-            int(__import__("os").environ.get("PB", MICRO_BATCH_TOKENS)),
+            MICRO_BATCH_TOKENS,
             names if packed else None,
         ):
             logp = target_logprobs(

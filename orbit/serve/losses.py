@@ -11,6 +11,7 @@ The clip bounds come from loss_fn_config's clip_low_threshold and clip_high_thre
 | cispo | the same | -sg(clip(r, low, high)) A log p; low 0, high 4 by default |
 | gspo | the same, sequence_ratio_mask optional | -min(s_t A, clip(s_t, low, high) A), s_t below |
 | dro | target_tokens, logprobs, advantages | -(A log p - beta/2 (log p - log q)^2); beta 0.05 |
+| stable_reinforce | target_tokens, advantages, provenance (logprobs optional) | below |
 
 gspo and dro are written here, as Tinker's loss pages define them, not through orbit/rl: their sums
 run over every token of the datum, where orbit/rl's run over a response mask. GSPO is the token
@@ -20,6 +21,14 @@ here and said in docs/tinker.md: gspo's mask, when the datum has no sequence_rat
 tokens with a nonzero advantage (the sampled ones; a prompt's logprobs of 0 would swamp the mean);
 its clip bounds default to the GSPO paper's (1 - 3e-4, 1 + 4e-4); dro's beta defaults to 0.05, the
 value on Tinker's page.
+
+stable_reinforce: Tinker's page names what it needs (sampling with record_stability_info, each
+sampled token's sequence_id in the datum's provenance, `kl_coeff`) but not its formula, so Orbit's
+is its own reading, said in docs/tinker.md: REINFORCE with truncated importance sampling (Yao et
+al., 2025) against the sampler's own logprobs as the service recorded them (q, not the client's
+copy: orbit/serve/provenance.py puts them in `logprobs` and the sampled positions in `sampled`),
+-sg(min(p / q, 2)) A log p on the sampled tokens, plus kl_coeff times orbit/rl's k3 estimate of the
+KL between the trainer and the sampler on them (kl_coeff 0 by default).
 """
 
 from __future__ import annotations
@@ -32,13 +41,19 @@ from torch import Tensor
 from orbit.rl import AlgorithmConfig, Norm, policy_loss
 from orbit.serve.futures import Refused
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro", "stable_reinforce")
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-_NEEDS = {"cross_entropy": ("target_tokens", "weights"), **{k: _RL_INPUTS for k in LOSSES[1:]}}
+_NEEDS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    **{k: _RL_INPUTS for k in LOSSES[1:-1]},
+    # `sampled` and the recorded `logprobs` come from the datum's provenance (provenance.py)
+    "stable_reinforce": (*_RL_INPUTS, "sampled"),
+}
 _OPTIONAL = {"gspo": ("sequence_ratio_mask",)}
 # the ratio's clip bounds: Tinker's defaults for ppo and cispo, the GSPO paper's for gspo
 _CLIPS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0), "gspo": (1 - 3e-4, 1 + 4e-4)}
 DRO_BETA = 0.05
+STABLE_TRUNCATION = 2.0  # stable_reinforce's cap on the importance weight (TIS's C)
 _SUM = Norm(tokens=1, sequences=1)  # token-mean over a normaliser of 1: the sum
 
 
@@ -81,12 +96,19 @@ class Settings:
 def algorithm(loss_fn: str, config: dict[str, float | str]) -> Settings:
     """An RL loss_fn's settings from the request's loss_fn_config (a key it does not take is
     refused, named)."""
-    known = {"dro": ("beta",), "importance_sampling": ()}.get(
+    known = {"dro": ("beta",), "importance_sampling": (), "stable_reinforce": ("kl_coeff",)}.get(
         loss_fn, ("clip_low_threshold", "clip_high_threshold")
     )
     unknown = sorted(set(config) - set(known))
     if unknown:
         raise LossError(f"loss_fn_config: {unknown[0]!r} is not one {loss_fn} takes")
+    if loss_fn == "stable_reinforce":
+        kl = _number(config, "kl_coeff", 0.0)
+        if not kl >= 0:
+            raise LossError(f"loss_fn_config: kl_coeff {kl}; at least 0")
+        return Settings(
+            AlgorithmConfig(ratio="truncate", truncate_max=STABLE_TRUNCATION, kl_coef=kl)
+        )
     if loss_fn == "importance_sampling":
         return Settings(AlgorithmConfig(ratio="importance"))
     if loss_fn == "dro":
@@ -110,12 +132,22 @@ def algorithm(loss_fn: str, config: dict[str, float | str]) -> Settings:
     )
 
 
+def _number(config: dict[str, float | str], key: str, default: float) -> float:
+    value = config.get(key, default)
+    try:
+        return float(value)
+    except ValueError:
+        raise LossError(f"loss_fn_config: {key} {value!r} is not a number") from None
+
+
 def weighted(loss_fn: str, inputs: dict[str, Tensor]) -> list[bool]:
     """The positions whose logprob the loss has a gradient through: a weight (cross_entropy) or an
     advantage (the RL losses, each a multiple of it) other than 0; every one for dro, whose
-    penalty reaches every token."""
+    penalty reaches every token, and every sampled one for stable_reinforce (its KL term)."""
     if loss_fn == "dro":
         return [True] * len(inputs["advantages"])
+    if loss_fn == "stable_reinforce":
+        return (inputs["sampled"] != 0).tolist()
     name = "weights" if loss_fn == "cross_entropy" else "advantages"
     return (inputs[name] != 0).tolist()
 
@@ -133,6 +165,18 @@ def datum_loss(
         q, adv = inputs["logprobs"].to(logp.dtype), inputs["advantages"].to(logp.dtype)
         return -(logp * adv - 0.5 * cfg.beta * (logp - q) ** 2).sum()
     assert cfg.rl is not None
+    if loss_fn == "stable_reinforce":
+        sampled = inputs["sampled"] != 0
+        loss, _ = policy_loss(
+            logp[None],
+            inputs["logprobs"][None],
+            inputs["advantages"][None],
+            sampled[None],
+            cfg.rl,
+            _SUM,
+            ref_logp=inputs["logprobs"][None],  # the KL term's other side: the sampler
+        )
+        return loss
     ones = torch.ones_like(logp, dtype=torch.bool)
     loss, _ = policy_loss(
         logp[None], inputs["logprobs"][None], inputs["advantages"][None], ones[None], cfg.rl, _SUM

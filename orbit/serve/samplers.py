@@ -326,9 +326,10 @@ def _log_failed_flip(done: Future, engine: int, weights: Weights) -> None:
         log.warning("engine %d did not load %s v%d: %s", engine, weights.key, weights.version, err)
 
 
-def onto(sampled: Future, result: Future) -> None:
+def onto(sampled: Future, result: Future, keep: Callable[[Sampled], None] | None = None) -> None:
     """A `Sampler.sample` call's outcome (`sampled`, submitted off the event loop) onto a request's
-    future: the sequences as the wire's bytes, or the failure said to its client."""
+    future: the sequences as the wire's bytes, or the failure said to its client. `keep`: called
+    with the sequences before the client can see them (record_stability_info records them)."""
     try:
         inner: Future = sampled.result()
     except Refused as err:
@@ -340,6 +341,8 @@ def onto(sampled: Future, result: Future) -> None:
 
     def done(f: Future) -> None:
         try:
+            if keep is not None:
+                keep(f.result())
             result.set_result(wire.sample_response(f.result()))
         except BaseException as err:  # noqa: BLE001 - as above
             result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))

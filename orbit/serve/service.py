@@ -28,7 +28,7 @@ from typing import Any
 
 from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
-from orbit.serve import wire
+from orbit.serve import provenance, wire
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, iso, rest_checkpoint
 from orbit.serve.clients import (
     AdamParams,
@@ -43,6 +43,7 @@ from orbit.serve.samplers import Sampler, Stops, onto
 from orbit.serve.sampling_sessions import SamplingSessions
 from orbit.serve.store import ClientRow, SessionRow, Store
 from orbit.serve.training import Packable, Turns
+from orbit.serve.wire import Sampled
 from orbit.train.shared import SharedBase
 
 log = logging.getLogger(__name__)
@@ -214,11 +215,13 @@ class Service:
     def _reap(self) -> None:
         """End the sessions whose heartbeat stopped `quotas.session_timeout_s` ago, and release
         what this instance holds of ended ones (another instance may have ended them: a shared
-        database). The quotas are read each round: they may change while the service runs."""
+        database), and delete the recorded sequences unused for a day. The quotas are read each
+        round: they may change while the service runs."""
         while not self._stopping.wait(min(5.0, self.quotas.session_timeout_s / 4)):
             timeout = self.quotas.session_timeout_s
             try:
                 self.checkpoints.expire()
+                self.store.purge_recorded(time.time() - provenance.KEEP_S)
                 for session in self.store.silent_sessions(time.time() - timeout):
                     self.store.end_session(session, f"no heartbeat for {timeout:g} s")
                 if self.store.ended_clients() or self.store.ended_samplers():
@@ -406,14 +409,22 @@ class Service:
 
     def forward_backward(self, tenant: str, request: wire.ForwardBackward) -> Record:
         trainer = self.client(tenant, request.model_id)
-        trainer.check(request.data, request.loss_fn, request.config)  # a 4xx before it queues
+        data, metrics = request.data, {}
+        if request.loss_fn == "stable_reinforce":  # the recorded sequences the datums name
+            row = self.store.client(request.model_id)
+            session = row.session if row is not None else ""
+            data, diff = provenance.resolve(data, tenant, session, self.store.recorded)
+            metrics[provenance.DIFF_METRIC] = diff
+        else:
+            provenance.check_tiling(data)
+        trainer.check(data, request.loss_fn, request.config)  # a 4xx before it queues
 
         def answer(scored: Scored) -> bytes:
-            return wire.forward_backward_output(scored.logprobs, {"loss:sum": scored.loss})
+            return wire.forward_backward_output(
+                scored.logprobs, {"loss:sum": scored.loss, **metrics}
+            )
 
-        asked = Request(
-            trainer, request.data, request.loss_fn, request.config, request.forward_only
-        )
+        asked = Request(trainer, data, request.loss_fn, request.config, request.forward_only)
         kind = "Forward" if request.forward_only else "ForwardBackward"
         work = Packable(kind, asked.tokens(), asked, answer)
         return self._ordered(tenant, request.model_id, request.seq_id, kind, work, proto=True)
@@ -645,10 +656,12 @@ class Service:
         stops: Stops,
         seq_id: int | None = None,
         last_n: int | None = None,
+        keep_sequences: bool = False,
     ) -> Record:
         """`n` samples of `prompt` from the session's weights. A request the SDK sends again
         (the same session and `seq_id`: a retry after a lost answer) is the first one's future,
-        not a second sample."""
+        not a second sample. `keep_sequences`: the sequences are recorded under their sequence_ids
+        (`sequence_ids`) for stable_reinforce (orbit/serve/provenance.py)."""
         weights = self.sessions.weights(tenant, sampler)
         self._check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
@@ -667,7 +680,21 @@ class Service:
         submitted = self._sampling.submit(
             self.sampler.sample, weights, prompt, params, n, stops, last_n
         )
-        submitted.add_done_callback(lambda f: onto(f, record.future))
+        keep = None
+        if keep_sequences:
+
+            def keep(sampled: Sampled) -> None:
+                rows = provenance.records(
+                    tenant,
+                    provenance.session_of(sampler),
+                    prompt,
+                    provenance.sequence_ids(record.id, n),
+                    sampled,
+                    time.time(),
+                )
+                self.store.add_recorded(rows)
+
+        submitted.add_done_callback(lambda f: onto(f, record.future, keep))
         return record
 
     def capabilities(self) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The service's state in a database: tenants' sessions, training clients, sampling sessions,
-futures and checkpoints, so that a restart loses nothing a client was told. SQLite in the serve
-directory by default; any URL SQLAlchemy speaks (PostgreSQL for a service on several hosts). The
-schema is these tables; its changes are Alembic migrations (orbit/serve/migrations), applied when
-the store opens.
+futures, checkpoints and the sequences sampled with record_stability_info, so that a restart loses
+nothing a client was told. SQLite in the serve directory by default; any URL SQLAlchemy speaks
+(PostgreSQL for a service on several hosts). The schema is these tables; its changes are Alembic
+migrations (orbit/serve/migrations), applied when the store opens.
 
 Each row that only one `orbit serve` process can act on (a client's adapter, a running future, a
 checkpoint in its directory, a snapshot) carries that process's `instance` (its host and serve
@@ -132,6 +132,20 @@ class CheckpointRow(Base):
     size_bytes: Mapped[int] = mapped_column(Integer)
     expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # its TTL's end (time.time)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+
+
+class RecordedRow(Base):
+    """A sequence sampled with record_stability_info: what stable_reinforce's training requests
+    name by its sequence_id (orbit/serve/provenance.py). Kept a day after its last use."""
+
+    __tablename__ = "recorded_sequences"
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)  # the SDK's sequence_id
+    tenant: Mapped[str] = mapped_column(String(64))
+    session: Mapped[str] = mapped_column(String(64))  # the SDK session that sampled it
+    prompt: Mapped[list[int]] = mapped_column(JSON)
+    tokens: Mapped[list[int]] = mapped_column(JSON)  # the sampled tokens
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)  # the sampler's, float32
+    used: Mapped[float] = mapped_column(Float, index=True)  # recorded, or last trained on
 
 
 @dataclass(frozen=True)
@@ -419,6 +433,30 @@ class Store:
     def drop_checkpoint(self, path: str) -> None:
         with self._tx() as s:
             s.execute(delete(CheckpointRow).where(CheckpointRow.path == path))
+
+    # -- recorded sequences (stable_reinforce) ----------------------------------------------
+
+    def add_recorded(self, rows: list[RecordedRow]) -> None:
+        with self._tx() as s:
+            s.add_all(rows)
+
+    def recorded(self, ids: list[str]) -> dict[str, RecordedRow]:
+        """The recorded sequences among `ids`, by id; each found one's day starts again now."""
+        with self._tx() as s:
+            rows = list(s.scalars(select(RecordedRow).where(RecordedRow.id.in_(ids))))
+            if rows:
+                s.execute(
+                    update(RecordedRow)
+                    .where(RecordedRow.id.in_([r.id for r in rows]))
+                    .values(used=time.time())
+                )
+        return {r.id: r for r in rows}
+
+    def purge_recorded(self, older_than: float) -> int:
+        """Recorded sequences last used before `older_than` are deleted; how many."""
+        with self._tx() as s:
+            gone = s.execute(delete(RecordedRow).where(RecordedRow.used < older_than))
+        return int(getattr(gone, "rowcount", 0) or 0)
 
 
 def migrate(engine: Engine) -> None:

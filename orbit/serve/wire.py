@@ -10,6 +10,7 @@ forward_backward output's offsets are int64 byte offsets into the concatenated p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,13 +32,28 @@ _DTYPES = {
 }
 
 
+@dataclass(frozen=True)
+class Span:
+    """A run of a datum's positions that came from a sampled sequence (the SDK's provenance spans):
+    positions [offset, offset + length) of that sequence's prompt (`sampled` False) or of its
+    sampled tokens."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     """One sequence to score: its tokens, and its loss inputs by name (`target_tokens`, `weights`,
-    `logprobs`, `advantages`, ...), each a tensor of the shape the client sent."""
+    `logprobs`, `advantages`, ...), each a tensor of the shape the client sent; its provenance
+    (spans tiling the tokens and the targets) when the client attached it, else None."""
 
     tokens: list[int]
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_spans: list[Span] | None = None
+    target_spans: list[Span] | None = None
 
 
 @dataclass
@@ -123,7 +139,11 @@ def forward_backward(body: bytes) -> ForwardBackward:
                 )
             tokens += _ints(chunk.encoded_text.tokens)
         inputs = {k: tensor(v, f"datum {i}: {k}") for k, v in d.loss_fn_inputs.items()}
-        data.append(Datum(tokens, inputs))
+        datum = Datum(tokens, inputs)
+        if d.model_input_spans or d.loss_fn_input_spans:  # the SDK sends both or neither
+            datum.input_spans = _spans(d.model_input_spans)
+            datum.target_spans = _spans(d.loss_fn_input_spans)
+        data.append(datum)
     config: dict[str, float | str] = dict(message.loss_fn_config)
     for key, value in message.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
@@ -135,6 +155,17 @@ def forward_backward(body: bytes) -> ForwardBackward:
         config=config,
         forward_only=message.forward_only,
     )
+
+
+def _spans(spans: Any) -> list[Span]:
+    out = []
+    for span in spans:
+        kind = span.WhichOneof("span")
+        run = getattr(span, kind) if kind else None
+        if run is None:
+            raise WireError("a provenance span of no kind (prompt_tokens or sampled_tokens)")
+        out.append(Span(kind == "sampled_tokens", run.sequence_id, run.offset, run.length))
+    return out
 
 
 def forward_backward_output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> bytes:

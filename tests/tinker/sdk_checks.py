@@ -133,6 +133,97 @@ def losses(service, model):
     }
 
 
+def _provenance(d: types.Datum, prompt: list[int], sampled: int, sid: str) -> types.Datum:
+    """As the cookbook's rl_loop names a sampled sequence behind every position."""
+    return d.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+            types.SampledProvenanceSpan(sequence_id=sid, length=sampled - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, length=sampled),
+        ],
+    )
+
+
+def _refused(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def stable_reinforce(service, model):
+    """Sampling with record_stability_info, then stable_reinforce on the recorded sequences: its
+    loss and logprobs (for the formula), a step, and what is refused."""
+    a = client(service, model, seed=31)
+    sampler = a.save_weights_and_get_sampling_client(record_stability_info=True)
+    prompt = TOKENS[:4]
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    data, rows = [], []
+    for k, s in enumerate(seqs):
+        full, n = prompt + s.tokens, len(s.tokens)
+        advantage = 1.0 if k == 0 else -0.5
+        row = {
+            "sampler": list(s.logprobs),
+            "advantages": [0.0] * (len(prompt) - 1) + [advantage] * n,
+            "prompt": len(prompt) - 1,
+        }
+        # the client's logprobs: the sampler's copy, a little off on one token (reported, unused)
+        sent = [0.0] * (len(prompt) - 1) + [
+            x + (0.25 if j == 0 else 0.0) for j, x in enumerate(s.logprobs)
+        ]
+        d = datum(full, logprobs=sent, advantages=row["advantages"])
+        data.append(_provenance(d, prompt, n, s.sequence_id))
+        rows.append(row)
+    out = {"rows": rows, "ids": [s.sequence_id for s in seqs]}
+    for name, config in (("plain", None), ("kl", {"kl_coeff": 0.5})):
+        result = a.forward(data, "stable_reinforce", config).result()
+        out[name] = {
+            "loss": result.metrics["loss:sum"],
+            "logprobs": logprobs(result),
+            "diff": result.metrics["sampler_logprob_diff:max"],
+        }
+    a.forward_backward(data, "stable_reinforce").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    out["after"] = logprobs(a.forward(data, "stable_reinforce").result())
+    # refused, each by name: no record (sampled without record_stability_info), a token that is
+    # not the recorded one, an advantage on a prompt token, another session's sequence
+    plain = a.save_weights_and_get_sampling_client()
+    other = plain.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    full = prompt + other.tokens
+    unrecorded = _provenance(
+        datum(full, advantages=[0.0] * 3 + [1.0] * len(other.tokens)),
+        prompt,
+        len(other.tokens),
+        other.sequence_id,
+    )
+    out["unrecorded"] = _refused(lambda: a.forward([unrecorded], "stable_reinforce").result())
+    s = seqs[0]
+    wrong = prompt + [(s.tokens[0] + 1) % 100] + s.tokens[1:]
+    swapped = _provenance(
+        datum(wrong, advantages=rows[0]["advantages"]), prompt, len(s.tokens), s.sequence_id
+    )
+    out["wrong_token"] = _refused(lambda: a.forward([swapped], "stable_reinforce").result())
+    on_prompt = _provenance(
+        datum(prompt + s.tokens, advantages=[1.0] * (len(prompt) - 1 + len(s.tokens))),
+        prompt,
+        len(s.tokens),
+        s.sequence_id,
+    )
+    out["prompt_advantage"] = _refused(lambda: a.forward([on_prompt], "stable_reinforce").result())
+    elsewhere = tinker.ServiceClient(base_url=sys.argv[1])
+    b = client(elsewhere, model, seed=37)
+    out["other_session"] = _refused(lambda: b.forward(data[:1], "stable_reinforce").result())
+    out["kl_bad"] = _refused(
+        lambda: a.forward(data, "stable_reinforce", {"kl_coeff": -1.0}).result()
+    )
+    return out
+
+
 def lr_zero(service, model):
     still, moving = client(service, model, seed=17), client(service, model, seed=19)
     init = still.save_state("init").result().path
@@ -378,6 +469,7 @@ CHECKS = {
         sampler_keeps_its_weights,
         sampler_and_trainer_agree,
         losses,
+        stable_reinforce,
         lr_zero,
         state_round_trip,
         refusals,
