@@ -105,6 +105,32 @@ def test_a_tenant_cannot_reach_anothers_things_by_any_route(shared):
     assert len(service.checkpoints.of(tenant_of(KEY_A))) == 2
 
 
+def test_a_published_checkpoint_is_read_by_other_tenants_and_kept_by_its_own(shared):
+    """Key A publishes a state and a sampler's weights: key B samples the one and makes a client
+    from the other, but cannot delete them, set their TTL or take the publishing back; once A
+    takes it back, B is refused again. B's own listing never shows A's checkpoints."""
+    url, service, model, _ = shared
+    a = sdk(url, model, "publisher", key=KEY_A, script=SERVICE, arg="publish")
+    assert a["listed"] == [True, True]
+    seen = sdk(url, model, "reader", key=KEY_B, script=SERVICE, arg=json.dumps(a))
+    for allowed in ("sample_path", "from_state", "weights_info"):
+        assert seen[allowed] == "served", (allowed, seen[allowed])
+    for kept in ("delete", "unpublish", "ttl"):
+        assert "NotFound" in seen[kept] or "404" in seen[kept], (kept, seen[kept])
+    assert not any(p.startswith(f"tinker://{a['model_id']}") for p in seen["listed"])
+    assert sdk(url, model, "publisher", key=KEY_A, script=SERVICE, arg=json.dumps(a))["listed"] == [
+        False,
+        False,
+    ]
+    again = sdk(url, model, "reader", key=KEY_B, script=SERVICE, arg=json.dumps(a))
+    for refused in ("sample_path", "from_state", "weights_info"):
+        assert "NotFound" in again[refused] or "no checkpoint" in again[refused], (
+            refused,
+            again[refused],
+        )
+    assert service.checkpoint(tenant_of(KEY_A), a["state"]).directory.is_dir()
+
+
 def _fb_body(model_id: str, tokens: list[int], loss: str = "cross_entropy", **inputs) -> bytes:
     def tensor(values: list[float], dtype=pb.DTYPE_FLOAT32) -> pb.Tensor:
         kind = torch.float32 if dtype == pb.DTYPE_FLOAT32 else torch.int64

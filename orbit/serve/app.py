@@ -346,6 +346,16 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         service.delete_checkpoint(who(request), f"tinker://{run}/{kind}/{name}")
         return {}
 
+    @api.post(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}/publish")
+    async def publish(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
+        service.publish_checkpoint(who(request), f"tinker://{run}/{kind}/{name}", True)
+        return {}
+
+    @api.delete(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}/publish")
+    async def unpublish(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
+        service.publish_checkpoint(who(request), f"tinker://{run}/{kind}/{name}", False)
+        return {}
+
     @api.put(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}/ttl")
     async def set_ttl(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
         req = await body(request, SetTtl)

@@ -279,18 +279,6 @@ NOT_SERVED: list[tuple[str, str, str, str]] = [
     ("GET", "/audit", "", "Orbit keeps no audit log"),
     ("GET", "/auth/token", "", "Orbit takes its keys as they are (X-API-Key)"),
     (
-        "POST",
-        "/training_runs/{run}/checkpoints/{kind}/{name}/publish",
-        "",
-        "a checkpoint is its tenant's own: Orbit publishes none",
-    ),
-    (
-        "DELETE",
-        "/training_runs/{run}/checkpoints/{kind}/{name}/publish",
-        "",
-        "a checkpoint is its tenant's own: Orbit publishes none",
-    ),
-    (
         "GET",
         "/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls",
         "",

@@ -36,6 +36,7 @@ class Checkpoint:
     time: float
     expires: float | None = None  # its TTL's end (time.time); None: never
     user_metadata: dict[str, str] | None = None
+    public: bool = False  # published: other tenants may sample and load it
 
 
 def checkpoint_path(client: str, kind: str, name: str) -> str:
@@ -61,7 +62,7 @@ def rest_checkpoint(c: Checkpoint) -> dict[str, Any]:
         "time": iso(c.time),
         "tinker_path": c.path,
         "size_bytes": _size(c.directory) if c.directory.is_dir() else 0,
-        "public": False,
+        "public": c.public,
         "expires_at": iso(c.expires) if c.expires is not None else None,
         "user_metadata": c.user_metadata,
     }
@@ -85,6 +86,7 @@ def _of(row: CheckpointRow) -> Checkpoint:
         row.created,
         row.expires,
         row.user_metadata,
+        bool(row.public),
     )
 
 
@@ -193,12 +195,12 @@ class Checkpoints:
             )
         )
 
-    def get(self, tenant: str, path: str) -> Checkpoint:
-        """The tenant's checkpoint at `path`; NotFound for any other, and naming its expiry for one
-        whose TTL ended."""
+    def get(self, tenant: str, path: str, reading: bool = False) -> Checkpoint:
+        """The tenant's checkpoint at `path`, or with `reading` (to sample or load it) one another
+        tenant published; NotFound for any other, and naming its expiry for one whose TTL ended."""
         parse_path(path)
         row = self.store.checkpoint(path)
-        if row is None or row.tenant != tenant:
+        if row is None or (row.tenant != tenant and not (reading and row.public)):
             raise NotFound(f"no checkpoint {path}")
         if row.expires is not None and row.expires <= time.time():
             raise NotFound(f"checkpoint {path} expired at {iso(row.expires)} (its ttl_seconds)")
@@ -209,6 +211,12 @@ class Checkpoints:
         now = time.time()
         rows = self.store.checkpoints(tenant, client)
         return [_of(r) for r in rows if r.expires is None or r.expires > now]
+
+    def publish(self, tenant: str, path: str, public: bool) -> None:
+        """Publish the tenant's checkpoint (every tenant may then sample and load it, by its path),
+        or take that back; only its own tenant lists, deletes or sets its TTL."""
+        self.get(tenant, path)
+        self.store.set_public(path, public)
 
     def set_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> None:
         """A new TTL for the tenant's checkpoint, counted from now (None: it never expires)."""

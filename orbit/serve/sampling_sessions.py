@@ -82,10 +82,11 @@ class SamplingSessions:
     def open(
         self, tenant: str, sampler: str, base_model: str, model_path: str | None = None
     ) -> None:
-        """A session on the base model, or on the tenant's checkpoint at `model_path`."""
+        """A session on the base model, or on the checkpoint at `model_path` (the tenant's, or one
+        published)."""
         weights = BASE
         if model_path:
-            found = self.checkpoints.get(tenant, model_path)
+            found = self.checkpoints.get(tenant, model_path, reading=True)
             weights = read_weights(model_path, found.directory)
         self._bind(self._row(tenant, sampler, base_model, model_path, None), weights)
 
@@ -195,7 +196,7 @@ class SamplingSessions:
             elif row.snapshot:
                 weights = read_weights(f"snapshot:{sampler}:{row.created}", Path(row.snapshot))
             elif row.model_path:
-                found = self.checkpoints.get(tenant, row.model_path)
+                found = self.checkpoints.get(tenant, row.model_path, reading=True)
                 weights = read_weights(row.model_path, found.directory)
             else:
                 weights = BASE

@@ -516,6 +516,9 @@ class Service:
         self.checkpoints.delete(tenant, path)
         self.sampler.forget(path)
 
+    def publish_checkpoint(self, tenant: str, path: str, public: bool) -> None:
+        self.checkpoints.publish(tenant, path, public)
+
     def set_checkpoint_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> None:
         self.checkpoints.set_ttl(tenant, path, ttl_seconds)
 
@@ -578,7 +581,7 @@ class Service:
             )
 
     def _loadable(self, tenant: str, path: str, optimizer: bool) -> Checkpoint:
-        found = self.checkpoint(tenant, path)
+        found = self.checkpoints.get(tenant, path, reading=True)
         if optimizer and found.kind != "weights":
             raise Refused(f"{path}: a sampler's weights hold no optimizer state")
         return found
@@ -622,7 +625,7 @@ class Service:
         }
 
     def weights_info(self, tenant: str, path: str) -> dict[str, Any]:
-        return self.checkpoints.info(self.checkpoints.get(tenant, path))
+        return self.checkpoints.info(self.checkpoints.get(tenant, path, reading=True))
 
     # -- sampling ---------------------------------------------------------------------------
 
@@ -632,7 +635,8 @@ class Service:
         self._session(tenant, session)
         sampler = f"{session}:sample:{seq}"
         if model_path:
-            base = self.checkpoints.made_with(self.checkpoints.get(tenant, model_path))[0]
+            found = self.checkpoints.get(tenant, model_path, reading=True)
+            base = self.checkpoints.made_with(found)[0]
         else:
             self.check_base(base_model or "")
             base = base_model or str(self.model)

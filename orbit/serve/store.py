@@ -132,6 +132,7 @@ class CheckpointRow(Base):
     size_bytes: Mapped[int] = mapped_column(Integer)
     expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # its TTL's end (time.time)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=False)  # published: any tenant reads it
 
 
 class RecordedRow(Base):
@@ -419,6 +420,10 @@ class Store:
             s.execute(
                 update(CheckpointRow).where(CheckpointRow.path == path).values(expires=expires)
             )
+
+    def set_public(self, path: str, public: bool) -> None:
+        with self._tx() as s:
+            s.execute(update(CheckpointRow).where(CheckpointRow.path == path).values(public=public))
 
     def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
         """This process's checkpoints whose TTL ended by `now`."""

@@ -403,11 +403,11 @@ def fields(service, model):
     after = [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
     session = a.model_id.split(":")[0]
     info = rest.get_session(session).result()
-    try:
-        rest.publish_checkpoint_from_tinker_path(kept).result()
-        published = None
-    except Exception as err:  # noqa: BLE001
-        published = f"{type(err).__name__}: {err}"[:400]
+    rest.publish_checkpoint_from_tinker_path(kept).result()
+    published = [
+        c.public for c in rest.list_user_checkpoints().result().checkpoints if c.tinker_path == kept
+    ]
+    rest.unpublish_checkpoint_from_tinker_path(kept).result()
     caps = rest.get_server_capabilities().result()
     wider = service.create_lora_training_client(base_model=model, rank=8, seed=1).result()
     try:

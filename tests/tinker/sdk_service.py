@@ -120,6 +120,60 @@ def intruder(service, model, arg):
     return seen
 
 
+def publisher(service, model, arg):
+    """Key A: a state and a sampler's weights, published (`arg` "publish") or taken back."""
+    rest = service.create_rest_client()
+    if arg != "publish":
+        paths = json.loads(arg)
+        for path in (paths["state"], paths["sampler_path"]):
+            rest.unpublish_checkpoint_from_tinker_path(path).result()
+        return {
+            "listed": [
+                c.public for c in rest.list_checkpoints(paths["model_id"]).result().checkpoints
+            ]
+        }
+    a = service.create_lora_training_client(base_model=model, rank=4, seed=3).result()
+    train(a, range(1))
+    state = a.save_state("pub-state").result().path
+    sampler_path = a.save_weights_for_sampler("pub-sampler").result().path
+    for path in (state, sampler_path):
+        rest.publish_checkpoint_from_tinker_path(path).result()
+    listed = rest.list_checkpoints(a.model_id).result().checkpoints
+    return {
+        "model_id": a.model_id,
+        "state": state,
+        "sampler_path": sampler_path,
+        "listed": [c.public for c in listed],
+    }
+
+
+def reader(service, model, arg):
+    """Key B against key A's published checkpoints: what it may do (sample, load) and may not."""
+    a = json.loads(arg)
+    rest = service.create_rest_client()
+    attempts = {
+        "sample_path": lambda: (
+            service.create_sampling_client(model_path=a["sampler_path"])
+            .sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2))
+            .result()
+        ),
+        "from_state": lambda: service.create_training_client_from_state(a["state"]).result(),
+        "weights_info": lambda: rest.get_weights_info_by_tinker_path(a["state"]).result(),
+        "delete": lambda: rest.delete_checkpoint_from_tinker_path(a["state"]).result(),
+        "unpublish": lambda: rest.unpublish_checkpoint_from_tinker_path(a["state"]).result(),
+        "ttl": lambda: rest.set_checkpoint_ttl_from_tinker_path(a["state"], 60).result(),
+    }
+    seen = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            seen[name] = "served"
+        except Exception as err:  # noqa: BLE001 - what the SDK surfaced
+            seen[name] = f"{type(err).__name__}: {err}"
+    seen["listed"] = [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    return seen
+
+
 # ---- restarts -------------------------------------------------------------------------------
 
 
@@ -246,7 +300,18 @@ def ends(service, model, url):
 
 STEPS = {
     f.__name__: f
-    for f in (owner, intruder, before_kill, resume_then_kill, after, crowd, load, ends)
+    for f in (
+        owner,
+        intruder,
+        publisher,
+        reader,
+        before_kill,
+        resume_then_kill,
+        after,
+        crowd,
+        load,
+        ends,
+    )
 }
 
 if __name__ == "__main__":
