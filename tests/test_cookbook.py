@@ -135,9 +135,10 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tinker_served", ["sglang", "sglang-server"], indirect=True)
 def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
-    """The same recipe, unmodified, on SGLang in-process and as a server (a LoRA on every projection
-    and on the output projection, as the cookbook asks), on the tiny model: the SDK tests' services
-    (tests/conftest.py), one start of each engine for both."""
+    """The same recipe, unmodified and with its default loss (stable_reinforce: the sequences the
+    SGLang engine sampled, recorded), on SGLang in-process and as a server (a LoRA on every
+    projection and on the output projection, as the cookbook asks), on the tiny model: the SDK
+    tests' services (tests/conftest.py), one start of each engine for both."""
     url, _, model = tinker_served
     rl = _cookbook(
         "math_rl",
@@ -147,7 +148,6 @@ def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
             "lora_rank": 4,
             "behavior_if_log_dir_exists": "delete",
             "env": "arithmetic",
-            "loss_fn": "importance_sampling",
             "group_size": 4,
             "groups_per_batch": 2,
             "max_tokens": 6,

@@ -80,7 +80,10 @@ def test_spans_that_do_not_tile_and_a_datum_without_them_are_refused(store):
 def test_a_recorded_sequence_lives_a_day_after_its_last_use(store):
     with store._tx() as s:  # recorded a day and a minute ago
         s.get(RecordedRow, "r:0").used = time.time() - KEEP_S - 60
-    assert store.recorded(["r:0"])  # used now: its day starts again
+    assert store.recorded("t2", ["r:0"]) == {}  # another tenant's: not found, its day not touched
+    with store._tx() as s:
+        assert s.get(RecordedRow, "r:0").used < time.time() - KEEP_S
+    assert store.recorded("t1", ["r:0"])  # used now: its day starts again
     assert store.purge_recorded(time.time() - KEEP_S) == 0
     with store._tx() as s:
         s.get(RecordedRow, "r:0").used = time.time() - KEEP_S - 60

@@ -192,6 +192,7 @@ class Checkpoints:
                 size_bytes=_size(directory),
                 expires=expires,
                 user_metadata=user_metadata,
+                public=False,  # a save over a published one is new content: published again or not
             )
         )
 

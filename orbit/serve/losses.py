@@ -33,6 +33,7 @@ KL between the trainer and the sampler on them (kl_coeff 0 by default).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,7 @@ def algorithm(loss_fn: str, config: dict[str, float | str]) -> Settings:
         raise LossError(f"loss_fn_config: {unknown[0]!r} is not one {loss_fn} takes")
     if loss_fn == "stable_reinforce":
         kl = _number(config, "kl_coeff", 0.0)
-        if not kl >= 0:
+        if not (math.isfinite(kl) and kl >= 0):
             raise LossError(f"loss_fn_config: kl_coeff {kl}; at least 0")
         return Settings(
             AlgorithmConfig(ratio="truncate", truncate_max=STABLE_TRUNCATION, kl_coef=kl)

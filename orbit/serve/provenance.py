@@ -81,7 +81,8 @@ def check_tiling(data: list[Datum]) -> None:
                 )
 
 
-Lookup = Callable[[list[str]], dict[str, RecordedRow]]
+# (tenant, sequence ids) -> the tenant's recorded sequences among them, by id (Store.recorded)
+Lookup = Callable[[str, list[str]], dict[str, RecordedRow]]
 
 
 def resolve(
@@ -105,7 +106,7 @@ def resolve(
                     f"datum {i}: loss_fn stable_reinforce needs loss_fn_inputs[{name!r}], one "
                     f"value per token ({len(d.tokens)})"
                 )
-    found = lookup(sorted({s.sequence_id for d in data for s in _spans(d)}))
+    found = lookup(tenant, sorted({s.sequence_id for d in data for s in _spans(d)}))
     resolved, diff = [], 0.0
     for i, d in enumerate(data):
         for sid in sorted({s.sequence_id for s in _spans(d)}):
@@ -172,7 +173,7 @@ def _claims(
                     f"{span.offset + j} of sequence {span.sequence_id}'s {kind} is "
                     f"{source[span.offset + j]}"
                 )
-        if span.sampled:
+        if span.sampled and span.length:
             recorded = torch.frombuffer(bytearray(row.logprobs), dtype=torch.float32)
             q[at : at + span.length] = recorded[span.offset : span.offset + span.length]
             sampled[at : at + span.length] = True

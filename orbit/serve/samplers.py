@@ -326,10 +326,16 @@ def _log_failed_flip(done: Future, engine: int, weights: Weights) -> None:
         log.warning("engine %d did not load %s v%d: %s", engine, weights.key, weights.version, err)
 
 
-def onto(sampled: Future, result: Future, keep: Callable[[Sampled], None] | None = None) -> None:
+def onto(
+    sampled: Future,
+    result: Future,
+    keep: Callable[[Sampled], None] | None = None,
+    pool: Executor | None = None,
+) -> None:
     """A `Sampler.sample` call's outcome (`sampled`, submitted off the event loop) onto a request's
     future: the sequences as the wire's bytes, or the failure said to its client. `keep`: called
-    with the sequences before the client can see them (record_stability_info records them)."""
+    with the sequences before the client can see them (record_stability_info records them), on
+    `pool`: a database write must not hold the engine's thread that completed the sample."""
     try:
         inner: Future = sampled.result()
     except Refused as err:
@@ -339,12 +345,18 @@ def onto(sampled: Future, result: Future, keep: Callable[[Sampled], None] | None
         result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
         return
 
-    def done(f: Future) -> None:
+    def finish(f: Future) -> None:
         try:
             if keep is not None:
                 keep(f.result())
             result.set_result(wire.sample_response(f.result()))
         except BaseException as err:  # noqa: BLE001 - as above
             result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
+
+    def done(f: Future) -> None:
+        if keep is not None and pool is not None:
+            pool.submit(finish, f)
+        else:
+            finish(f)
 
     inner.add_done_callback(done)

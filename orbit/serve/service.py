@@ -698,7 +698,7 @@ class Service:
                 )
                 self.store.add_recorded(rows)
 
-        submitted.add_done_callback(lambda f: onto(f, record.future, keep))
+        submitted.add_done_callback(lambda f: onto(f, record.future, keep, self._sampling))
         return record
 
     def capabilities(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    false,
     func,
     select,
     update,
@@ -132,7 +133,8 @@ class CheckpointRow(Base):
     size_bytes: Mapped[int] = mapped_column(Integer)
     expires: Mapped[float | None] = mapped_column(Float, nullable=True)  # its TTL's end (time.time)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
-    public: Mapped[bool] = mapped_column(Boolean, default=False)  # published: any tenant reads it
+    # published: any tenant reads it
+    public: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class RecordedRow(Base):
@@ -445,10 +447,12 @@ class Store:
         with self._tx() as s:
             s.add_all(rows)
 
-    def recorded(self, ids: list[str]) -> dict[str, RecordedRow]:
-        """The recorded sequences among `ids`, by id; each found one's day starts again now."""
+    def recorded(self, tenant: str, ids: list[str]) -> dict[str, RecordedRow]:
+        """The tenant's recorded sequences among `ids`, by id; each found one's day starts again
+        now (another tenant's are not found, and their day is theirs)."""
         with self._tx() as s:
-            rows = list(s.scalars(select(RecordedRow).where(RecordedRow.id.in_(ids))))
+            query = select(RecordedRow).where(RecordedRow.id.in_(ids), RecordedRow.tenant == tenant)
+            rows = list(s.scalars(query))
             if rows:
                 s.execute(
                     update(RecordedRow)
