@@ -50,6 +50,27 @@ def _script(name: str, url: str, model: Path, log: Path) -> str:
     return done.stdout
 
 
+def _math_rl(model: Path, log: Path, **overrides: object) -> dict[str, object]:
+    """math_rl's command line for a few small steps on synthetic sums, its defaults (the loss among
+    them) unless `overrides` says otherwise."""
+    return {
+        "model_name": model.resolve(),
+        "renderer_name": "role_colon",
+        "lora_rank": 4,
+        "behavior_if_log_dir_exists": "delete",
+        "env": "arithmetic",
+        "group_size": 4,
+        "groups_per_batch": 2,
+        "max_tokens": 6,
+        "max_steps": 2,
+        "learning_rate": 3e-4,
+        "eval_every": 0,
+        "save_every": 0,
+        "log_path": log,
+        **overrides,
+    }
+
+
 def _rows(log: Path) -> list[dict]:
     return [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
 
@@ -81,19 +102,7 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
     with serving(smollm2, tmp_path / "serve") as (url, service):
         rl = _cookbook(
             "math_rl",
-            {
-                **common,
-                "env": "arithmetic",
-                "loss_fn": "importance_sampling",
-                "group_size": 4,
-                "groups_per_batch": 2,
-                "max_tokens": 6,
-                "max_steps": 2,
-                "learning_rate": 3e-4,
-                "eval_every": 0,
-                "save_every": 0,
-                "log_path": tmp_path / "rl",
-            },
+            _math_rl(smollm2, tmp_path / "rl", loss_fn="importance_sampling"),
             url,
         )
         sl = _cookbook(
@@ -142,21 +151,7 @@ def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
     url, _, model = tinker_served
     rl = _cookbook(
         "math_rl",
-        {
-            "model_name": model.resolve(),
-            "renderer_name": "role_colon",
-            "lora_rank": 4,
-            "behavior_if_log_dir_exists": "delete",
-            "env": "arithmetic",
-            "group_size": 4,
-            "groups_per_batch": 2,
-            "max_tokens": 6,
-            "max_steps": 2,
-            "learning_rate": 3e-4,
-            "eval_every": 0,
-            "save_every": 0,
-            "log_path": tmp_path / "rl",
-        },
+        _math_rl(model, tmp_path / "rl"),
         url,
     )
     output = rl.communicate(timeout=540)[0]
@@ -176,21 +171,7 @@ def test_math_rl_with_its_default_loss(tinker_served, tmp_path):
     url, _, model = tinker_served
     rl = _cookbook(
         "math_rl",
-        {
-            "model_name": model.resolve(),
-            "renderer_name": "role_colon",
-            "lora_rank": 4,
-            "behavior_if_log_dir_exists": "delete",
-            "env": "arithmetic",
-            "group_size": 4,
-            "groups_per_batch": 2,
-            "max_tokens": 6,
-            "max_steps": 2,
-            "learning_rate": 3e-4,
-            "eval_every": 0,
-            "save_every": 0,
-            "log_path": tmp_path / "rl",
-        },
+        _math_rl(model, tmp_path / "rl"),
         url,
     )
     output = rl.communicate(timeout=540)[0]
@@ -210,22 +191,7 @@ def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
     url, _, model = tinker_served
     rl = _cookbook(
         "math_rl",
-        {
-            "model_name": model.resolve(),
-            "renderer_name": "role_colon",
-            "lora_rank": 4,
-            "behavior_if_log_dir_exists": "delete",
-            "env": "arithmetic",
-            "max_steps_off_policy": 1,
-            "group_size": 4,
-            "groups_per_batch": 2,
-            "max_tokens": 6,
-            "max_steps": 3,
-            "learning_rate": 3e-4,
-            "eval_every": 0,
-            "save_every": 0,
-            "log_path": tmp_path / "rl",
-        },
+        _math_rl(model, tmp_path / "rl", max_steps_off_policy=1, max_steps=3),
         url,
     )
     output = rl.communicate(timeout=540)[0]

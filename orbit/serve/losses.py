@@ -166,21 +166,13 @@ def datum_loss(
         q, adv = inputs["logprobs"].to(logp.dtype), inputs["advantages"].to(logp.dtype)
         return -(logp * adv - 0.5 * cfg.beta * (logp - q) ** 2).sum()
     assert cfg.rl is not None
-    if loss_fn == "stable_reinforce":
-        sampled = inputs["sampled"] != 0
-        loss, _ = policy_loss(
-            logp[None],
-            inputs["logprobs"][None],
-            inputs["advantages"][None],
-            sampled[None],
-            cfg.rl,
-            _SUM,
-            ref_logp=inputs["logprobs"][None],  # the KL term's other side: the sampler
-        )
-        return loss
-    ones = torch.ones_like(logp, dtype=torch.bool)
+    q = inputs["logprobs"][None]
+    if loss_fn == "stable_reinforce":  # its sampled tokens, and its KL term toward the sampler
+        mask, ref = inputs["sampled"] != 0, q
+    else:
+        mask, ref = torch.ones_like(logp, dtype=torch.bool), None
     loss, _ = policy_loss(
-        logp[None], inputs["logprobs"][None], inputs["advantages"][None], ones[None], cfg.rl, _SUM
+        logp[None], q, inputs["advantages"][None], mask[None], cfg.rl, _SUM, ref_logp=ref
     )
     return loss
 

@@ -39,11 +39,6 @@ def sequence_ids(request_id: str, n: int) -> list[str]:
     return [f"{request_id}:{i}" for i in range(n)]
 
 
-def session_of(sampler: str) -> str:
-    """The SDK session a sampling session belongs to (its id is `{session}:sample:{n}`)."""
-    return sampler.rsplit(":sample:", 1)[0]
-
-
 def records(
     tenant: str, session: str, prompt: list[int], ids: list[str], sampled: Sampled, now: float
 ) -> list[RecordedRow]:

@@ -35,6 +35,16 @@ from orbit.serve.store import SamplerRow, Store
 SNAPSHOTS_KEPT = 4  # a training client's newest unnamed snapshots kept, in memory and on disk
 
 
+def sampler_id(session: str, seq: int) -> str:
+    """A sampling session's id: the SDK session it belongs to, then its number in that session."""
+    return f"{session}:sample:{seq}"
+
+
+def session_of(sampler: str) -> str:
+    """The SDK session a sampling session belongs to (`sampler_id`'s first part)."""
+    return sampler.rsplit(":sample:", 1)[0]
+
+
 def read_weights(key: str, directory: Path) -> Weights:
     if not (directory / "adapter_config.json").is_file():
         raise NotFound(f"the weights of {key} are no longer on disk")

@@ -40,7 +40,7 @@ from orbit.serve.clients import (
 )
 from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused, RequestFailed
 from orbit.serve.samplers import Sampler, Stops, onto
-from orbit.serve.sampling_sessions import SamplingSessions
+from orbit.serve.sampling_sessions import SamplingSessions, sampler_id, session_of
 from orbit.serve.store import ClientRow, SessionRow, Store
 from orbit.serve.training import Packable, Turns
 from orbit.serve.wire import Sampled
@@ -500,7 +500,7 @@ class Service:
                     tenant, model_id, "sampler_weights", name, save, True, ttl_seconds, metadata
                 )
                 return {"path": path}
-            sampler = f"{session}:sample:{sampling_seq if sampling_seq is not None else 0}"
+            sampler = sampler_id(session, sampling_seq if sampling_seq is not None else 0)
             if kind == "inflight":
                 self.sessions.publish(tenant, sampler, trainer, self._sampling)
             else:
@@ -633,7 +633,7 @@ class Service:
         self, tenant: str, session: str, seq: int, model_path: str | None, base_model: str | None
     ) -> str:
         self._session(tenant, session)
-        sampler = f"{session}:sample:{seq}"
+        sampler = sampler_id(session, seq)
         if model_path:
             found = self.checkpoints.get(tenant, model_path, reading=True)
             base = self.checkpoints.made_with(found)[0]
@@ -690,7 +690,7 @@ class Service:
             def keep(sampled: Sampled) -> None:
                 rows = provenance.records(
                     tenant,
-                    provenance.session_of(sampler),
+                    session_of(sampler),
                     prompt,
                     provenance.sequence_ids(record.id, n),
                     sampled,
