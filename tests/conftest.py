@@ -233,6 +233,10 @@ def tinker_served(request, tiny_llama, tmp_path_factory):
     from tinker_helpers import serving
 
     engine = {"backend": request.param, "max_running": 16}
+    if request.param == "embedded":
+        # past the tiny model's 512 positions (its RoPE extends; the embedded engine allows it): a
+        # cookbook game's whole conversation is a prompt (test_cookbook.py)
+        engine["max_context"] = 2048
     directory = tmp_path_factory.mktemp(f"serve-{request.param}")
     with serving(tiny_llama, directory, engine=engine) as (url, service):
         yield url, service, tiny_llama

@@ -1,6 +1,8 @@
-"""tinker-cookbook's recipes, unmodified, against `orbit serve` on SmolLM2 (a few steps here; full
-length in docs/tinker.md): math_rl on synthetic sums and chat_sl on the conversations file in the
-cookbook's wheel, both at once against one service (one base, one set of engines)."""
+"""tinker-cookbook's recipes, unmodified, against `orbit serve` (a few steps here; full length in
+docs/tinker.md): on SmolLM2, math_rl on synthetic sums, chat_sl on the conversations file in the
+cookbook's wheel, at once against one service (one base, one set of engines); on the tiny model,
+math_rl on each engine and in async mode, preference.shorter and guess_number, and the cookbook's KL
+penalty, distillation and DPO entry points (tests/tinker/)."""
 
 from __future__ import annotations
 
@@ -25,14 +27,20 @@ ENV = {
 
 
 def _cookbook(recipe: str, args: dict[str, object], url: str) -> subprocess.Popen:
-    words = [f"{k}={v}" for k, v in {**args, "base_url": url}.items()]
+    """A recipe's command line against the service at `url`: its `base_url`, or for a command line
+    without that field, the SDK's fallback, the environment's TINKER_BASE_URL."""
+    base = {} if recipe in NO_BASE_URL else {"base_url": url}
+    words = [f"{k}={v}" for k, v in {**args, **base}.items()]
     return subprocess.Popen(
         [str(sdk_python()), "-m", f"tinker_cookbook.recipes.{recipe}.train", *words],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **ENV},
+        env={**os.environ, **ENV, "TINKER_BASE_URL": url},
     )
+
+
+NO_BASE_URL = ("preference.shorter", "multiplayer_rl.guess_number")  # CLIs without the field
 
 
 def _script(name: str, url: str, model: Path, log: Path) -> str:
@@ -244,3 +252,35 @@ def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
     # reference's compute_logprobs equal the policy's forward logprobs
     assert abs(rows[0]["dpo_loss"] - math.log(2)) < 1e-4 and abs(rows[0]["margin"]) < 1e-4
     assert rows[1]["dpo_loss"] < rows[0]["dpo_loss"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_preference_shorter_and_guess_number_run_as_they_ship(tinker_served, tmp_path):
+    """Two recipes that build their own data, unmodified, from their command lines, at once against
+    one service: `preference.shorter`'s pairwise-preference RL (its preference model built in code;
+    the cookbook's post-step KL through compute_logprobs) and `multiplayer_rl.guess_number`'s
+    multi-turn game (10 turns an episode, each a sample of the whole conversation so far: past the
+    tiny model's 512 positions, hence the service's 2048, tests/conftest.py)."""
+    url, _, model = tinker_served
+    runs = {r: _cookbook(r, _game(model, tmp_path / r), url) for r in NO_BASE_URL}
+    for recipe, run in runs.items():
+        output = run.communicate(timeout=540)[0]
+        assert run.returncode == 0, (recipe, output[-4000:])
+        steps = [r["step"] for r in _rows(tmp_path / recipe) if "env/all/reward/total" in r]
+        assert steps == [0, 1], (recipe, steps)
+
+
+def _game(model: Path, log: Path) -> dict[str, object]:
+    """The command line of a recipe that builds its own data (shorter, guess_number), small."""
+    return {
+        "model_name": model.resolve(),
+        "renderer_name": "role_colon",
+        "behavior_if_log_dir_exists": "delete",
+        "batch_size": 2,
+        "group_size": 2,
+        "max_tokens": 6,
+        "max_steps": 2,
+        "eval_every": 0,
+        "log_path": log,
+    }

@@ -19,7 +19,7 @@ from engine_helpers import (
     score_batch,
 )
 
-from orbit.engine.base import SamplingParams
+from orbit.engine.base import EngineError, SamplingParams
 from orbit.engine.embedded import EngineCore
 
 TOL = 1e-4
@@ -342,3 +342,35 @@ def test_prompt_logprobs_are_transformers_teacher_forced(tiny_llama, adapter):
         assert len(row) == 3 and len({t for t, _ in row}) == 3
         assert max_diff([v for _, v in row], [float(logp[i, t]) for t, _ in row]) <= TOL
         assert min(v for _, v in row) >= float(third[i]) - TOL
+
+
+def test_target_logprobs_and_the_sampled_tokens_top_k_are_transformers(tiny_llama):
+    """prompt_targets: the logprobs of the tokens asked for at each prompt position, at temperature
+    1, without the prompt's own logprobs unless asked; output_top: each sampled position's k
+    likeliest at the request's temperature, before top-k/top-p (the sampled token's own logprob
+    among them when nothing is cut)."""
+    core, ref = engine_core(tiny_llama), hf_model(tiny_llama)
+    prompt = prompts(1, seed=7, low=6, high=7)[0]
+    targets = tuple((t, (t + 3) % 64) if i % 2 else () for i, t in enumerate(prompt[1:]))
+    sampling = SamplingParams(max_new_tokens=4, output_top=3, prompt_targets=targets, seed=1)
+    core.submit(prompt, sampling, None)
+    [(_, done)] = core.run_until_idle()
+    assert done.prompt_logprobs is None and len(done.output_top) == len(done.output_ids) == 4
+    full = torch.tensor([prompt + done.output_ids[:-1]])
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(full).logits[0].float(), dim=-1)
+    for i, (row, ids) in enumerate(zip(done.prompt_target_logprobs, targets, strict=True)):
+        assert len(row) == len(ids)
+        if ids:
+            assert max_diff(row, [float(logp[i, t]) for t in ids]) <= TOL
+    for j, (row, token, lp) in enumerate(
+        zip(done.output_top, done.output_ids, done.logprobs, strict=True)
+    ):
+        at = logp[len(prompt) - 1 + j]
+        assert len(row) == 3 and max_diff([v for _, v in row], at.topk(3).values.tolist()) <= TOL
+        if token in dict(row):
+            assert abs(dict(row)[token] - lp) <= TOL
+    with pytest.raises(EngineError, match="prompt_targets has 2 rows"):
+        core.submit(prompt, SamplingParams(prompt_targets=((1,), (2,))), None)
+    with pytest.raises(EngineError, match="prompt_targets token"):
+        core.submit(prompt, SamplingParams(prompt_targets=((10**6,),) * (len(prompt) - 1)), None)

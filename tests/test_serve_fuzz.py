@@ -265,6 +265,20 @@ def _json_routes(a: dict, b: dict, model: str) -> dict[str, st.SearchStrategy]:
                 "prompt_logprobs": st.booleans(),
                 "topk_prompt_logprobs": _ints(0, 3),
                 "prompt_logprobs_last_n": _ints(1, 4),
+                "topk_sample_logprobs": _ints(0, 3),
+                "target_prompt_logprobs": _or_junk(
+                    _maybe(
+                        {
+                            "data": st.lists(_ints(-1, 40), max_size=8),
+                            "dtype": st.sampled_from(["int64", "float32"]),
+                            "shape": st.lists(_ints(0, 4), max_size=3),
+                            "sparse_crow_indices": st.lists(_ints(0, 4), max_size=4),
+                            "sparse_col_indices": st.lists(_ints(0, 4), max_size=4),
+                        },
+                        "data",
+                        "dtype",
+                    )
+                ),
             },
             "sampling_session_id",
             "prompt",

@@ -283,7 +283,8 @@ def test_a_sampling_client_gives_the_prompts_logprobs_equal_to_forwards(served):
     """compute_logprobs (the prompt's logprobs: KL penalties, DPO's reference, distillation's
     teacher) on each engine, against the training client's forward of the same tokens at the same
     weights; prompt_logprobs_last_n scores the last n only; the top 3 at each position hold the
-    token's own logprob when it is among them."""
+    token's own logprob when it is among them; target_prompt_logprobs and topk_sample_logprobs
+    (below)."""
     url, service, model = served
     seen = sdk(url, model, "prompt_logprobs")
     sampled, trained = seen["sampled"], seen["trained"]
@@ -300,3 +301,37 @@ def test_a_sampling_client_gives_the_prompts_logprobs_equal_to_forwards(served):
         values = [v for _, v in row]
         assert values == sorted(values, reverse=True) and values[-1] <= 0
         assert max(values) >= sampled[i] - AGREEMENT[backend]  # nothing likelier left out
+    _targets_and_sampled_top(seen, AGREEMENT[backend], backend)
+
+
+def _targets_and_sampled_top(seen: dict, tol: float, backend: str) -> None:
+    """target_prompt_logprobs (dense, and sparse as the cookbook's decisions recipe sends it through
+    its own sample_decision) against forward's logprobs of those tokens at the same weights, 0.0
+    where nothing was asked; topk_sample_logprobs against the top k the same sampler gives for
+    those positions scored as a prompt."""
+    targets, (three, four) = seen["targets"], seen["trained_3_4"]
+    assert seen["targets_prompt_logprobs"] is None  # not asked for
+    assert _largest([row[0] for row in targets], seen["trained"]) <= tol
+    for i, row in enumerate(targets):
+        if i % 2 or i == 4:
+            assert _largest(row[1:], [three[i], four[i]]) <= tol
+        else:
+            assert row[1:] == [0.0, 0.0]
+    want = torch.softmax(torch.tensor([three[4], four[4]]), dim=0).tolist()
+    assert _largest(list(seen["decision"].values()), want) <= tol, seen["decision"]
+    diff = 0.0
+    for one, continued in zip(seen["sample_top"], seen["continued_top"], strict=True):
+        assert len(one["top"]) == len(one["tokens"]) == 5
+        for j, row in enumerate(one["top"]):
+            ref = continued[4 + j]
+            assert len(row) == 3 and row[0][0] == ref[0][0]
+            diff = max(diff, _largest([v for _, v in row], [v for _, v in ref]))
+            if one["tokens"][j] in dict(row):
+                assert abs(dict(row)[one["tokens"][j]] - one["logprobs"][j]) <= tol
+    print(f"\n{backend}: the sampled tokens' top 3 against the prompt's: max |diff| {diff:.2e}")
+    assert diff <= tol
+
+
+def _largest(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)

@@ -90,8 +90,6 @@ SETS = {
     "model_path": "tinker://x/weights/y",
     "prompt_logprobs": True,
     "topk_prompt_logprobs": 2,
-    "topk_sample_logprobs": 2,
-    "target_prompt_logprobs": True,
     "prompt_alt_tokens_k": 2,
     "prompt_logprobs_last_n": 3,
 }
@@ -144,7 +142,7 @@ def test_what_the_fields_orbit_keeps_do(served):
     assert not any(m.startswith("/") for m in seen["models"]) or len(seen["models"]) == 1
 
 
-def test_a_sample_sent_again_with_its_seq_id_is_the_same_request(served):
+def test_a_sample_sent_again_is_the_same_request_and_bad_targets_are_refused(served):
     url, service, model = served
     session = httpx.post(f"{url}/api/v1/create_session", json={}, timeout=30).json()["session_id"]
     body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": str(model)}
@@ -159,3 +157,22 @@ def test_a_sample_sent_again_with_its_seq_id_is_the_same_request(served):
     again = httpx.post(f"{url}/api/v1/asample", json=sample, timeout=30).json()
     other = httpx.post(f"{url}/api/v1/asample", json={**sample, "seq_id": 6}, timeout=30).json()
     assert first["request_id"] == again["request_id"] != other["request_id"]
+    # target_prompt_logprobs the prompt cannot take: refused, naming it and what is wrong
+    bad = {
+        "shape [3, 1]": {"data": [1, 2, 3], "dtype": "int64", "shape": [3, 1]},
+        "int64": {"data": [1.0, 2.0], "dtype": "float32", "shape": [2, 1]},
+        "outside the vocabulary": {"data": [1, 10**7], "dtype": "int64", "shape": [2, 1]},
+        "2 values": {"data": [1, 2], "dtype": "int64", "shape": [2, 2]},
+        "row pointers": {
+            "data": [1],
+            "dtype": "int64",
+            "shape": [2, 2],
+            "sparse_crow_indices": [0, 2, 1],
+            "sparse_col_indices": [0],
+        },
+    }
+    for said, tensor in bad.items():
+        body = {**sample, "seq_id": None, "target_prompt_logprobs": tensor}
+        res = httpx.post(f"{url}/api/v1/asample", json=body, timeout=30)
+        assert res.status_code == 400, (said, res.text)
+        assert "target_prompt_logprobs" in res.text and said in res.text, (said, res.text)

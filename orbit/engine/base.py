@@ -52,11 +52,20 @@ class SamplingParams:
     # the prompt's own logprobs (at temperature 1, under the request's weights): -1 none; 0 each
     # prompt token's; k > 0 also the k likeliest tokens at each position (Completion.prompt_*)
     prompt_logprobs: int = -1
+    # row i lists tokens whose logprobs to return at prompt position i + 1, at temperature 1
+    # (Completion.prompt_target_logprobs); a row may be empty
+    prompt_targets: tuple[tuple[int, ...], ...] | None = None
+    # k > 0: each sampled token's position also returns its k likeliest tokens, at the request's
+    # temperature (1 when greedy) before any top-k/top-p cut (Completion.output_top), as SGLang's
+    # `top_logprobs_num` gives them
+    output_top: int = 0
 
     def check(self) -> None:
         """Raise EngineError naming the first value out of range."""
         if self.prompt_logprobs < -1:
             raise EngineError(f"prompt_logprobs must be >= -1, got {self.prompt_logprobs}")
+        if self.output_top < 0:
+            raise EngineError(f"output_top must be >= 0, got {self.output_top}")
         if self.max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -98,6 +107,10 @@ class Completion:
     # 1, None at position 0; and with k > 0, the k likeliest (token, logprob) at each position
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]]] | None = None
+    # asked for (SamplingParams.prompt_targets): row i the logprobs of that row's tokens
+    prompt_target_logprobs: list[list[float]] | None = None
+    # asked for (SamplingParams.output_top > 0): per output token, the k likeliest (token, logprob)
+    output_top: list[list[tuple[int, float]]] | None = None
 
     @property
     def token_version(self) -> int:

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from orbit.engine.base import ACTIVE, PAUSE_MODES, EngineError, Slot
+from orbit.engine.base import ACTIVE, PAUSE_MODES, EngineError, SamplingParams, Slot
 from orbit.engine.spec import HEAD, HEAD_LAYER, MODULES, ModelSpec
 
 
@@ -53,6 +53,22 @@ def check_prompt(prompt_ids: object, vocab: int, max_context: int) -> list[int]:
             "must leave room for at least one generated token)"
         )
     return prompt
+
+
+def check_scoring(sampling: SamplingParams, prompt: list[int], vocab: int) -> None:
+    """What a request asks to be scored: one row of target tokens per prompt position after the
+    first, each an id in the vocabulary."""
+    sampling.check()
+    targets = sampling.prompt_targets
+    if targets is None:
+        return
+    if len(targets) != len(prompt) - 1:
+        raise EngineError(
+            f"prompt_targets has {len(targets)} rows; the prompt has {len(prompt) - 1} positions "
+            "after its first"
+        )
+    for row in targets:
+        check_ids(list(row), vocab, "prompt_targets")
 
 
 def check_request_slot(slot: object, num_slots: int) -> Slot:

@@ -38,6 +38,7 @@ from orbit.serve.bodies import (
     SessionHeartbeat,
     SetTtl,
     Telemetry,
+    TensorJson,
     UnloadModel,
 )
 from orbit.serve.checkpoints import rest_checkpoint
@@ -298,7 +299,12 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
                 raise Refused(f"prompt: a {chunk.type} chunk; Orbit serves text models")
             prompt += chunk.tokens
         params, stops = _sampling(req.sampling_params, service.max_context - len(prompt))
-        params = dataclasses.replace(params, prompt_logprobs=_prompt_logprobs(req, len(prompt)))
+        params = dataclasses.replace(
+            params,
+            prompt_logprobs=_prompt_logprobs(req, len(prompt)),
+            output_top=_top_k("topk_sample_logprobs", req.topk_sample_logprobs),
+        )
+        targets = _targets(req.target_prompt_logprobs, len(prompt), service.vocab_size)
         record = service.sample(
             who(request),
             req.sampling_session_id,
@@ -309,6 +315,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             req.seq_id,
             req.prompt_logprobs_last_n,
             req.record_stability_info,
+            targets,
         )
         ids = provenance.sequence_ids(record.id, req.num_samples)
         return {"request_id": record.id, "sample_sequence_ids": ids}
@@ -414,18 +421,39 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     return api
 
 
-MAX_TOP = 20  # top-k prompt logprobs a request may ask for, per position
+MAX_TOP = 20  # top-k logprobs a request may ask for, per position (prompt or sampled)
+
+
+def _top_k(field: str, k: int) -> int:
+    if not 0 <= k <= MAX_TOP:
+        raise Refused(f"{field}: {k}; from 0 to {MAX_TOP}")
+    return k
 
 
 def _prompt_logprobs(req: Sample, length: int) -> int:
     """What the engines are asked for (SamplingParams.prompt_logprobs): -1 none, 0 the prompt's
     logprobs, k also its top k; the request's values checked."""
-    k, last_n = req.topk_prompt_logprobs, req.prompt_logprobs_last_n
-    if not 0 <= k <= MAX_TOP:
-        raise Refused(f"topk_prompt_logprobs: {k}; from 0 to {MAX_TOP}")
+    k = _top_k("topk_prompt_logprobs", req.topk_prompt_logprobs)
+    last_n = req.prompt_logprobs_last_n
     if last_n is not None and not 1 <= last_n <= length - 1:
         raise Refused(f"prompt_logprobs_last_n: {last_n}; from 1 to the prompt's length - 1")
     return k if (req.prompt_logprobs or k or last_n is not None) else -1
+
+
+def _targets(tensor: TensorJson | None, length: int, vocab: int) -> wire.Targets | None:
+    """`target_prompt_logprobs` read and checked against the prompt (None: not asked for)."""
+    if tensor is None:
+        return None
+    if tensor.dtype != "int64":
+        raise Refused(f"target_prompt_logprobs: dtype {tensor.dtype}; token ids are int64")
+    return wire.targets(
+        tensor.data,
+        tensor.shape,
+        tensor.sparse_crow_indices,
+        tensor.sparse_col_indices,
+        length - 1,
+        vocab,
+    )
 
 
 def _sampling(params: Sampling, room: int) -> tuple[SamplingParams, Stops]:

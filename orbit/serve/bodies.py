@@ -180,7 +180,15 @@ class Sampling(BaseModel):
     top_p: float = 1.0
 
 
-_LOGPROBS = "Orbit returns the prompt's logprobs and top-k, and the sampled tokens' logprobs only"
+class TensorJson(BaseModel):
+    """The SDK's TensorData as JSON: dense `data`, or sparse CSR with the two index lists."""
+
+    model_config = ConfigDict(extra="forbid")
+    data: list[int | float]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
 
 
 class Sample(Body):
@@ -194,7 +202,7 @@ class Sample(Body):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
-    target_prompt_logprobs: bool | None = None
+    target_prompt_logprobs: TensorJson | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool = False
@@ -202,9 +210,8 @@ class Sample(Body):
     UNSERVED = {
         "base_model": "sample from a sampling session (create_sampling_session names the model)",
         "model_path": "sample from a sampling session (create_sampling_session opens the path)",
-        "topk_sample_logprobs": _LOGPROBS,
-        "target_prompt_logprobs": _LOGPROBS,
-        "prompt_alt_tokens_k": _LOGPROBS,
+        "prompt_alt_tokens_k": "Orbit scores the prompt (prompt_logprobs, topk_prompt_logprobs, "
+        "target_prompt_logprobs) but draws no alternatives from it",
     }
 
 

@@ -254,6 +254,8 @@ class Sampler:
                     seed=seed,
                     ignore_eos=not stops.eos,
                     prompt_logprobs=params.prompt_logprobs if i == 0 else -1,
+                    prompt_targets=params.prompt_targets if i == 0 else None,
+                    output_top=params.output_top,
                 )
                 futures.append(cache.engine.generate(prompt, p, slot=slot))
         except BaseException:
@@ -271,7 +273,8 @@ class Sampler:
             try:
                 first = futures[0].result()
                 sequences = [self._sequence(f.result(), stops) for f in futures]
-                result.set_result(Sampled(sequences, *_scored(first, last_n)))
+                scored = _scored(first, last_n)
+                result.set_result(Sampled(sequences, *scored, first.prompt_target_logprobs))
             except BaseException as err:  # noqa: BLE001 - the engine's error is the sample's
                 result.set_exception(err)
 
@@ -294,15 +297,16 @@ class Sampler:
     def _sequence(self, done: Completion, stops: Stops) -> Sequence:
         """A completion as the wire returns it: cut right after the token whose text completes a
         stop string (which stays in it), stopped unless it ran to max_tokens."""
-        tokens, logprobs = list(done.output_ids), list(done.logprobs)
+        tokens, logprobs, top = list(done.output_ids), list(done.logprobs), done.output_top
         if done.finish_reason == "abort":
             raise RuntimeError(f"the engine aborted the request ({done.detail or 'no reason'})")
         if stops.strings:
             for k in range(len(tokens)):
                 text = self.decode(tokens[: k + 1])
                 if any(s in text for s in stops.strings):
-                    return Sequence(tokens[: k + 1], logprobs[: k + 1], stopped=True)
-        return Sequence(tokens, logprobs, stopped=done.finish_reason == "stop")
+                    cut = None if top is None else top[: k + 1]
+                    return Sequence(tokens[: k + 1], logprobs[: k + 1], stopped=True, top=cut)
+        return Sequence(tokens, logprobs, stopped=done.finish_reason == "stop", top=top)
 
 
 def _scored(
@@ -331,6 +335,7 @@ def onto(
     result: Future,
     keep: Callable[[Sampled], None] | None = None,
     pool: Executor | None = None,
+    targets: wire.Targets | None = None,
 ) -> None:
     """A `Sampler.sample` call's outcome (`sampled`, submitted off the event loop) onto a request's
     future: the sequences as the wire's bytes, or the failure said to its client. `keep`: called
@@ -349,7 +354,7 @@ def onto(
         try:
             if keep is not None:
                 keep(f.result())
-            result.set_result(wire.sample_response(f.result()))
+            result.set_result(wire.sample_response(f.result(), targets))
         except BaseException as err:  # noqa: BLE001 - as above
             result.set_exception(RequestFailed(f"{type(err).__name__}: {err}", "server"))
 

@@ -16,6 +16,7 @@ from a checkpoint), and checkpoints and sampling sessions are as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -661,11 +662,15 @@ class Service:
         seq_id: int | None = None,
         last_n: int | None = None,
         keep_sequences: bool = False,
+        targets: wire.Targets | None = None,
     ) -> Record:
         """`n` samples of `prompt` from the session's weights. A request the SDK sends again
         (the same session and `seq_id`: a retry after a lost answer) is the first one's future,
         not a second sample. `keep_sequences`: the sequences are recorded under their sequence_ids
-        (`sequence_ids`) for stable_reinforce (orbit/serve/provenance.py)."""
+        (`sequence_ids`) for stable_reinforce (orbit/serve/provenance.py). `targets`: the
+        prompt's logprobs of those tokens too (`target_prompt_logprobs`)."""
+        if targets is not None:
+            params = dataclasses.replace(params, prompt_targets=targets.rows())
         weights = self.sessions.weights(tenant, sampler)
         self._check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
@@ -698,7 +703,7 @@ class Service:
                 )
                 self.store.add_recorded(rows)
 
-        submitted.add_done_callback(lambda f: onto(f, record.future, keep, self._sampling))
+        submitted.add_done_callback(lambda f: onto(f, record.future, keep, self._sampling, targets))
         return record
 
     def capabilities(self) -> dict[str, Any]:

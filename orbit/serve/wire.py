@@ -9,6 +9,7 @@ forward_backward output's offsets are int64 byte offsets into the concatenated p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,11 +191,12 @@ def forward_backward_output(logprobs: list[torch.Tensor], metrics: dict[str, flo
 @dataclass
 class Sequence:
     """One sampled sequence: its tokens, their logprobs, and whether it stopped (or ran to its
-    length)."""
+    length); with `topk_sample_logprobs`, the k likeliest tokens at each of its positions."""
 
     tokens: list[int]
     logprobs: list[float]
     stopped: bool
+    top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -205,28 +207,109 @@ class Sampled:
     sequences: list[Sequence]
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]]] | None = None
+    target_logprobs: list[list[float]] | None = None  # per position, as Targets.rows() asked
+
+
+@dataclass(frozen=True)
+class Targets:
+    """A sample request's `target_prompt_logprobs`: token ids in a [len(prompt) - 1, K] tensor,
+    dense or sparse CSR, cell [i, j] scored at prompt position i + 1; -1 asks for nothing. The
+    answer has the request's shape and layout, 0.0 where nothing was asked."""
+
+    shape: tuple[int, int]
+    cells: tuple[tuple[int, int, int], ...]  # (row, column, token id) in row-major order
+    sparse: bool
+
+    def rows(self) -> tuple[tuple[int, ...], ...]:
+        """The token ids each prompt position is scored for (what an engine is asked)."""
+        rows: list[list[int]] = [[] for _ in range(self.shape[0])]
+        for row, _col, token in self.cells:
+            if token != -1:
+                rows[row].append(token)
+        return tuple(tuple(r) for r in rows)
+
+    def answer(self, values: list[list[float]]) -> pb.Tensor:
+        """The logprobs an engine gave for rows() in the request's layout."""
+        taken = [iter(v) for v in values]
+        flat = [0.0 if t == -1 else next(taken[r]) for r, _c, t in self.cells]
+        out = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(self.shape))
+        if not self.sparse:
+            dense = torch.zeros(self.shape, dtype=torch.float32)
+            for (r, c, _t), v in zip(self.cells, flat, strict=True):
+                dense[r, c] = v
+            out.dense = dense.numpy().tobytes()
+            return out
+        counts = torch.zeros(self.shape[0] + 1, dtype=torch.int64)
+        for r, _c, _t in self.cells:
+            counts[r + 1] += 1
+        out.sparse_csr.values = torch.tensor(flat, dtype=torch.float32).numpy().tobytes()
+        out.sparse_csr.crow_indices = counts.cumsum(0).numpy().tobytes()
+        cols = torch.tensor([c for _r, c, _t in self.cells], dtype=torch.int64)
+        out.sparse_csr.col_indices = cols.numpy().tobytes()
+        return out
+
+
+def targets(
+    data: list[Any],
+    shape: list[int] | None,
+    crow: list[int] | None,
+    cols: list[int] | None,
+    positions: int,
+    vocab: int,
+) -> Targets:
+    """`target_prompt_logprobs` as the SDK sends it (TensorData's fields, int64) for a prompt with
+    `positions` positions after its first; WireError names what is wrong."""
+    what = "target_prompt_logprobs"
+    if shape is None or len(shape) != 2 or shape[0] != positions or not 0 <= shape[1] <= 4096:
+        raise WireError(f"{what}: shape {shape}; it must be [len(prompt) - 1 = {positions}, K]")
+    rows, width = shape
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in data):
+        raise WireError(f"{what}: token ids must be int64")
+    bad = [t for t in data if t != -1 and not 0 <= t < vocab]
+    if bad:
+        raise WireError(f"{what}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+    if crow is None:
+        if len(data) != rows * width:
+            raise WireError(f"{what}: {len(data)} values for shape {shape}")
+        cells = [(i // width, i % width, t) for i, t in enumerate(data)] if width else []
+        return Targets((rows, width), tuple(cells), sparse=False)
+    if cols is None or len(crow) != rows + 1 or len(cols) != len(data):
+        raise WireError(f"{what}: sparse indices that do not fit shape {shape}")
+    ok = crow[0] == 0 and crow[-1] == len(data) and all(a <= b for a, b in itertools.pairwise(crow))
+    if not ok or any(not 0 <= c < width for c in cols):
+        raise WireError(f"{what}: a bad sparse tensor (row pointers or column indices)")
+    cells = [(r, cols[i], data[i]) for r in range(rows) for i in range(crow[r], crow[r + 1])]
+    return Targets((rows, width), tuple(cells), sparse=True)
 
 
 NO_TOP = (0, -99999.0)  # the SDK's sentinel for a top-k entry with nothing in it
 
 
-def sample_response(sampled: Sampled) -> bytes:
+def sample_response(sampled: Sampled, targets: Targets | None = None) -> bytes:
     out = pb.SampleResponse()
     for s in sampled.sequences:
         seq = out.sequences.add()
         seq.tokens = torch.tensor(s.tokens, dtype=torch.int32).numpy().tobytes()
         seq.logprobs = torch.tensor(s.logprobs, dtype=torch.float32).numpy().tobytes()
         seq.stop_reason = pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH
+        if s.top is not None:
+            _top_into(seq.topk_sampled_logprobs, s.top)
     if sampled.prompt_logprobs is not None:
         values = [float("nan") if v is None else v for v in sampled.prompt_logprobs]
         out.prompt_logprobs = torch.tensor(values, dtype=torch.float32).numpy().tobytes()
     if sampled.prompt_top:
-        k = max(len(row) for row in sampled.prompt_top)
-        rows = [row + [NO_TOP] * (k - len(row)) for row in sampled.prompt_top]
-        top = out.topk_prompt_logprobs
-        ids = [t for row in rows for t, _ in row]
-        top.token_ids = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
-        values = [v for row in rows for _, v in row]
-        top.logprobs = torch.tensor(values, dtype=torch.float32).numpy().tobytes()
-        top.k, top.length = k, len(rows)
+        _top_into(out.topk_prompt_logprobs, sampled.prompt_top)
+    if targets is not None and sampled.target_logprobs is not None:
+        out.target_prompt_logprobs.CopyFrom(targets.answer(sampled.target_logprobs))
     return out.SerializeToString()
+
+
+def _top_into(top: pb.TopkLogprobs, rows: list[list[tuple[int, float]]]) -> None:
+    """Rows of (token, logprob) as the SDK's dense [length, k] pair, padded with NO_TOP."""
+    k = max((len(row) for row in rows), default=0)
+    padded = [row + [NO_TOP] * (k - len(row)) for row in rows]
+    ids = [t for row in padded for t, _ in row]
+    top.token_ids = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
+    values = [v for row in padded for _, v in row]
+    top.logprobs = torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+    top.k, top.length = k, len(padded)

@@ -4,6 +4,7 @@ of what it saw; the test compares it with the service's own state and with the f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ import sys
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import tinker  # noqa: E402
+import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
 TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]
@@ -25,6 +27,15 @@ def datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
 
 def ce(tokens: list[int]) -> types.Datum:
     return datum(tokens, weights=[1.0] * (len(tokens) - 1))
+
+
+def aimed(tokens: list[int], target: int) -> types.Datum:
+    """`tokens` in, `target` the target at every position: forward gives its logprob at each."""
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": [target] * n, "weights": [1.0] * n},
+    )
 
 
 def logprobs(out) -> list[list[float]]:
@@ -368,11 +379,44 @@ def prompt_logprobs(service, model):
     prompt = types.ModelInput.from_ints(TOKENS)
     one = types.SamplingParams(max_tokens=1)
     top = sampler.sample(prompt, 1, one, include_prompt_logprobs=True, topk_prompt_logprobs=3)
+    # each position's own next token, and tokens 3 and 4 at some (-1: nothing asked)
+    asked = [[t, 3, 4] if i % 2 or i == 4 else [t, -1, -1] for i, t in enumerate(TOKENS[1:])]
+    dense = sampler.sample(
+        prompt, 1, one, target_prompt_logprobs=types.TensorData.from_torch(torch.tensor(asked))
+    ).result()
+    # the cookbook's decisions recipe: one position's labels, sent sparse
+    from tinker_cookbook.recipes.decisions.decision import DecisionRendering, sample_decision
+
+    rendering = DecisionRendering(tokens=TOKENS, choice_pos=5, label_tokens={"a": 3, "b": 4})
+    decision = asyncio.run(sample_decision(sampler, rendering))
+    sampled = sampler.sample(
+        types.ModelInput.from_ints(TOKENS[:4]),
+        2,
+        types.SamplingParams(max_tokens=5, seed=3, stop=[]),
+        topk_sample_logprobs=3,
+    ).result()
+    continued = [
+        sampler.sample(
+            types.ModelInput.from_ints(TOKENS[:4] + s.tokens), 1, one, topk_prompt_logprobs=3
+        ).result()
+        for s in sampled.sequences
+    ]
     return {
         "sampled": sampler.compute_logprobs(prompt).result(),
         "last_3": sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result(),
         "top": top.result().topk_prompt_logprobs,
         "trained": logprobs(a.forward([ce(TOKENS)], "cross_entropy").result())[0],
+        "trained_3_4": [
+            logprobs(a.forward([aimed(TOKENS, t)], "cross_entropy").result())[0] for t in (3, 4)
+        ],
+        "targets": dense.target_prompt_logprobs.tolist(),
+        "targets_prompt_logprobs": dense.prompt_logprobs,
+        "decision": decision,
+        "sample_top": [
+            {"tokens": s.tokens, "logprobs": s.logprobs, "top": s.topk_logprobs}
+            for s in sampled.sequences
+        ],
+        "continued_top": [c.topk_prompt_logprobs for c in continued],
     }
 
 

@@ -32,7 +32,13 @@ from orbit.engine.base import (
     SamplingParams,
     Slot,
 )
-from orbit.engine.checks import check_pause_mode, check_prompt, check_slot, check_version
+from orbit.engine.checks import (
+    check_pause_mode,
+    check_prompt,
+    check_scoring,
+    check_slot,
+    check_version,
+)
 from orbit.engine.embedded.kv_cache import KVPool, PrefixCache, PrefixEntry, PrefixKey
 from orbit.engine.embedded.model import (
     Decoder,
@@ -41,7 +47,7 @@ from orbit.engine.embedded.model import (
     plain_linear,
     validate_weights,
 )
-from orbit.engine.embedded.sampler import sample
+from orbit.engine.embedded.sampler import gather_rows, sample, top_logprobs
 from orbit.engine.embedded.scheduler import Scheduler, Sequence
 from orbit.engine.embedded.slots import NUM_SLOTS, SlotBatch, SlotWeights, parse_adapter
 from orbit.engine.serving import ActiveSlot
@@ -129,6 +135,7 @@ class EngineCore:
         """Queue a request; returns its id. Raises EngineError for bad input (nothing queued)."""
         prompt = check_prompt(prompt_ids, self.spec.vocab_size, self.max_context)
         self._check_sampling(sampling)
+        check_scoring(sampling, prompt, self.spec.vocab_size)
         bound = self._resolve_slot(slot)
         if rid is None:
             rid = self._next_rid
@@ -316,13 +323,16 @@ class EngineCore:
 
     @staticmethod
     def _scores_prompt(seq: Sequence) -> bool:
-        return seq.sampling.prompt_logprobs >= 0 and seq.prompt_logprobs is None
+        asked = seq.sampling.prompt_logprobs >= 0 or seq.sampling.prompt_targets is not None
+        return asked and seq.prompt_logprobs is None
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The prompt's logprobs (and top-k) from its prefill's hidden states: position i predicts
         prompt[i + 1], at temperature 1, through the request's slot."""
-        k = seq.sampling.prompt_logprobs
+        k = max(seq.sampling.prompt_logprobs, 0)
         seq.prompt_logprobs, seq.prompt_top = [None], [[]] if k else None
+        if seq.sampling.prompt_targets is not None:
+            seq.prompt_target_logprobs = []
         if hidden.shape[0] == 0:
             return
         logp = torch.log_softmax(
@@ -330,6 +340,8 @@ class EngineCore:
         )
         targets = torch.tensor(seq.prompt_ids[1:], device=logp.device)
         seq.prompt_logprobs += logp.gather(1, targets[:, None])[:, 0].tolist()
+        if seq.sampling.prompt_targets is not None:
+            seq.prompt_target_logprobs = gather_rows(logp, seq.sampling.prompt_targets)
         if k:
             top = logp.topk(min(k, logp.shape[-1]), dim=-1)
             for ids, values in zip(top.indices.tolist(), top.values.tolist(), strict=True):
@@ -354,6 +366,9 @@ class EngineCore:
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, retire the rows that finished."""
         tokens, logprobs = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        for i, seq in enumerate(seqs):
+            if seq.sampling.output_top:
+                seq.output_top.append(top_logprobs(logits[i], seq.sampling))
         self.counters["tokens_generated"] += len(seqs)
         done = []
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):

@@ -74,6 +74,28 @@ def sample(
     return tokens.tolist(), chosen.tolist()
 
 
+def top_logprobs(logits: torch.Tensor, params: SamplingParams) -> list[tuple[int, float]]:
+    """One position's `params.output_top` likeliest tokens and their logprobs, at the request's
+    temperature (1 when greedy) before any top-k/top-p cut: what SGLang's `top_logprobs_num` gives
+    for a sampled position, so the two engines answer alike."""
+    t = params.temperature if params.temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    top = logp.topk(min(params.output_top, logp.shape[-1]))
+    return list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+
+
+def gather_rows(logp: torch.Tensor, rows: tuple[tuple[int, ...], ...]) -> list[list[float]]:
+    """logp [positions, V] -> for each position i, the logprobs of the tokens rows[i] lists."""
+    pos = [i for i, row in enumerate(rows) for _ in row]
+    ids = [t for row in rows for t in row]
+    values = logp[pos, ids].tolist() if ids else []
+    out, at = [], 0
+    for row in rows:
+        out.append(values[at : at + len(row)])
+        at += len(row)
+    return out
+
+
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index per row where the running sum of (unnormalised, non-negative) weights [n, V] first
     exceeds u·total, found in two levels: the block whose cumulative mass crosses it, then the entry

@@ -33,6 +33,8 @@ class Sequence:
     # its prompt's logprobs and top-k (when asked for), set at its first prefill
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]]] | None = None
+    prompt_target_logprobs: list[list[float]] | None = None
+    output_top: list[list[tuple[int, float]]] = field(default_factory=list)  # when asked for
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +73,11 @@ class Sequence:
             t_start=self.t_start or t_end,
             t_end=t_end,
             meta=self.meta,
-            prompt_logprobs=self.prompt_logprobs,
+            # scored for prompt_targets alone, the prompt's own logprobs were not asked for
+            prompt_logprobs=self.prompt_logprobs if self.sampling.prompt_logprobs >= 0 else None,
             prompt_top=self.prompt_top,
+            prompt_target_logprobs=self.prompt_target_logprobs,
+            output_top=list(self.output_top) if self.sampling.output_top else None,
         )
 
 

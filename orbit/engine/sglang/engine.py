@@ -33,7 +33,7 @@ from orbit.engine.sglang.adapters import prepare_adapter
 from orbit.engine.sglang.event_loop import POLL_S, EngineLoop
 from orbit.engine.sglang.gate import SlotGate, slot_name
 from orbit.engine.sglang.process import SGLangOptions
-from orbit.engine.sglang.requests import build_request, read_reply, weight_version
+from orbit.engine.sglang.requests import build_request, weight_version
 from orbit.engine.sglang.transport import Transport
 from orbit.engine.sglang_cpu.adapter_format import sglang_target_modules
 from orbit.engine.spec import DTYPES, ModelSpec, checkpoint_shapes
@@ -178,7 +178,7 @@ class SGLangEngine:
 
         async def run() -> None:
             out, version, t_start = await self._on_slot(bound, req.body(None))
-            reply = read_reply(out, req.truncated, req.prompt_logprobs)
+            reply = req.read(out)
             version_end = (
                 version
                 if bound is not None
@@ -208,6 +208,8 @@ class SGLangEngine:
                     detail=reply.detail,
                     prompt_logprobs=reply.prompt_logprobs,
                     prompt_top=reply.prompt_top,
+                    prompt_target_logprobs=reply.prompt_target_logprobs,
+                    output_top=reply.output_top,
                 ),
             )
 

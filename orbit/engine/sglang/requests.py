@@ -8,7 +8,10 @@ anything reaches SGLang (an out-of-vocabulary id kills its scheduler).
 A request for its prompt's logprobs (`SamplingParams.prompt_logprobs`) adds `logprob_start_len: 0`
 (SGLang then runs the prompt from its start, not from a cached prefix) and, for the top k at each
 position, `top_logprobs_num`; the reply's `input_token_logprobs` / `input_top_logprobs` are at
-temperature 1, as SGLang computes them.
+temperature 1, as SGLang computes them. Target tokens at each position (`prompt_targets`) go as
+`token_ids_logprob`, one list for every position (their union), each row picked from the reply's
+`input_token_ids_logprobs`. The sampled tokens' top k (`output_top`) shares `top_logprobs_num` with
+the prompt's: the larger is asked for and each side cut to its own k.
 
 Logprobs of the reply are the sampled tokens' under the distribution they were sampled from: without
 top-k/top-p, `output_token_logprobs` (log_softmax(logits / T); log_softmax(logits) when greedy);
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orbit.engine.base import EngineError, FinishReason, SamplingParams, Slot
-from orbit.engine.checks import check_ids, check_prompt, check_request_slot
+from orbit.engine.checks import check_ids, check_prompt, check_request_slot, check_scoring
 from orbit.rl.truncation import truncates
 
 
@@ -33,6 +36,8 @@ class Request:
     slot: Slot  # as the caller gave it: an index, None (base model) or ACTIVE
     truncated: bool  # top-k/top-p: the reply's logprobs come from the sampling mask
     prompt_logprobs: int = -1  # as SamplingParams.prompt_logprobs
+    prompt_targets: tuple[tuple[int, ...], ...] | None = None  # as SamplingParams.prompt_targets
+    output_top: int = 0  # as SamplingParams.output_top
 
     def body(self, lora_path: str | None) -> dict:
         """The `GenerateReqInput` fields (JSON for `/generate`)."""
@@ -44,11 +49,20 @@ class Request:
         }
         if self.truncated:
             body["return_sampling_mask"] = True
-        if self.prompt_logprobs >= 0:
+        if self.prompt_logprobs >= 0 or self.prompt_targets is not None:
             body["logprob_start_len"] = 0
-            if self.prompt_logprobs:
-                body["top_logprobs_num"] = self.prompt_logprobs
+        if max(self.prompt_logprobs, self.output_top) > 0:
+            body["top_logprobs_num"] = max(self.prompt_logprobs, self.output_top)
+        asked = sorted({t for row in self.prompt_targets or () for t in row})
+        if asked:
+            body["token_ids_logprob"] = asked
         return body
+
+    def read(self, out: dict) -> Reply:
+        """SGLang's answer to this request (read_reply)."""
+        return read_reply(
+            out, self.truncated, self.prompt_logprobs, self.prompt_targets, self.output_top
+        )
 
 
 def build_request(
@@ -70,6 +84,7 @@ def build_request(
     prompt = check_prompt(prompt_ids, vocab, max_context)
     check_ids(list(sampling.stop_token_ids), vocab, "stop")
     check_request_slot(slot, num_slots)
+    check_scoring(sampling, prompt, vocab)
     truncated = truncates(sampling.top_p, sampling.top_k) and sampling.temperature > 0
     params: dict[str, Any] = {
         "max_new_tokens": min(sampling.max_new_tokens, max_context - len(prompt)),
@@ -88,7 +103,15 @@ def build_request(
         # SGLang honours it only with deterministic inference (a GPU's); on a CPU, Orbit's
         # shim (d) does (orbit_sglang_cpu_shims.py)
         params["sampling_seed"] = sampling.seed
-    return Request(prompt, params, slot, truncated, sampling.prompt_logprobs)
+    return Request(
+        prompt,
+        params,
+        slot,
+        truncated,
+        sampling.prompt_logprobs,
+        sampling.prompt_targets,
+        sampling.output_top,
+    )
 
 
 @dataclass
@@ -100,9 +123,17 @@ class Reply:
     meta_info: dict
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]]] | None = None
+    prompt_target_logprobs: list[list[float]] | None = None
+    output_top: list[list[tuple[int, float]]] | None = None
 
 
-def read_reply(out: dict, truncated: bool, prompt_logprobs: int = -1) -> Reply:
+def read_reply(
+    out: dict,
+    truncated: bool,
+    prompt_logprobs: int = -1,
+    prompt_targets: tuple[tuple[int, ...], ...] | None = None,
+    output_top: int = 0,
+) -> Reply:
     """SGLang's answer to one request. EngineError when it cannot be read (no meta_info, a finish
     reason Orbit does not know, logprobs that do not match the tokens)."""
     meta = out["meta_info"]
@@ -117,11 +148,32 @@ def read_reply(out: dict, truncated: bool, prompt_logprobs: int = -1) -> Reply:
             None if lp is None else float(lp) for lp, _tok, _txt in meta["input_token_logprobs"]
         ]
         if prompt_logprobs:
-            reply.prompt_top = [
-                [(int(tok), float(lp)) for lp, tok, _txt in (row or [])]
-                for row in meta["input_top_logprobs"]
-            ]
+            reply.prompt_top = [_top(row, prompt_logprobs) for row in meta["input_top_logprobs"]]
+    if prompt_targets is not None and finish != "abort":
+        # position 0 predicts nothing: SGLang's first row is empty (and none at all when no
+        # position asked for a token)
+        rows = meta.get("input_token_ids_logprobs") or []
+        reply.prompt_target_logprobs = [
+            _pick(rows[i + 1] if i + 1 < len(rows) else None, ids)
+            for i, ids in enumerate(prompt_targets)
+        ]
+    if output_top and finish != "abort":
+        reply.output_top = [_top(row, output_top) for row in meta["output_top_logprobs"]]
     return reply
+
+
+def _top(row: list | None, k: int) -> list[tuple[int, float]]:
+    """SGLang's (logprob, token, text) entries of one position, the k likeliest first."""
+    return [(int(tok), float(lp)) for lp, tok, _txt in (row or [])[:k]]
+
+
+def _pick(row: list | None, ids: tuple[int, ...]) -> list[float]:
+    """The logprobs of `ids` out of one position's (logprob, token, text) entries."""
+    found = {int(tok): float(lp) for lp, tok, _txt in (row or [])}
+    missing = [t for t in ids if t not in found]
+    if missing:
+        raise EngineError(f"SGLang returned no logprob for target tokens {missing}")
+    return [found[t] for t in ids]
 
 
 def finish_reason(info: object) -> tuple[FinishReason, str]:
