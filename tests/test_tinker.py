@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -41,6 +42,54 @@ def test_two_forward_backwards_then_a_step_equal_one_merged_call(trained):
     url, service, model = trained
     seen = sdk(url, model, "accumulate")
     assert max_diff(adapter(service, seen["a"]), adapter(service, seen["b"])) < 1e-6
+
+
+def test_soft_targets_as_forward_backward_custom_sends_them(trained):
+    """[N, K] target_tokens and weights (SDFT's top-k distillation, the decisions recipe's loss):
+    forward gives [N, K] logprobs equal to forward's of each column's tokens alone (the model is
+    unchanged between them); a step through the SDK's forward_backward_custom, through
+    cross_entropy on the [N, K] inputs, and through K one-column datums give one adapter."""
+    url, service, model = trained
+    seen = sdk(url, model, "soft_targets")
+    got = torch.tensor(seen["logprobs"])
+    assert got.shape == (len(seen["one"]), 3)
+    want = torch.tensor([seen["one"], *seen["three_four"]]).T
+    assert float((got - want).abs().max()) <= 1e-6
+    print(
+        f"\nsoft targets: losses custom {seen['custom_loss']}, [N, K] {seen['soft_loss']}, "
+        f"columns {seen['column_loss']}"
+    )
+    assert abs(seen["soft_loss"] - seen["column_loss"]) <= 1e-5 * abs(seen["column_loss"])
+    assert abs(seen["custom_loss"] - seen["soft_loss"]) <= 1e-5 * abs(seen["soft_loss"])
+    b, c = adapter(service, seen["b"]), adapter(service, seen["c"])
+    assert max_diff(adapter(service, seen["a"]), b) < 1e-6 and max_diff(b, c) < 1e-6
+
+
+def test_the_cookbooks_weights_download_of_a_checkpoint_and_of_an_export(trained, tmp_path):
+    """save_weights_external and get_external_weights_urls, as the cookbook's `weights.download`
+    uses them: a training checkpoint exported encrypted to the age key the download made, fetched
+    by its signed links and decrypted, equal to the checkpoint byte for byte, the export deleted
+    after; a plain export the same. A link tampered with or of a deleted export opens nothing; an
+    export is not sampled; a recipient that is not a key is refused by name."""
+    url, service, model = trained
+    seen = sdk(url, model, "exports", arg=str(tmp_path))
+    print("\n" + json.dumps({k: v for k, v in seen.items() if k != "links"}, indent=1)[:1500])
+    saved = service.checkpoint(LOCAL, seen["state"]).directory
+    adapter = ["adapter_config.json", "adapter_model.safetensors"]
+    for got in (tmp_path / "state", tmp_path / "plain"):
+        assert set(adapter) <= {p.name for p in got.iterdir()}
+    for name in adapter:  # the training checkpoint's adapter, byte for byte
+        assert (tmp_path / "state" / name).read_bytes() == (saved / name).read_bytes()
+    assert not [p for p in seen["listed"] if "/external_weights/download" in p]  # deleted after
+    assert seen["plain"] in seen["listed"]
+    assert set(adapter) <= set(seen["links"])
+    link = seen["links"]["adapter_config.json"]
+    assert httpx.get(link, timeout=30).status_code == 200  # no key: the link is signed
+    assert httpx.get(link[:-3] + "abc", timeout=30).status_code == 404
+    assert "external weights, for download" in seen["sample_export"]
+    assert "age1nope" in seen["bad_key"] and "not an age recipient" in seen["bad_key"]
+    service.delete_checkpoint(LOCAL, seen["plain"])
+    assert httpx.get(link, timeout=30).status_code == 404
 
 
 def test_forward_only_changes_nothing(trained):
@@ -209,6 +258,8 @@ def test_what_is_refused_is_said_and_the_client_goes_on(served):
     assert "stable_reinforce needs provenance" in seen["loss_fn"]
     assert "has shape [1]; the datum has 7 tokens" in seen["lengths"]
     assert "outside the vocabulary" in seen["vocab"]
+    assert "soft targets of [0, 2] columns" in seen["mixed_widths"]
+    assert "'target_tokens'] has shape [7, 2]; the datum has 7 tokens" in seen["soft_rl"]
     assert "out of range" in seen["lr"]
     assert "loss:sum" in seen["still_trains"]
 

@@ -14,11 +14,11 @@ import json
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 
 from orbit.engine.base import SamplingParams
-from orbit.serve import provenance, wire
+from orbit.serve import exports, provenance, wire
 from orbit.serve.bodies import (
     NOT_SERVED,
     Adam,
@@ -33,6 +33,7 @@ from orbit.serve.bodies import (
     RetrieveFuture,
     Sample,
     Sampling,
+    SaveExternal,
     SaveForSampler,
     SaveWeights,
     SessionHeartbeat,
@@ -50,7 +51,7 @@ from orbit.serve.service import Service
 
 PROTO = "application/x-protobuf"
 MAX_BODY = 64 * 2**20  # bytes a request may carry (the SDK cuts a forward_backward at ~5 MB)
-OPEN = {"/api/v1/healthz"}  # answered without a key
+OPEN = {"/api/v1/healthz"}  # answered without a key (and a download link: its token is signed)
 
 
 B = TypeVar("B", bound=Body)
@@ -86,7 +87,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     async def tenant(request: Request, call_next: Any) -> Response:
         """Every route but the health check needs a key the service takes; the tenant it names goes
         with the request. A body past the limit is refused before it is read."""
-        if request.url.path not in OPEN:
+        if request.url.path not in OPEN and not request.url.path.startswith(exports.ROUTE):
             found = keys.tenant(request.headers.get("x-api-key"))
             if found is None:
                 why = "a key this orbit serve takes" if request.headers.get("x-api-key") else "one"
@@ -235,6 +236,28 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             req.user_metadata,
         )
         return future(record)
+
+    @api.post(f"{v1}/save_weights_external")
+    async def save_external(request: Request) -> dict[str, Any]:
+        req = await body(request, SaveExternal)
+        record = service.save_external(
+            who(request),
+            req.model_id,
+            req.seq_id or 0,
+            req.path,
+            req.ttl_seconds,
+            req.age_encryption_recipients,
+        )
+        return future(record)
+
+    @api.get(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def external_urls(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
+        path = f"tinker://{run}/{kind}/{name}"
+        return service.external_urls(who(request), path, str(request.base_url))
+
+    @api.get(exports.ROUTE + "{token}")
+    async def external_file(token: str) -> FileResponse:
+        return FileResponse(service.external_file(token))
 
     @api.post(f"{v1}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:

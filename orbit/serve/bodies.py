@@ -123,6 +123,15 @@ class SaveWeights(Body):
     type: str = "save_weights"
 
 
+class SaveExternal(Body):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+    type: str = "save_weights_external"
+
+
 class SaveForSampler(Body):
     model_id: str
     path: str | None = None
@@ -238,6 +247,7 @@ REQUESTS: dict[str, type[Body]] = {
     "OptimStepRequest": OptimStep,
     "SaveWeightsRequest": SaveWeights,
     "SaveWeightsForSamplerRequest": SaveForSampler,
+    "SaveWeightsExternalRequest": SaveExternal,
     "LoadWeightsRequest": LoadWeights,
     "CreateSamplingSessionRequest": CreateSampler,
     "SampleRequest": Sample,
@@ -267,12 +277,6 @@ NOT_SERVED: list[tuple[str, str, str, str]] = [
         "JoinSamplingSessionRequest",
         "a sampling session is used by the client that made it",
     ),
-    (
-        "POST",
-        "/save_weights_external",
-        "SaveWeightsExternalRequest",
-        "Orbit keeps checkpoints in its own directory (save_weights)",
-    ),
     ("GET", "/billing/usage/events", "GetBillingUsageRequest", "Orbit bills nobody"),
     (
         "GET",
@@ -285,10 +289,4 @@ NOT_SERVED: list[tuple[str, str, str, str]] = [
     ("GET", "/sessions/{session}/trace_export", "", "Orbit records no traces"),
     ("GET", "/audit", "", "Orbit keeps no audit log"),
     ("GET", "/auth/token", "", "Orbit takes its keys as they are (X-API-Key)"),
-    (
-        "GET",
-        "/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls",
-        "",
-        "Orbit keeps checkpoints in its own directory",
-    ),
 ]

@@ -1,7 +1,8 @@
-"""Checkpoints: `tinker://{client}/{weights|sampler_weights}/{name}`, a peft adapter (and with
-`save_state` the optimizer) in DIR/checkpoints/ under the same three parts, and a row in the store
-for its tenant. A directory is written whole before its row (orbit/host/files.py): a kill leaves the
-previous checkpoint, and `reconcile` makes the disk and the store agree at start.
+"""Checkpoints: `tinker://{client}/{weights|sampler_weights|external_weights}/{name}`, a peft
+adapter (and with `save_state` the optimizer; an export's files perhaps encrypted: exports.py) in
+DIR/checkpoints/ under the same three parts, and a row in the store for its tenant. A directory is
+written whole before its row (orbit/host/files.py): a kill leaves the previous checkpoint, and
+`reconcile` makes the disk and the store agree at start.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from orbit.serve.clients import LoraSpec
 from orbit.serve.futures import NotFound, Refused
 from orbit.serve.store import CheckpointRow, Store
 
-KINDS = ("weights", "sampler_weights")  # a training checkpoint (adapter + optimizer), a sampler's
+# a training checkpoint (adapter + optimizer), a sampler's, an export for download (exports.py)
+KINDS = ("weights", "sampler_weights", "external_weights")
+TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 MAX_TTL_S = 10 * 365 * 86400  # the SDK's bound: ten years (None: never expires)
@@ -48,8 +51,8 @@ def parse_path(path: str) -> tuple[str, str, str]:
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in KINDS or not all(parts):
         raise NotFound(
-            f"{path!r} is not a checkpoint path (tinker://<training run>/<weights|sampler_weights>/"
-            "<name>)"
+            f"{path!r} is not a checkpoint path (tinker://<training run>/"
+            "<weights|sampler_weights|external_weights>/<name>)"
         )
     return parts[0], parts[1], parts[2]
 
@@ -58,7 +61,7 @@ def rest_checkpoint(c: Checkpoint) -> dict[str, Any]:
     """A checkpoint as RestClient reads it."""
     return {
         "checkpoint_id": f"{c.kind}/{c.name}",
-        "checkpoint_type": "training" if c.kind == "weights" else "sampler",
+        "checkpoint_type": TYPES[c.kind],
         "time": iso(c.time),
         "tinker_path": c.path,
         "size_bytes": _size(c.directory) if c.directory.is_dir() else 0,
@@ -70,6 +73,15 @@ def rest_checkpoint(c: Checkpoint) -> dict[str, Any]:
 
 def iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
+
+
+def files(directory: Path) -> list[str]:
+    return sorted(f.name for f in directory.iterdir() if f.is_file())
+
+
+def _whole(directory: Path) -> bool:
+    """Whether a checkpoint's directory holds its adapter (an export's perhaps encrypted)."""
+    return any((directory / f"adapter_config.json{x}").is_file() for x in ("", ".age"))
 
 
 def _size(directory: Path) -> int:
@@ -207,6 +219,17 @@ class Checkpoints:
             raise NotFound(f"checkpoint {path} expired at {iso(row.expires)} (its ttl_seconds)")
         return _of(row)
 
+    def loadable(self, tenant: str, path: str) -> Checkpoint:
+        """A checkpoint to sample or load (`get` with `reading`): not an export, which is for
+        download."""
+        found = self.get(tenant, path, reading=True)
+        if found.kind == "external_weights":
+            raise Refused(
+                f"{path} is external weights, for download (RestClient.get_external_weights_urls); "
+                "sample or load a weights or sampler_weights checkpoint"
+            )
+        return found
+
     def of(self, tenant: str, client: str | None = None) -> list[Checkpoint]:
         """The tenant's checkpoints (of one client) that have not expired, oldest first."""
         now = time.time()
@@ -247,7 +270,7 @@ class Checkpoints:
             recover_dir(kind_dir)
         known = set()
         for row in self.store.checkpoints(mine=True):
-            if (Path(row.directory) / "adapter_config.json").is_file():
+            if _whole(Path(row.directory)):
                 known.add(row.path)
             elif row.expires is not None and row.expires <= time.time():
                 known.add(row.path)  # expired: its row says so
@@ -259,6 +282,6 @@ class Checkpoints:
             owner = self.store.client(client)
             if path in known or owner is None or kind not in KINDS or name.startswith("."):
                 continue
-            if (directory / "adapter_config.json").is_file():
+            if _whole(directory):
                 created = directory.stat().st_mtime
                 self._record(path, owner.tenant, client, kind, name, directory, created)

@@ -159,15 +159,22 @@ class TrainingClient:
             if not d.tokens:
                 raise ClientError(f"{where}: model_input has no tokens")
             losses.check(loss_fn, d.inputs, len(d.tokens), where)
-            t = d.inputs["target_tokens"].to(torch.int64).tolist()
-            for what, ids in (("model_input", d.tokens), ("target_tokens", t)):
+            t = d.inputs["target_tokens"].to(torch.int64)
+            for what, ids in (("model_input", d.tokens), ("target_tokens", t.flatten().tolist())):
                 bad = [x for x in ids if not 0 <= x < self.vocab]
                 if bad:
                     raise ClientError(
                         f"{where}: {what} has token id {bad[0]}, outside the vocabulary "
                         f"(0..{self.vocab - 1})"
                     )
-            targets.append(t)
+            targets.append(t.tolist())
+        # one output record holds every datum's logprobs, [N] or [N, K] for all of them alike
+        kinds = {losses.columns(loss_fn, d.inputs) for d in data}
+        if len(kinds) > 1:
+            raise ClientError(
+                f"forward_backward: soft targets of {sorted(kinds)} columns (0: one a position) in "
+                "one request; send datums of one width together"
+            )
         return targets
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
@@ -255,10 +262,16 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
         None if r.loss_fn == "cross_entropy" else losses.algorithm(r.loss_fn, r.config)
         for r in requests
     ]
-    where = [(r, d) for r, req in enumerate(requests) for d in range(len(req.data))]
-    rows = [requests[r].data[d].tokens for r, d in where]
-    names = [requests[r].client.name for r, _ in where]
-    out: list[list[Tensor]] = [[torch.empty(0)] * len(r.data) for r in requests]
+    # a scored row per datum, or per column of a soft-target datum's [N, K] (k; None: no columns)
+    where = [
+        (r, d, k)
+        for r, req in enumerate(requests)
+        for d, datum in enumerate(req.data)
+        for k in _columns(req.loss_fn, datum)
+    ]
+    rows = [requests[r].data[d].tokens for r, d, _ in where]
+    names = [requests[r].client.name for r, _, _ in where]
+    out: list[list[list[Tensor]]] = [[[] for _ in r.data] for r in requests]
     totals = [0.0] * len(requests)
     model = base.base
     with _on(base, names, packed) as router, torch.set_grad_enabled(not forward_only):
@@ -267,36 +280,42 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
             MICRO_BATCH_TOKENS,
             names if packed else None,
         ):
+            inputs = [losses.column(_datum(requests, where[i]).inputs, where[i][2]) for i in chunk]
             logp = target_logprobs(
                 model.model,
                 model.get_output_embeddings(),
                 [rows[i] for i in chunk],
-                [targets[where[i][0]][where[i][1]] for i in chunk],
+                [_column(targets[where[i][0]][where[i][1]], where[i][2]) for i in chunk],
                 [
-                    losses.weighted(
-                        requests[where[i][0]].loss_fn, _datum(requests, where[i]).inputs
-                    )
-                    for i in chunk
+                    losses.weighted(requests[where[i][0]].loss_fn, x)
+                    for i, x in zip(chunk, inputs, strict=True)
                 ],
                 Route(router, [names[i] for i in chunk]) if router is not None else None,
             )
             loss = logp.new_zeros(())
             for row, i in enumerate(chunk):
-                r, d = where[i]
+                r, d, _ = where[i]
                 n = len(rows[i])
-                datum = losses.datum_loss(
-                    requests[r].loss_fn, logp[row, :n], requests[r].data[d].inputs, cfgs[r]
-                )
+                datum = losses.datum_loss(requests[r].loss_fn, logp[row, :n], inputs[row], cfgs[r])
                 loss = loss + datum
                 totals[r] += float(datum.detach())
-                out[r][d] = logp[row, :n].detach().cpu()
+                out[r][d].append(logp[row, :n].detach().cpu())
             # a chunk whose every weight (advantage) is 0 has no gradient to add
             if not forward_only and loss.requires_grad:
                 loss.backward()
     if not forward_only:
         for r, req in enumerate(requests):
             req.client.losses.append(totals[r])
-    return [Scored(out[r], totals[r]) for r in range(len(requests))]
+    return [
+        Scored(
+            [
+                _joined(cols, requests[r].loss_fn, req)
+                for cols, req in zip(out[r], requests[r].data, strict=True)
+            ],
+            totals[r],
+        )
+        for r in range(len(requests))
+    ]
 
 
 def forward_backward_checked(base: SharedBase, requests: list[Request]) -> list[Scored | Refused]:
@@ -313,8 +332,23 @@ def forward_backward_checked(base: SharedBase, requests: list[Request]) -> list[
     return [refused[i] if i in refused else next(scored) for i in range(len(requests))]
 
 
-def _datum(requests: list[Request], at: tuple[int, int]) -> Datum:
+def _datum(requests: list[Request], at: tuple[int, int, int | None]) -> Datum:
     return requests[at[0]].data[at[1]]
+
+
+def _columns(loss_fn: str, datum: Datum) -> list[int | None]:
+    """The rows a datum is scored as: itself, or each column of its soft targets."""
+    k = losses.columns(loss_fn, datum.inputs)
+    return list(range(k)) if k else [None]
+
+
+def _column(targets: list, k: int | None) -> list[int]:
+    return targets if k is None else [row[k] for row in targets]
+
+
+def _joined(columns: list[Tensor], loss_fn: str, datum: Datum) -> Tensor:
+    """A datum's logprobs from its scored rows: [N], or [N, K] for soft targets."""
+    return torch.stack(columns, dim=1) if losses.columns(loss_fn, datum.inputs) else columns[0]
 
 
 @contextmanager

@@ -5,13 +5,18 @@ The clip bounds come from loss_fn_config's clip_low_threshold and clip_high_thre
 
 | loss_fn | inputs | per token |
 |---|---|---|
-| cross_entropy | target_tokens, weights | -w log p |
+| cross_entropy | target_tokens, weights ([N] or [N, K]) | -w log p (-sum_k w_k log p(t_k)) |
 | importance_sampling | target_tokens, logprobs, advantages | -r A, r = p / p_sampler |
 | ppo | the same | -min(r A, clip(r, low, high) A); low 0.8, high 1.2 by default |
 | cispo | the same | -sg(clip(r, low, high)) A log p; low 0, high 4 by default |
 | gspo | the same, sequence_ratio_mask optional | -min(s_t A, clip(s_t, low, high) A), s_t below |
 | dro | target_tokens, logprobs, advantages | -(A log p - beta/2 (log p - log q)^2); beta 0.05 |
 | stable_reinforce | target_tokens, advantages, provenance (logprobs optional) | below |
+
+Soft targets: cross_entropy's target_tokens and weights may be [N, K], K tokens scored at each
+position (what the SDK's forward_backward_custom sends for a loss over a distribution, e.g. SDFT's
+top-k distillation): the loss sums -w log p over all N x K cells and the logprobs come back [N, K].
+The trainer scores each column as a sequence of its own over the shared tokens (clients.py).
 
 gspo and dro are written here, as Tinker's loss pages define them, not through orbit/rl: their sums
 run over every token of the datum, where orbit/rl's run over a response mask. GSPO is the token
@@ -42,6 +47,7 @@ from torch import Tensor
 from orbit.rl import AlgorithmConfig, Norm, policy_loss
 from orbit.serve.futures import Refused
 
+SOFT = "cross_entropy"  # the loss that takes soft targets ([N, K]): forward_backward_custom's
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro", "stable_reinforce")
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _NEEDS = {
@@ -74,13 +80,33 @@ def check(loss_fn: str, inputs: dict[str, Tensor], length: int, where: str) -> N
         if name not in inputs:
             raise LossError(f"{where}: loss_fn {loss_fn} needs loss_fn_inputs[{name!r}]")
         t = inputs[name]
-        if t.dim() != 1 or t.shape[0] != length:
+        if t.dim() == 0 or t.shape[0] != length or t.dim() > (2 if loss_fn == SOFT else 1):
+            soft = f" ({SOFT} takes [{length}] or [{length}, K])" if loss_fn == SOFT else ""
             raise LossError(
                 f"{where}: loss_fn_inputs[{name!r}] has shape {list(t.shape)}; the datum has "
-                f"{length} tokens"
+                f"{length} tokens{soft}"
+            )
+        if t.dim() == 2 and t.shape[1] == 0:
+            raise LossError(
+                f"{where}: loss_fn_inputs[{name!r}] has shape {list(t.shape)}: no columns"
             )
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise LossError(f"{where}: loss_fn_inputs[{name!r}] is not finite")
+    shapes = {name: list(inputs[name].shape) for name in _NEEDS[loss_fn]}
+    if len({str(v) for v in shapes.values()}) > 1:
+        raise LossError(f"{where}: loss_fn_inputs of different shapes {shapes}")
+
+
+def columns(loss_fn: str, inputs: dict[str, Tensor]) -> int:
+    """K for soft targets ([N, K] target_tokens and weights: K tokens scored at each position);
+    0 for a datum's one target a position."""
+    t = inputs["target_tokens"]
+    return t.shape[1] if loss_fn == SOFT and t.dim() == 2 else 0
+
+
+def column(inputs: dict[str, Tensor], k: int | None) -> dict[str, Tensor]:
+    """A soft-target datum's k-th column of inputs, each [N] (None: the inputs as they are)."""
+    return inputs if k is None else {name: t[:, k] for name, t in inputs.items()}
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ class SamplingSessions:
         published)."""
         weights = BASE
         if model_path:
-            found = self.checkpoints.get(tenant, model_path, reading=True)
+            found = self.checkpoints.loadable(tenant, model_path)
             weights = read_weights(model_path, found.directory)
         self._bind(self._row(tenant, sampler, base_model, model_path, None), weights)
 
@@ -206,7 +206,7 @@ class SamplingSessions:
             elif row.snapshot:
                 weights = read_weights(f"snapshot:{sampler}:{row.created}", Path(row.snapshot))
             elif row.model_path:
-                found = self.checkpoints.get(tenant, row.model_path, reading=True)
+                found = self.checkpoints.loadable(tenant, row.model_path)
                 weights = read_weights(row.model_path, found.directory)
             else:
                 weights = BASE

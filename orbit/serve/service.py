@@ -29,8 +29,8 @@ from typing import Any
 
 from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
-from orbit.serve import provenance, wire
-from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, iso, rest_checkpoint
+from orbit.serve import exports, provenance, wire
+from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, files, iso, rest_checkpoint
 from orbit.serve.clients import (
     AdamParams,
     LoraSpec,
@@ -114,6 +114,7 @@ class Service:
         self.turns = Turns(threads, pack_tokens, self._run_pack)
         self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
         self.checkpoints = Checkpoints(directory / "checkpoints", store, str(model))
+        self.links = exports.Links(directory / "link-secret")
         self.sessions = SamplingSessions(
             directory / "snapshots", store, self.checkpoints, sampler, str(model)
         )
@@ -510,6 +511,52 @@ class Service:
 
         return self._ordered(tenant, model_id, seq_id, "SaveWeightsForSampler", work)
 
+    def save_external(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int,
+        name: str,
+        ttl_seconds: int | None = None,
+        age_recipients: list[str] | None = None,
+    ) -> Record:
+        """The adapter as external weights, for download (exports.py): peft's files, encrypted to
+        `age_recipients` when any are named; a save under the same name replaces the last."""
+        trainer = self.client(tenant, model_id)
+        self.checkpoints.directory(model_id, "external_weights", name)
+        expiry(ttl_seconds, 0.0)
+        to = exports.recipients(age_recipients)
+
+        def fill(directory: Path) -> None:
+            trainer.save(directory, False)
+            if to:
+                exports.encrypt(directory, to)
+
+        def work() -> dict[str, Any]:
+            path = self.checkpoints.save(
+                tenant, model_id, "external_weights", name, fill, True, ttl_seconds
+            )
+            return {"path": path, "type": "save_weights_external"}
+
+        return self._ordered(tenant, model_id, seq_id, "SaveWeightsExternal", work)
+
+    def external_urls(self, tenant: str, path: str, base_url: str) -> dict[str, Any]:
+        """RestClient.get_external_weights_urls: a signed link to each file of an export."""
+        found = self.checkpoints.get(tenant, path)
+        if found.kind != "external_weights":
+            raise Refused(f"{path}: only external weights are downloaded (save_weights_external)")
+        links = [exports.Link(tenant, path, f) for f in files(found.directory)]
+        urls, expires = self.links.urls(base_url, links)
+        return {"urls": urls, "expires": iso(expires)}
+
+    def external_file(self, token: str) -> Path:
+        """The file a download link names, while its export lasts."""
+        link = self.links.open(token)
+        found = self.checkpoints.get(link.tenant, link.path)
+        if link.file not in files(found.directory):
+            raise NotFound(f"{link.path} has no file {link.file!r}")
+        return found.directory / link.file
+
     def checkpoint(self, tenant: str, path: str) -> Checkpoint:
         return self.checkpoints.get(tenant, path)
 
@@ -582,7 +629,7 @@ class Service:
             )
 
     def _loadable(self, tenant: str, path: str, optimizer: bool) -> Checkpoint:
-        found = self.checkpoints.get(tenant, path, reading=True)
+        found = self.checkpoints.loadable(tenant, path)
         if optimizer and found.kind != "weights":
             raise Refused(f"{path}: a sampler's weights hold no optimizer state")
         return found
@@ -636,7 +683,7 @@ class Service:
         self._session(tenant, session)
         sampler = sampler_id(session, seq)
         if model_path:
-            found = self.checkpoints.get(tenant, model_path, reading=True)
+            found = self.checkpoints.loadable(tenant, model_path)
             base = self.checkpoints.made_with(found)[0]
         else:
             self.check_base(base_model or "")

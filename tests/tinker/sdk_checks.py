@@ -58,6 +58,98 @@ def accumulate(service, model):
     return {"a": a.model_id, "b": b.model_id}
 
 
+def soft_targets(service, model):
+    """Soft targets ([N, K] target_tokens and weights: a distribution over K tokens a position), as
+    the cookbook's SDFT and decisions send them: a forward's [N, K] logprobs; a step through
+    forward_backward_custom (the SDK computes the loss client-side and sends its gradient as [N, K]
+    weights), one through cross_entropy on the [N, K] inputs, and one through K datums of one
+    column each, from one seed."""
+    n = len(TOKENS) - 1
+    tokens = torch.tensor([[t, 3, 4] for t in TOKENS[1:]])
+    dist = torch.tensor([[0.5, 0.3, 0.2]] * n)
+
+    def soft(weights: torch.Tensor) -> types.Datum:
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+            loss_fn_inputs={
+                "target_tokens": types.TensorData.from_torch(tokens),
+                "weights": types.TensorData.from_torch(weights),
+            },
+        )
+
+    def distribution_loss(data, logprobs_list):
+        loss = sum(-(dist * lp).sum() for lp in logprobs_list)
+        return loss, {"soft_loss": float(loss)}
+
+    a, b, c = (client(service, model, seed=11) for _ in range(3))
+    seen = a.forward([soft(torch.zeros(n, 3))], "cross_entropy").result()
+    one = logprobs(a.forward([ce(TOKENS)], "cross_entropy").result())[0]
+    three_four = [
+        logprobs(a.forward([aimed(TOKENS, t)], "cross_entropy").result())[0] for t in (3, 4)
+    ]
+    custom = a.forward_backward_custom([soft(torch.zeros(n, 3))], distribution_loss).result()
+    b_out = b.forward_backward([soft(dist)], "cross_entropy").result()
+    columns = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[:, k].tolist(), "weights": dist[:, k].tolist()},
+        )
+        for k in range(3)
+    ]
+    c_out = c.forward_backward(columns, "cross_entropy").result()
+    for x in (a, b, c):
+        x.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return {
+        "a": a.model_id,
+        "b": b.model_id,
+        "c": c.model_id,
+        "logprobs": seen.loss_fn_outputs[0]["logprobs"].tolist(),
+        "one": one,
+        "three_four": three_four,
+        "custom_loss": custom.metrics.get("soft_loss"),
+        "soft_loss": b_out.metrics["loss:sum"],
+        "column_loss": c_out.metrics["loss:sum"],
+    }
+
+
+def exports(service, model, out_dir: str):
+    """The cookbook's `weights.download` of a training checkpoint (it exports the checkpoint
+    encrypted to an age key it makes, fetches the files by their signed links, decrypts them and
+    deletes the export) and of a plain export; what the service refuses of exports."""
+    from pathlib import Path
+
+    from tinker_cookbook import weights
+
+    a = client(service, model, seed=53)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    state = a.save_state("for-download").result().path
+    url = os.environ["TINKER_BASE_URL"]
+    weights.download(tinker_path=state, output_dir=str(Path(out_dir) / "state"), base_url=url)
+    plain = a.save_weights_external("plain").result().path
+    weights.download(tinker_path=plain, output_dir=str(Path(out_dir) / "plain"), base_url=url)
+    rest = service.create_rest_client()
+    links = rest.get_external_weights_urls(plain).result()
+    out = {"state": state, "plain": plain, "links": links.urls, "expires": str(links.expires)}
+    out["listed"] = [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    for name, call in {
+        "sample_export": lambda: (
+            service.create_sampling_client(model_path=plain)
+            .sample(types.ModelInput.from_ints(TOKENS), 1, types.SamplingParams(max_tokens=1))
+            .result()
+        ),
+        "bad_key": lambda: a.save_weights_external(
+            "x", age_encryption_recipients=["age1nope"]
+        ).result(),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as err:  # noqa: BLE001 - the refusal is the finding
+            out[name] = f"{type(err).__name__}: {err}"[:400]
+    return out
+
+
 def forward_only(service, model):
     a = client(service, model, seed=3)
     before = logprobs(a.forward([ce(TOKENS)], "cross_entropy").result())
@@ -290,6 +382,30 @@ def refusals(service, model):
         a.forward([ce([1, 2, 10**7])], "cross_entropy").result()
     except Exception as err:  # noqa: BLE001
         out["vocab"] = f"{type(err).__name__}: {err}"
+    two = types.TensorData.from_torch(torch.tensor([[t, 3] for t in TOKENS[1:]]))
+    wide = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={
+            "target_tokens": two,
+            "weights": types.TensorData.from_torch(torch.ones(len(TOKENS) - 1, 2)),
+        },
+    )
+    try:
+        a.forward([wide, ce(TOKENS)], "cross_entropy").result()
+    except Exception as err:  # noqa: BLE001
+        out["mixed_widths"] = f"{type(err).__name__}: {err}"
+    rl = {"logprobs": [0.0] * (len(TOKENS) - 1), "advantages": [1.0] * (len(TOKENS) - 1)}
+    try:
+        a.forward(
+            [
+                types.Datum(
+                    model_input=wide.model_input, loss_fn_inputs={"target_tokens": two, **rl}
+                )
+            ],
+            "importance_sampling",
+        ).result()
+    except Exception as err:  # noqa: BLE001
+        out["soft_rl"] = f"{type(err).__name__}: {err}"
     try:
         a.optim_step(types.AdamParams(learning_rate=-1.0)).result()
     except Exception as err:  # noqa: BLE001
@@ -509,6 +625,8 @@ CHECKS = {
     f.__name__: f
     for f in (
         accumulate,
+        soft_targets,
+        exports,
         forward_only,
         sampler_keeps_its_weights,
         sampler_and_trainer_agree,
@@ -530,8 +648,9 @@ if __name__ == "__main__":
     # the key: TINKER_API_KEY. The session is left open, not closed: the tests read its clients'
     # adapters after this process ends, and a closed session releases them
     # (tests/test_serve_service.py)
+    os.environ["TINKER_BASE_URL"] = base_url  # for what the cookbook opens itself
     service = tinker.ServiceClient(base_url=base_url)
-    result = CHECKS[check](service, model)
+    result = CHECKS[check](service, model, *sys.argv[4:])
     print("RESULT " + json.dumps(result), flush=True)
     # The SDK's event loop runs forever in a daemon thread: finalizing the interpreter beside it
     # aborted this process (SIGABRT, after its RESULT line) in a clean clone's run on a busy
