@@ -1,8 +1,8 @@
 """tinker-cookbook's recipes, unmodified, against `orbit serve` (a few steps here; full length in
 docs/tinker.md): on SmolLM2, math_rl on synthetic sums, chat_sl on the conversations file in the
 cookbook's wheel, at once against one service (one base, one set of engines); on the tiny model,
-math_rl on each engine and in async mode, preference.shorter and guess_number, and the cookbook's KL
-penalty, distillation and DPO entry points (tests/tinker/)."""
+math_rl on each engine and in async mode, preference.shorter, guess_number and prompt_distillation,
+and the cookbook's KL penalty, distillation and DPO entry points (tests/tinker/)."""
 
 from __future__ import annotations
 
@@ -79,28 +79,28 @@ def _math_rl(model: Path, log: Path, **overrides: object) -> dict[str, object]:
     }
 
 
+def _conversations() -> Path:
+    """The conversations file in the cookbook's wheel (chat_sl's and prompt_distillation's data)."""
+    found = subprocess.run(
+        [
+            str(sdk_python()),
+            "-c",
+            "import tinker_cookbook, os; print(os.path.dirname(tinker_cookbook.__file__))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(found.stdout.strip()) / "example_data" / "conversations.jsonl"
+
+
 def _rows(log: Path) -> list[dict]:
     return [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(600)
 def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
-    conversations = (
-        Path(
-            subprocess.run(
-                [
-                    str(sdk_python()),
-                    "-c",
-                    "import tinker_cookbook, os; print(os.path.dirname(tinker_cookbook.__file__))",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-        )
-        / "example_data"
-        / "conversations.jsonl"
-    )
+    conversations = _conversations()
     common = {
         "model_name": smollm2.resolve(),
         "renderer_name": "role_colon",
@@ -256,19 +256,37 @@ def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
-def test_preference_shorter_and_guess_number_run_as_they_ship(tinker_served, tmp_path):
-    """Two recipes that build their own data, unmodified, from their command lines, at once against
-    one service: `preference.shorter`'s pairwise-preference RL (its preference model built in code;
-    the cookbook's post-step KL through compute_logprobs) and `multiplayer_rl.guess_number`'s
+def test_shorter_guess_number_and_prompt_distillation_run_as_they_ship(tinker_served, tmp_path):
+    """Three recipes that bring their own data, unmodified, from their command lines, at once
+    against one service: `preference.shorter`'s pairwise-preference RL (its preference model built
+    in code; the cookbook's post-step KL through compute_logprobs), `multiplayer_rl.guess_number`'s
     multi-turn game (10 turns an episode, each a sample of the whole conversation so far: past the
-    tiny model's 512 positions, hence the service's 2048, tests/conftest.py)."""
+    tiny model's 512 positions, hence the service's 2048, tests/conftest.py), and
+    `prompt_distillation.train` (supervised, on the conversations file in the cookbook's wheel)."""
     url, _, model = tinker_served
     runs = {r: _cookbook(r, _game(model, tmp_path / r), url) for r in NO_BASE_URL}
+    distill = {
+        "model_name": model.resolve(),
+        "renderer_name": "role_colon",
+        "behavior_if_log_dir_exists": "delete",
+        "file_path": _conversations(),
+        "batch_size": 64,
+        "num_epochs": 1,
+        "max_length": 256,
+        "lora_rank": 4,
+        "save_every": 0,
+        "eval_every": 0,
+        "log_path": tmp_path / "distill",
+    }
+    runs["prompt_distillation"] = _cookbook("prompt_distillation", distill, url)
     for recipe, run in runs.items():
         output = run.communicate(timeout=540)[0]
         assert run.returncode == 0, (recipe, output[-4000:])
+    for recipe in NO_BASE_URL:
         steps = [r["step"] for r in _rows(tmp_path / recipe) if "env/all/reward/total" in r]
         assert steps == [0, 1], (recipe, steps)
+    steps = [r for r in _rows(tmp_path / "distill") if "train_mean_nll" in r]
+    assert len(steps) == 2 and all(r["train_mean_nll"] > 0 for r in steps), steps
 
 
 def _game(model: Path, log: Path) -> dict[str, object]:
