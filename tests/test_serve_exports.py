@@ -54,3 +54,10 @@ def test_a_link_opens_after_a_restart_and_not_tampered_elsewhere_or_late(tmp_pat
     monkeypatch.setattr(itsdangerous.timed.time, "time", lambda: later)
     with pytest.raises(NotFound, match="expired"):
         exports.Links(secret).open(token)
+
+
+def test_a_secret_file_that_is_empty_or_short_is_not_signed_with(tmp_path):
+    (tmp_path / "link-secret").write_text("")
+    with pytest.raises(RuntimeError, match="not a secret this service wrote"):
+        exports.Links(tmp_path / "link-secret")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".secret-")]

@@ -176,3 +176,18 @@ def test_a_sample_sent_again_is_the_same_request_and_bad_targets_are_refused(ser
         res = httpx.post(f"{url}/api/v1/asample", json=body, timeout=30)
         assert res.status_code == 400, (said, res.text)
         assert "target_prompt_logprobs" in res.text and said in res.text, (said, res.text)
+
+
+def test_target_prompt_logprobs_are_bounded_in_what_an_engine_scores():
+    """SGLang returns the union of the target tokens at every prompt position: a request whose
+    union times positions (or whose cells) pass 2^20 is refused, naming both."""
+    from orbit.serve import wire
+
+    def one_each(n: int) -> wire.Targets:  # one token a position, each a different one
+        return wire.targets(list(range(n)), [n, 1], list(range(n + 1)), [0] * n, n, 10**6)
+
+    assert len(one_each(1000).cells) == 1000  # 1000 x 1000 <= 2^20
+    with pytest.raises(wire.WireError, match="1100 distinct tokens at 1100 positions"):
+        one_each(1100)
+    with pytest.raises(wire.WireError, match="cells; at most 1048576"):
+        wire.targets([1] * (2**20 + 1), [1, 2**20 + 1], None, None, 1, 10)

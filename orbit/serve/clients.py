@@ -102,7 +102,8 @@ class Request:
     forward_only: bool
 
     def tokens(self) -> int:
-        return sum(len(d.tokens) for d in self.data)
+        """The tokens its pass runs: a soft-target datum's once per column."""
+        return sum(len(d.tokens) * len(_columns(self.loss_fn, d)) for d in self.data)
 
 
 @dataclass
@@ -271,7 +272,8 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
     ]
     rows = [requests[r].data[d].tokens for r, d, _ in where]
     names = [requests[r].client.name for r, _, _ in where]
-    out: list[list[list[Tensor]]] = [[[] for _ in r.data] for r in requests]
+    # each datum's logprobs by column (None: its only one), whatever order the rows ran in
+    out: list[list[dict[int | None, Tensor]]] = [[{} for _ in r.data] for r in requests]
     totals = [0.0] * len(requests)
     model = base.base
     with _on(base, names, packed) as router, torch.set_grad_enabled(not forward_only):
@@ -294,12 +296,12 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
             )
             loss = logp.new_zeros(())
             for row, i in enumerate(chunk):
-                r, d, _ = where[i]
+                r, d, k = where[i]
                 n = len(rows[i])
                 datum = losses.datum_loss(requests[r].loss_fn, logp[row, :n], inputs[row], cfgs[r])
                 loss = loss + datum
                 totals[r] += float(datum.detach())
-                out[r][d].append(logp[row, :n].detach().cpu())
+                out[r][d][k] = logp[row, :n].detach().cpu()
             # a chunk whose every weight (advantage) is 0 has no gradient to add
             if not forward_only and loss.requires_grad:
                 loss.backward()
@@ -346,9 +348,10 @@ def _column(targets: list, k: int | None) -> list[int]:
     return targets if k is None else [row[k] for row in targets]
 
 
-def _joined(columns: list[Tensor], loss_fn: str, datum: Datum) -> Tensor:
+def _joined(columns: dict[int | None, Tensor], loss_fn: str, datum: Datum) -> Tensor:
     """A datum's logprobs from its scored rows: [N], or [N, K] for soft targets."""
-    return torch.stack(columns, dim=1) if losses.columns(loss_fn, datum.inputs) else columns[0]
+    k = losses.columns(loss_fn, datum.inputs)
+    return torch.stack([columns[c] for c in range(k)], dim=1) if k else columns[None]
 
 
 @contextmanager

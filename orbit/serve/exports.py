@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,12 @@ class Links:
     def __init__(self, secret_file: Path) -> None:
         if not secret_file.is_file():
             _write_private(secret_file, secrets.token_urlsafe(32))
-        self._signer = URLSafeTimedSerializer(secret_file.read_text().strip(), salt="export")
+        secret = secret_file.read_text().strip()
+        if len(secret) < 32:  # never sign with a guessable key
+            raise RuntimeError(
+                f"{secret_file}: not a secret this service wrote; remove it to make one"
+            )
+        self._signer = URLSafeTimedSerializer(secret, salt="export")
 
     def urls(self, base_url: str, link: list[Link]) -> tuple[dict[str, str], float]:
         """A URL for each file, and when they stop opening (time.time)."""
@@ -91,11 +97,17 @@ class Links:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """`text` into a new file only its owner reads (a start beside another: the first one's)."""
+    """`text` into a new file only its owner reads, whole or not at all: written beside it, then
+    linked in place (a start beside another keeps the first one's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".secret-")  # 0600
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(temp, path)
     except FileExistsError:
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+        pass
+    finally:
+        os.unlink(temp)

@@ -66,7 +66,8 @@ def check_tiling(data: list[Datum]) -> None:
         targets = d.inputs.get("target_tokens")
         fields = [("model_input", d.input_spans, len(d.tokens))]
         if targets is not None:
-            fields.append(("target_tokens", d.target_spans, int(targets.numel())))
+            # positions, also for soft targets ([N, K])
+            fields.append(("target_tokens", d.target_spans, int(targets.shape[0])))
         for what, spans, length in fields:
             covered = sum(s.length for s in spans)
             if covered != length or any(s.length < 0 or s.offset < 0 for s in spans):

@@ -24,6 +24,9 @@ class WireError(Refused):
 
 
 MAX_DENSE = 2**24  # values a sparse tensor may densify to (a datum's inputs are one per token)
+# target_prompt_logprobs: cells a request may send, and distinct tokens x prompt positions (SGLang
+# returns the union of the tokens at every position)
+MAX_SCORED = 2**20
 
 _DTYPES = {
     pb.DTYPE_FLOAT32: torch.float32,
@@ -260,9 +263,11 @@ def targets(
     """`target_prompt_logprobs` as the SDK sends it (TensorData's fields, int64) for a prompt with
     `positions` positions after its first; WireError names what is wrong."""
     what = "target_prompt_logprobs"
-    if shape is None or len(shape) != 2 or shape[0] != positions or not 0 <= shape[1] <= 4096:
+    if shape is None or len(shape) != 2 or shape[0] != positions or shape[1] < 0:
         raise WireError(f"{what}: shape {shape}; it must be [len(prompt) - 1 = {positions}, K]")
     rows, width = shape
+    if len(data) > MAX_SCORED:
+        raise WireError(f"{what}: {len(data)} cells; at most {MAX_SCORED}")
     if any(isinstance(t, bool) or not isinstance(t, int) for t in data):
         raise WireError(f"{what}: token ids must be int64")
     bad = [t for t in data if t != -1 and not 0 <= t < vocab]
@@ -272,14 +277,25 @@ def targets(
         if len(data) != rows * width:
             raise WireError(f"{what}: {len(data)} values for shape {shape}")
         cells = [(i // width, i % width, t) for i, t in enumerate(data)] if width else []
-        return Targets((rows, width), tuple(cells), sparse=False)
+        return _bounded(Targets((rows, width), tuple(cells), sparse=False))
     if cols is None or len(crow) != rows + 1 or len(cols) != len(data):
         raise WireError(f"{what}: sparse indices that do not fit shape {shape}")
     ok = crow[0] == 0 and crow[-1] == len(data) and all(a <= b for a, b in itertools.pairwise(crow))
     if not ok or any(not 0 <= c < width for c in cols):
         raise WireError(f"{what}: a bad sparse tensor (row pointers or column indices)")
     cells = [(r, cols[i], data[i]) for r in range(rows) for i in range(crow[r], crow[r + 1])]
-    return Targets((rows, width), tuple(cells), sparse=True)
+    return _bounded(Targets((rows, width), tuple(cells), sparse=True))
+
+
+def _bounded(found: Targets) -> Targets:
+    """Targets an engine can score: SGLang scores the union of the ids at every position."""
+    union = len({t for _r, _c, t in found.cells if t != -1})
+    if union * found.shape[0] > MAX_SCORED:
+        raise WireError(
+            f"target_prompt_logprobs: {union} distinct tokens at {found.shape[0]} positions; "
+            f"at most {MAX_SCORED} (tokens x positions)"
+        )
+    return found
 
 
 NO_TOP = (0, -99999.0)  # the SDK's sentinel for a top-k entry with nothing in it

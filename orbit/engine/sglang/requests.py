@@ -158,7 +158,12 @@ def read_reply(
             for i, ids in enumerate(prompt_targets)
         ]
     if output_top and finish != "abort":
-        reply.output_top = [_top(row, output_top) for row in meta["output_top_logprobs"]]
+        rows = meta.get("output_top_logprobs") or []
+        if len(rows) != len(output_ids):
+            raise EngineError(
+                f"SGLang returned {len(rows)} top-logprob rows for {len(output_ids)} tokens"
+            )
+        reply.output_top = [_top(row, output_top) for row in rows]
     return reply
 
 
