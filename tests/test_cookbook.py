@@ -239,6 +239,21 @@ def test_on_policy_distillation_from_a_teacher_this_service_trained(tinker_serve
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_chat_sl_with_its_nll_evaluator_on_held_out_conversations(tinker_served, tmp_path):
+    """chat_sl's supervised loop on the cookbook's conversations file, 16 held out: the cookbook's
+    NLL evaluator (compute_logprobs of each held-out conversation) runs at every step, and its NLL
+    is the training loss's kind of number (tests/tinker/cookbook_sl_eval.py)."""
+    url, _, model = tinker_served
+    _script("cookbook_sl_eval.py", url, model, tmp_path / "sl")
+    rows = _rows(tmp_path / "sl")
+    tested = [r["test/nll"] for r in rows if "test/nll" in r]
+    print(f"\nheld-out NLL per step: {tested}")
+    assert len(tested) == 2 and all(0 < x < 20 for x in tested), rows
+    assert any("train_mean_nll" in r for r in rows)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
 def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
     """The cookbook's DPO on labelled comparisons in a JSONL file: the reference model's logprobs
     are a sampling client's compute_logprobs, the DPO loss the SDK's client-side custom loss
