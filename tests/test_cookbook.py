@@ -278,6 +278,49 @@ def test_rubric_with_a_grader_on_the_same_base(tinker_served, tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_the_cookbooks_sweep_of_chat_sl_runs_two_at_once(tinker_served, tmp_path):
+    """`chat_sl.sweep` from its command line: chat_sl at two learning rates, both runs at once
+    (`max_parallel=2`), each a client of the one service; the sweep's own results table lists
+    both (its budget of 64 examples at batch 32: two steps a run)."""
+    url, service, model = tinker_served
+    before = len(service.turns.packs)
+    base = {
+        "dataset": _conversations(),
+        "model_name": model.resolve(),
+        "renderer_name": "role_colon",
+        "base_url": url,
+        "batch_size": 32,
+        "max_length": 256,
+        "save_every": 0,
+        "eval_every": 0,
+        "behavior_if_log_dir_exists": "delete",
+    }
+    words = [f"base.{k}={v}" for k, v in base.items()] + [
+        "recipe=sft",
+        f"sweep_dir={tmp_path / 'sweep'}",
+        "learning_rates=[1e-4,3e-4]",
+        "lora_ranks=[4]",
+        "training_budget_examples=64",
+        "max_parallel=2",
+    ]
+    done = subprocess.run(
+        [str(sdk_python()), "-m", "tinker_cookbook.recipes.chat_sl.sweep", *words],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, **ENV},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
+    assert len(runs) == 2, runs
+    for run in runs:
+        assert len([r for r in _rows(run) if "train_mean_nll" in r]) == 2, run
+    most = max(p.clients for p in list(service.turns.packs)[before:])
+    print(f"\nthe sweep's passes over the base: clients a pass at most {most}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
 def test_chat_sl_with_its_nll_evaluator_on_held_out_conversations(tinker_served, tmp_path):
     """chat_sl's supervised loop on the cookbook's conversations file, 16 held out: the cookbook's
     NLL evaluator (compute_logprobs of each held-out conversation) runs at every step, and its NLL
