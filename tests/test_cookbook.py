@@ -321,6 +321,94 @@ def test_the_cookbooks_sweep_of_chat_sl_runs_two_at_once(tinker_served, tmp_path
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
+def test_forecasting_and_decisions_forecasting_on_a_local_csv(tinker_served, tmp_path):
+    """`decisions.forecasting` from its command line on a local CSV in Prophet Arena's format
+    (made here: markets closed before the split date train, later ones validate): it scores each
+    yes/no decision through `target_prompt_logprobs` (its sample_decision) at the start and end,
+    and trains a Brier loss through forward_backward_custom on [T, 2] soft targets; and
+    `forecasting.train`, RL on the same markets (a sampled forecast scored against the outcome)."""
+    url, _, model = tinker_served
+    data = tmp_path / "markets.csv"
+    _prophet_arena_csv(data)
+    words = {
+        "model_name": model.resolve(),
+        "renderer_name": "role_colon",
+        "data_path": data,
+        "lora_rank": 4,
+        "batch_size": 4,
+        "max_steps": 2,
+        "eval_every": 0,
+        "behavior_if_log_dir_exists": "delete",
+        "log_path": tmp_path / "log",
+        "base_url": url,
+    }
+    done = subprocess.run(
+        [str(sdk_python()), "-m", "tinker_cookbook.recipes.decisions.forecasting"]
+        + [f"--{k}={v}" for k, v in words.items()],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, **ENV},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rl = {
+        "model_name": model.resolve(),
+        "renderer_name": "role_colon",
+        "data_path": data,
+        "lora_rank": 4,
+        "group_size": 2,
+        "groups_per_batch": 2,
+        "validation_group_size": 1,
+        "max_tokens": 8,
+        "max_steps": 2,
+        "eval_every": 0,
+        "save_every": 0,
+        "behavior_if_log_dir_exists": "delete",
+        "log_path": tmp_path / "rl",
+    }
+    run = _cookbook("forecasting", rl, url)
+    output = run.communicate(timeout=540)[0]
+    assert run.returncode == 0, output[-4000:]
+    steps = [r["step"] for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
+    assert steps == [0, 1], steps
+    rows = _rows(tmp_path / "log")
+    scored = [r["test/brier_reward"] for r in rows if "test/brier_reward" in r]
+    trained = [r["train/loss"] for r in rows if "train/loss" in r]
+    print(f"\nvalidation Brier reward at the start and end {scored}, train loss {trained}")
+    assert len(scored) == 2 and all(0 <= x <= 1 for x in scored), rows
+    assert len(trained) == 2 and all(0 <= x <= 1 for x in trained), rows  # a Brier loss
+
+
+def _prophet_arena_csv(path: Path) -> None:
+    """Twelve one-market events in Prophet Arena's columns: eight that close before the recipe's
+    default split date (2025-10-20), four that open after it."""
+    import csv
+
+    fields = ["submission_id", "event_ticker", "title", "snapshot_time", "close_time"]
+    fields += ["market_outcome", "category", "markets", "sources"]
+    with path.open("w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=fields)
+        out.writeheader()
+        for i in range(12):
+            month = 6 + i % 4 if i < 8 else 11
+            market = f"Team {i} wins"
+            out.writerow(
+                {
+                    "submission_id": f"s{i}",
+                    "event_ticker": f"E{i}",
+                    "title": f"Match {i}",
+                    "snapshot_time": f"2025-{month:02d}-01T00:00:00Z",
+                    "close_time": f"2025-{month:02d}-10T00:00:00Z",
+                    "market_outcome": json.dumps({market: i % 2}),
+                    "category": "Sports",
+                    "markets": json.dumps([market]),
+                    "sources": json.dumps([{"title": "News", "summary": f"Team {i} looks fit."}]),
+                }
+            )
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tinker_served", ["embedded"], indirect=True)
 def test_chat_sl_with_its_nll_evaluator_on_held_out_conversations(tinker_served, tmp_path):
     """chat_sl's supervised loop on the cookbook's conversations file, 16 held out: the cookbook's
     NLL evaluator (compute_logprobs of each held-out conversation) runs at every step, and its NLL
