@@ -97,8 +97,18 @@ def _conversations() -> Path:
     return Path(found.stdout.strip()) / "example_data" / "conversations.jsonl"
 
 
-def _rows(log: Path) -> list[dict]:
-    return [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+def _rows(log: Path, having: str | None = None) -> list[dict]:
+    """A run's metrics lines, or only those with the key `having`."""
+    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if having is None or having in r]
+
+
+def _finished(runs: dict[str, subprocess.Popen]) -> None:
+    """Wait for every recipe `_cookbook` started (none outlives the test), then each must have
+    succeeded (else the end of what it printed)."""
+    printed = {name: run.communicate(timeout=540)[0] for name, run in runs.items()}
+    for name, run in runs.items():
+        assert run.returncode == 0, (name, printed[name][-4000:])
 
 
 @pytest.mark.timeout(600)
@@ -131,9 +141,7 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
             },
             url,
         )
-        outputs = {name: p.communicate(timeout=540)[0] for name, p in (("rl", rl), ("sl", sl))}
-        for name, p in (("rl", rl), ("sl", sl)):
-            assert p.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
+        _finished({"rl": rl, "sl": sl})
         clients = len(service.store.clients())
     assert clients == 2  # one base, two adapters (released when each run closed its session)
     rl_rows = _rows(tmp_path / "rl")
@@ -144,7 +152,7 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
         for r in rl_rows
         if "optim/kl_sample_train_v1" in r
     )
-    sl_rows = [r for r in _rows(tmp_path / "sl") if "train_mean_nll" in r]
+    sl_rows = _rows(tmp_path / "sl", "train_mean_nll")
     assert len(sl_rows) == 2 and all(r["train_mean_nll"] > 0 for r in sl_rows)
     for log in (tmp_path / "rl", tmp_path / "sl"):
         final = [json.loads(x) for x in (log / "checkpoints.jsonl").read_text().splitlines()][-1]
@@ -165,9 +173,8 @@ def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
         _math_rl(model, tmp_path / "rl"),
         url,
     )
-    output = rl.communicate(timeout=540)[0]
-    assert rl.returncode == 0, output[-4000:]
-    rows = [r for r in _rows(tmp_path / "rl") if "optim/kl_sample_train_v1" in r]
+    _finished({"rl": rl})
+    rows = _rows(tmp_path / "rl", "optim/kl_sample_train_v1")
     assert len(rows) == 2
     print(f"\nkl_sample_train on SGLang: {[r['optim/kl_sample_train_v1'] for r in rows]}")
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-2 for r in rows)
@@ -185,10 +192,9 @@ def test_math_rl_with_its_default_loss(tinker_served, tmp_path):
         _math_rl(model, tmp_path / "rl"),
         url,
     )
-    output = rl.communicate(timeout=540)[0]
-    assert rl.returncode == 0, output[-4000:]
+    _finished({"rl": rl})
     assert "stable_reinforce" in (tmp_path / "rl" / "config.json").read_text()
-    rows = [r for r in _rows(tmp_path / "rl") if "optim/kl_sample_train_v1" in r]
+    rows = _rows(tmp_path / "rl", "optim/kl_sample_train_v1")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in rows)
 
@@ -205,9 +211,8 @@ def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
         _math_rl(model, tmp_path / "rl", max_steps_off_policy=1, max_steps=3),
         url,
     )
-    output = rl.communicate(timeout=540)[0]
-    assert rl.returncode == 0, output[-4000:]
-    rows = [r for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
+    _finished({"rl": rl})
+    rows = _rows(tmp_path / "rl", "env/all/reward/total")
     assert [r["step"] for r in rows] == [0, 1, 2]
 
 
@@ -219,7 +224,7 @@ def test_the_rl_loop_with_a_kl_penalty_against_its_base(tinker_served, tmp_path)
     cookbook_kl.py builds math_rl's Config and sets the two fields its command line lacks)."""
     url, _, model = tinker_served
     _script("cookbook_kl.py", url, model, tmp_path / "rl")
-    rows = [r for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
+    rows = _rows(tmp_path / "rl", "env/all/reward/total")
     assert [r["step"] for r in rows] == [0, 1]
     kl = [k for r in rows for k in r if "kl" in k.lower()]
     print(f"\nKL metrics the cookbook logged: {sorted(set(kl))}")
@@ -235,7 +240,7 @@ def test_on_policy_distillation_from_a_teacher_this_service_trained(tinker_serve
     url, _, model = tinker_served
     printed = _script("cookbook_distill.py", url, model, tmp_path / "distill")
     assert "TEACHER tinker://" in printed
-    rows = [r for r in _rows(tmp_path / "distill") if "teacher_kl" in r]
+    rows = _rows(tmp_path / "distill", "teacher_kl")
     print(f"\nteacher_kl per step: {[r['teacher_kl'] for r in rows]}")
     assert len(rows) == 2 and all(r["teacher_kl"] == r["teacher_kl"] for r in rows)  # not NaN
 
@@ -270,9 +275,8 @@ def test_rubric_with_a_grader_on_the_same_base(tinker_served, tmp_path):
         "log_path": tmp_path / "rubric",
     }
     run = _cookbook("rubric", args, url)
-    output = run.communicate(timeout=540)[0]
-    assert run.returncode == 0, output[-4000:]
-    rows = [r for r in _rows(tmp_path / "rubric") if "env/all/reward/total" in r]
+    _finished({"rubric": run})
+    rows = _rows(tmp_path / "rubric", "env/all/reward/total")
     assert [r["step"] for r in rows] == [0, 1]
     assert all("env/all/rubric_score" in r for r in rows)  # every episode went to the grader
 
@@ -315,7 +319,7 @@ def test_the_cookbooks_sweep_of_chat_sl_runs_two_at_once(tinker_served, tmp_path
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
     assert len(runs) == 2, runs
     for run in runs:
-        assert len([r for r in _rows(run) if "train_mean_nll" in r]) == 2, run
+        assert len(_rows(run, "train_mean_nll")) == 2, run
     most = max((p.clients for p in list(service.turns.packs) if p.at >= start), default=0)
     print(f"\nthe sweep's passes over the base: clients a pass at most {most}")
 
@@ -368,9 +372,8 @@ def test_forecasting_and_decisions_forecasting_on_a_local_csv(tinker_served, tmp
         "log_path": tmp_path / "rl",
     }
     run = _cookbook("forecasting", rl, url)
-    output = run.communicate(timeout=540)[0]
-    assert run.returncode == 0, output[-4000:]
-    steps = [r["step"] for r in _rows(tmp_path / "rl") if "env/all/reward/total" in r]
+    _finished({"forecasting": run})
+    steps = [r["step"] for r in _rows(tmp_path / "rl", "env/all/reward/total")]
     assert steps == [0, 1], steps
     rows = _rows(tmp_path / "log")
     scored = [r["test/brier_reward"] for r in rows if "test/brier_reward" in r]
@@ -431,7 +434,7 @@ def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
     (tests/tinker/cookbook_dpo.py)."""
     url, _, model = tinker_served
     _script("cookbook_dpo.py", url, model, tmp_path / "dpo" / "log")
-    rows = [r for r in _rows(tmp_path / "dpo" / "log") if "dpo_loss" in r]
+    rows = _rows(tmp_path / "dpo" / "log", "dpo_loss")
     print(f"\nDPO loss per step: {[r['dpo_loss'] for r in rows]}")
     assert len(rows) == 2
     # at step 0 the policy is the reference: the margin is 0 and the loss log 2, exactly when the
@@ -465,13 +468,11 @@ def test_shorter_guess_number_and_prompt_distillation_run_as_they_ship(tinker_se
         "log_path": tmp_path / "distill",
     }
     runs["prompt_distillation"] = _cookbook("prompt_distillation", distill, url)
-    for recipe, run in runs.items():
-        output = run.communicate(timeout=540)[0]
-        assert run.returncode == 0, (recipe, output[-4000:])
+    _finished(runs)
     for recipe in NO_BASE_URL:
-        steps = [r["step"] for r in _rows(tmp_path / recipe) if "env/all/reward/total" in r]
+        steps = [r["step"] for r in _rows(tmp_path / recipe, "env/all/reward/total")]
         assert steps == [0, 1], (recipe, steps)
-    steps = [r for r in _rows(tmp_path / "distill") if "train_mean_nll" in r]
+    steps = _rows(tmp_path / "distill", "train_mean_nll")
     assert len(steps) == 2 and all(r["train_mean_nll"] > 0 for r in steps), steps
 
 

@@ -57,8 +57,7 @@ def check_prompt(prompt_ids: object, vocab: int, max_context: int) -> list[int]:
 
 def check_scoring(sampling: SamplingParams, prompt: list[int], vocab: int) -> None:
     """What a request asks to be scored: one row of target tokens per prompt position after the
-    first, each an id in the vocabulary."""
-    sampling.check()
+    first, each an id in the vocabulary (the rest of `sampling`: SamplingParams.check)."""
     targets = sampling.prompt_targets
     if targets is None:
         return

@@ -75,8 +75,12 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
-def files(directory: Path) -> list[str]:
-    return sorted(f.name for f in directory.iterdir() if f.is_file())
+def files(found: Checkpoint) -> list[str]:
+    """A checkpoint's files; NotFound when its directory went meanwhile (a delete, an overwrite)."""
+    try:
+        return sorted(f.name for f in found.directory.iterdir() if f.is_file())
+    except FileNotFoundError:
+        raise NotFound(f"no checkpoint {found.path}") from None
 
 
 def _whole(directory: Path) -> bool:

@@ -545,7 +545,7 @@ class Service:
         found = self.checkpoints.get(tenant, path)
         if found.kind != "external_weights":
             raise Refused(f"{path}: only external weights are downloaded (save_weights_external)")
-        links = [exports.Link(tenant, path, f) for f in _files(found)]
+        links = [exports.Link(tenant, path, f) for f in files(found)]
         urls, expires = self.links.urls(base_url, links)
         return {"urls": urls, "expires": iso(expires)}
 
@@ -553,7 +553,7 @@ class Service:
         """The file a download link names, while its export lasts."""
         link = self.links.open(token)
         found = self.checkpoints.get(link.tenant, link.path)
-        if link.file not in _files(found):
+        if link.file not in files(found):
             raise NotFound(f"{link.path} has no file {link.file!r}")
         return found.directory / link.file
 
@@ -782,11 +782,3 @@ class Service:
                 f"sampling_params.max_tokens: {max_tokens} after a prompt of {len(prompt)} tokens "
                 f"passes the engines' context of {self.max_context} tokens"
             )
-
-
-def _files(found: Checkpoint) -> list[str]:
-    """A checkpoint's files; NotFound when its directory went meanwhile (a delete, an overwrite)."""
-    try:
-        return files(found.directory)
-    except FileNotFoundError:
-        raise NotFound(f"no checkpoint {found.path}") from None

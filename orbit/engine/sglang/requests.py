@@ -51,8 +51,9 @@ class Request:
             body["return_sampling_mask"] = True
         if self.prompt_logprobs >= 0 or self.prompt_targets is not None:
             body["logprob_start_len"] = 0
-        if max(self.prompt_logprobs, self.output_top) > 0:
-            body["top_logprobs_num"] = max(self.prompt_logprobs, self.output_top)
+        top = max(self.prompt_logprobs, self.output_top)  # one k for both (read_reply cuts each)
+        if top > 0:
+            body["top_logprobs_num"] = top
         asked = sorted({t for row in self.prompt_targets or () for t in row})
         if asked:
             body["token_ids_logprob"] = asked
