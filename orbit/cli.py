@@ -238,13 +238,14 @@ def serve(
     """Serve the Tinker API (the `tinker` SDK, tinker-cookbook) on the recipe's base model and
     engines: `orbit serve recipes/smollm2-serve.yaml`, then TINKER_BASE_URL=<the address it
     prints>."""
-    from orbit.serve.command import Options
+    from orbit.serve.command import Options, served
     from orbit.serve.keys import Keys, KeysError, read_keys
     from orbit.serve.service import Quotas
 
     with _run_errors("the service", on_ctrl_c="stopped"):
         try:
             checked = preflight(load_recipe(recipe))
+            served(checked.recipe)  # serve.models too, before any engine starts
         except RecipeError as err:
             _fail(f"bad recipe {recipe}:\n{err}")
         if max_clients < 1 or max_queued < 1:

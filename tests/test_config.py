@@ -206,6 +206,12 @@ def test_cli_train_bad_flags_fail_before_compute(tmp_path, tiny_llama):
     for timeout in ("5", "nan"):  # orbit serve: a session must outlive the SDK's 10 s heartbeat
         res = _orbit("serve", str(recipe), "--session-timeout", timeout, "--dir", str(tmp_path))
         assert res.returncode == 2 and "--session-timeout" in res.stderr, res.stderr
+    # a second base model that is not there: named by its place, before any engine starts
+    serve = {"models": [{"model": str(tmp_path / "teacher"), "names": ["t"]}]}
+    two = _write(tmp_path, {"model": str(tiny_llama), "serve": serve})
+    res = _orbit("serve", str(two), "--dir", str(tmp_path / "serve"))
+    assert res.returncode == 2 and "serve.models[0].model: no such directory" in res.stderr
+    assert not (tmp_path / "serve").exists()
 
 
 @pytest.mark.slow

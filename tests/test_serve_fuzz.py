@@ -499,7 +499,7 @@ def _send(client: httpx.Client, key: str, route: str, body: object) -> httpx.Res
 @given(data=st.data())
 def test_no_json_request_crashes_fails_as_the_servers_or_shows_a_path(fuzzed, data):
     client, service, a, b, hidden = fuzzed
-    routes = _json_routes(a, b, str(service.model))
+    routes = _json_routes(a, b, str(service.bases[0].model))
     route = data.draw(st.sampled_from(sorted(routes)), label="route")
     body = data.draw(_or_junk(routes[route]), label="body")
     res = _send(client, KEY_B, route, body)

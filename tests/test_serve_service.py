@@ -244,7 +244,7 @@ def test_bad_input_hurts_only_its_sender(shared):
     assert all(torch.equal(after[k], v) for k, v in weights.items())
     assert all(torch.equal(_optimizer_tensors(trainer)[k], v) for k, v in optimizer.items())
     # the client goes on: its next request (numbered after the refused ones) runs at once
-    again = sdk(url, service.model, "owner", key=KEY_A, script=SERVICE)
+    again = sdk(url, service.bases[0].model, "owner", key=KEY_A, script=SERVICE)
     assert again["model_id"] != a["model_id"]
 
 
@@ -376,7 +376,7 @@ def test_memory_stays_flat_over_200_clients_created_and_released(tiny_llama, tmp
         mib = {n: f"{v / 2**20:.1f} MiB" for n, v in rss.items()}
         print(f"\nRSS after 16 clients released: {mib[16]}, after 200: {mib[200]}")
         assert rss[200] <= 1.10 * rss[16]
-        assert list(service.base.model.peft_config) == []
+        assert list(service.bases[0].shared.model.peft_config) == []
         assert service.live() == {}
 
 
@@ -572,7 +572,7 @@ def test_the_services_page_shows_clients_engines_and_latency_and_no_key(shared):
             rows = page.locator("#requests tbody tr").all_inner_texts()
             assert any(r.startswith("ForwardBackward") for r in rows), rows
             assert page.locator("#losses .main-svg").count() > 0  # the loss chart is drawn
-            assert page.locator("#engines tbody tr").count() == len(service.sampler.caches)
+            assert page.locator("#engines tbody tr").count() == len(service.bases[0].sampler.caches)
             targets = page.locator("#targets tbody tr").all_inner_texts()
             assert any(a["model_id"] in t and "\t1\t" in t for t in targets), targets
             packs = page.locator("#packsum tbody tr").all_inner_texts()

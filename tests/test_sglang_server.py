@@ -643,7 +643,7 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
     try:
         engine = {"backend": "sglang-server", "slots": 2}
         with serving(tiny_llama, tmp_path / "serve", engine=engine) as (_, service):
-            done = service.sampler.caches[0].engine.generate([1, 2, 3], SamplingParams(4))
+            done = service.bases[0].sampler.caches[0].engine.generate([1, 2, 3], SamplingParams(4))
             assert len(done.result(120).output_ids) >= 1
     finally:
         held.close()

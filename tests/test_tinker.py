@@ -118,7 +118,7 @@ def test_the_sampler_and_the_trainer_agree_on_logprobs(served):
     url, service, model = served
     pairs = sdk(url, model, "sampler_and_trainer_agree")["pairs"]
     diff = max(abs(a - b) for p in pairs for a, b in zip(p["sampled"], p["trained"], strict=True))
-    backend = "embedded" if service.limits.max_rank is None else "sglang"
+    backend = "embedded" if service.bases[0].limits.max_rank is None else "sglang"
     print(f"\n{backend} engine against the trainer: max |logprob difference| {diff:.2e}")
     assert diff <= AGREEMENT[backend]
 
@@ -300,7 +300,7 @@ def test_an_inflight_sampler_samples_each_newer_inflight_save(served):
     url, service, model = served
     seen = sdk(url, model, "inflight")
     v1, v2 = seen["v1"], seen["v2"]
-    bound = AGREEMENT["embedded" if service.limits.max_rank is None else "sglang"]
+    bound = AGREEMENT["embedded" if service.bases[0].limits.max_rank is None else "sglang"]
     for v in (v1, v2):
         assert max(abs(a - b) for a, b in zip(v["logprobs"], v["trained"], strict=True)) <= bound
     moved = [abs(a - b) for a, b in zip(v2["logprobs"], v1["logprobs"], strict=False)]
@@ -308,7 +308,7 @@ def test_an_inflight_sampler_samples_each_newer_inflight_save(served):
     assert seen["second"]["tokens"] == v2["tokens"]
     assert seen["snapshot"]["tokens"] == v1["tokens"]  # the snapshot did not
     assert len(seen["across"]) == 16 and min(seen["across"]) >= 1
-    assert sum(cache.flips for cache in service.sampler.caches) >= 1
+    assert sum(cache.flips for cache in service.bases[0].sampler.caches) >= 1
 
 
 def test_an_async_rl_loop_on_inflight_samplers(trained):
@@ -327,7 +327,7 @@ def test_an_async_rl_loop_on_inflight_samplers(trained):
     assert any(s >= 1 for r in rows for s in r["staleness"])  # sampling ran ahead of training
     target = next(t for t in service.sessions.targets() if t.model_id == seen["model_id"])
     assert target.newest().version == 5  # the first save, then one a step
-    assert sum(cache.flips for cache in service.sampler.caches) >= 1
+    assert sum(cache.flips for cache in service.bases[0].sampler.caches) >= 1
 
 
 def test_a_sampling_client_gives_the_prompts_logprobs_equal_to_forwards(served):
@@ -341,7 +341,7 @@ def test_a_sampling_client_gives_the_prompts_logprobs_equal_to_forwards(served):
     sampled, trained = seen["sampled"], seen["trained"]
     assert sampled[0] is None and len(sampled) == len(trained) + 1
     diff = max(abs(a - b) for a, b in zip(sampled[1:], trained, strict=True))
-    backend = "embedded" if service.limits.max_rank is None else "sglang"
+    backend = "embedded" if service.bases[0].limits.max_rank is None else "sglang"
     print(f"\n{backend}: compute_logprobs against forward, max |difference| {diff:.2e}")
     assert diff <= AGREEMENT[backend]
     assert seen["last_3"][:-3] == [None] * (len(sampled) - 3)

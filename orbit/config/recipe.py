@@ -363,6 +363,46 @@ class TrainerConfig(_Section):
         return list(self.devices) if self.devices else [self.device]
 
 
+class ServedModel(_Section):
+    model: Path = Field(..., description="its local checkpoint directory")
+    names: list[str] = Field(
+        default_factory=list, description="what Tinker clients may call it besides its path"
+    )
+    engine: EngineConfig | None = Field(
+        None, description="its engines; unset: the recipe's engine: section"
+    )
+
+
+class ServeConfig(_Section):
+    names: list[str] = Field(
+        default_factory=list,
+        description="what Tinker clients may call the recipe's model: besides its path (e.g. "
+        "HuggingFaceTB/SmolLM2-135M-Instruct, for tinker-cookbook's model table)",
+    )
+    models: list[ServedModel] = Field(
+        default_factory=list,
+        description="`orbit serve`: more base models beside model:, each `{model: DIR, names: "
+        "[...], engine: {...}}` (engine unset: this recipe's), with its own engines and its own "
+        "copy in the trainer (a teacher, a grader or a reference beside the student)",
+    )
+
+    @model_validator(mode="after")
+    def _one_model_a_name(self) -> ServeConfig:
+        seen: dict[str, str] = {}
+        lists = [("serve.names", self.names)]
+        lists += [(f"serve.models[{i}].names", m.names) for i, m in enumerate(self.models)]
+        for where, names in lists:
+            for name in names:
+                if not name.strip():
+                    raise ValueError(f"{where}: an empty name")
+                if name in seen:
+                    raise ValueError(
+                        f"{where}: {name!r} is also in {seen[name]}; a name names one model"
+                    )
+                seen[name] = where
+        return self
+
+
 class Recipe(_Section):
     model: Path = Field(
         ..., description="a local checkpoint directory (config.json, safetensors, tokenizer)"
@@ -385,12 +425,25 @@ class Recipe(_Section):
     )
     seed: int = Field(0, description="the adapter's init, the prompt stream, every sample's seed")
     out: Path = Field(Path("runs/latest"), description="the run directory")
+    serve: ServeConfig = Field(
+        default_factory=ServeConfig, description="`orbit serve`: the names and models it serves"
+    )
     logging: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
         description="trackers each step also goes to (metrics.jsonl always has it): "
         "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; WANDB_MODE=offline works); [] = "
         "none",
     )
+
+    def bases(self) -> list[tuple[Recipe, list[str]]]:
+        """`orbit serve`'s base models, each as a recipe of its own with the names clients may
+        call it: this recipe's model:, then each of serve.models (with its engine: section, or
+        this recipe's)."""
+        bases = [(self, list(self.serve.names))]
+        for more in self.serve.models:
+            update = {"model": more.model, "engine": more.engine or self.engine}
+            bases.append((self.model_copy(update=update, deep=True), list(more.names)))
+        return bases
 
     @field_validator("algorithm", mode="before")
     @classmethod

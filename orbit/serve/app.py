@@ -321,13 +321,14 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
             if chunk.type != "encoded_text":
                 raise Refused(f"prompt: a {chunk.type} chunk; Orbit serves text models")
             prompt += chunk.tokens
-        params, stops = _sampling(req.sampling_params, service.max_context - len(prompt))
+        base = service.sampling_base(who(request), req.sampling_session_id)
+        params, stops = _sampling(req.sampling_params, base.max_context - len(prompt))
         params = dataclasses.replace(
             params,
             prompt_logprobs=_prompt_logprobs(req, len(prompt)),
             output_top=_top_k("topk_sample_logprobs", req.topk_sample_logprobs),
         )
-        targets = _targets(req.target_prompt_logprobs, len(prompt), service.vocab_size)
+        targets = _targets(req.target_prompt_logprobs, len(prompt), base.vocab_size)
         record = service.sample(
             who(request),
             req.sampling_session_id,

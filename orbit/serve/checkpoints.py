@@ -117,7 +117,8 @@ def expiry(ttl_seconds: int | None, now: float) -> float | None:
 
 class Checkpoints:
     """Every tenant's checkpoints under `root` (DIR/checkpoints), recorded in `store`; `base` is the
-    base model's name for a checkpoint whose client is not known."""
+    base model's name for a checkpoint whose client is not known and whose peft config names
+    none."""
 
     def __init__(self, root: Path, store: Store, base: str) -> None:
         self.root, self.store, self.base = root, store, base
@@ -137,7 +138,8 @@ class Checkpoints:
             train_mlp="up_proj" in targets,
             train_unembed="lm_head" in targets,
         )
-        return self.base, spec
+        # peft records the base's path (an absolute path: one of the base's names)
+        return str(config.get("base_model_name_or_path") or self.base), spec
 
     def info(self, found: Checkpoint) -> dict[str, Any]:
         """RestClient's weights info of a checkpoint."""

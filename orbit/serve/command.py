@@ -1,8 +1,8 @@
-"""`orbit serve RECIPE`: the recipe's engines for its base model, the Tinker API in front of them
-and a trainer beside them, until Ctrl-C or SIGTERM. A recipe of just `model:` and `engine:` is
-enough (`trainer.threads` and `trainer.dtype` are the trainer's; `adapter.r` and
-`adapter.target_modules` size what an SGLang engine can load). Its state is in a database
-(store.py) in `--dir` unless `--db` names another; `--keys` makes it a service for several
+"""`orbit serve RECIPE`: the recipe's engines for its base model (and for each of `serve.models`),
+the Tinker API in front of them and a trainer beside them, until Ctrl-C or SIGTERM. A recipe of
+just `model:` and `engine:` is enough (`trainer.threads` and `trainer.dtype` are the trainer's;
+`adapter.r` and `adapter.target_modules` size what an SGLang engine can load). Its state is in a
+database (store.py) in `--dir` unless `--db` names another; `--keys` makes it a service for several
 tenants."""
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orbit.config import Recipe
-from orbit.engine import EngineStarter, start_engines, stop_engines
+from orbit.config import Recipe, RecipeError
+from orbit.engine import Engine, EngineStarter, start_engines, stop_engines
 from orbit.host.net import ThreadServer
 from orbit.host.threads import compute_threads
 from orbit.run.placement import colocate
+from orbit.run.preflight import preflight
 from orbit.serve.app import MAX_BODY, app
+from orbit.serve.bases import EngineLimits, Engines
 from orbit.serve.clients import ATTN, MLP, UNEMBED
 from orbit.serve.keys import Keys
 from orbit.serve.samplers import Sampler
-from orbit.serve.service import PACK_TOKENS, EngineLimits, Quotas, Service
+from orbit.serve.service import PACK_TOKENS, Quotas, Service
 from orbit.serve.store import Store, default_url, instance
 
 
@@ -83,8 +85,9 @@ def serve(
                 highlight=False,
             )
         keys = "API keys from --keys" if options.keys.required else "any key (one tenant)"
+        models = ", ".join(str(base.model) for base in service.bases)
         console.print(
-            f"serving the Tinker API for {recipe.model.resolve()} at {url} "
+            f"serving the Tinker API for {models} at {url} "
             f"(TINKER_BASE_URL={url}); {keys}; state in {options.directory}; Ctrl-C stops it",
             highlight=False,
         )
@@ -102,12 +105,72 @@ def serving(
     names: Iterable[str] = (),
     say: Callable[[str], object] = print,
 ) -> Iterator[tuple[str, Service]]:
-    """The recipe's engines, the service and its HTTP server, stopped on leaving the block: (its
-    address, the service). `names`: what clients may call the base model besides the recipe's
-    `model:` and its absolute path."""
+    """The engines of the recipe's base models (its `model:` and `serve.models`), the service and
+    its HTTP server, stopped on leaving the block: (its address, the service). `names`: what
+    clients may call the recipe's `model:` besides its `serve.names` and its path."""
+    compute_threads(recipe.trainer.threads)
+    bases = served(recipe, names)  # every base checked before any engine starts
+    directory = options.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    store = Store(options.db or default_url(directory), instance(directory))
+    started: list[list[Engine]] = []
+    service = None
+    server = None
+    try:
+        # one after another: on a shared GPU each base's engines are planned (colocate) on the
+        # memory the ones before left
+        engines = [_start(base, base_names, started, say) for base, base_names in bases]
+        service = Service(
+            engines,
+            directory,
+            store,
+            dtype=recipe.trainer.dtype,
+            quotas=options.quotas,
+            threads=recipe.trainer.threads,
+            pack_tokens=options.pack_tokens,
+        )
+        api = app(service, options.keys, options.max_body)
+        server = ThreadServer(api, options.host, options.port, name="orbit serve").start()
+        yield server.url, service
+    finally:
+        if server is not None:
+            server.stop()
+        if service is not None:
+            service.close()
+        for pool in started:
+            stop_engines(pool)
+        store.close()
+
+
+def served(recipe: Recipe, names: Iterable[str] = ()) -> list[tuple[Recipe, set[str]]]:
+    """The recipe's base models, each checked (preflight: serve.models' are named by their place)
+    with every name it has: as written, its absolute path, and the names given. RecipeError for a
+    checkpoint served twice."""
+    bases: list[tuple[Recipe, set[str]]] = []
+    for i, (base, given) in enumerate(recipe.bases()):
+        where = "" if i == 0 else f"serve.models[{i - 1}]."
+        if i:
+            try:
+                base = preflight(base).recipe
+            except RecipeError as err:
+                raise RecipeError(f"{where}{err}") from None
+        model = base.model.resolve()
+        if any(b.model.resolve() == model for b, _ in bases):
+            raise RecipeError(
+                f"{where}model: {model} is served already; a checkpoint is one base model (give "
+                "it more names in its serve.names or serve.models[i].names)"
+            )
+        extra = set(names) if i == 0 else set()
+        bases.append((base, {*given, *extra, str(base.model), str(model)}))
+    return bases
+
+
+def _start(
+    recipe: Recipe, names: set[str], started: list[list[Engine]], say: Callable[[str], object]
+) -> Engines:
+    """One base model's engines (added to `started` once up, for the caller to stop)."""
     from transformers import AutoTokenizer
 
-    compute_threads(recipe.trainer.threads)
     engine_cfg, note = colocate(recipe, 1)
     if note:
         say(note)
@@ -125,39 +188,17 @@ def serving(
     )
     model = recipe.model.resolve()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    directory = options.directory
-    directory.mkdir(parents=True, exist_ok=True)
-    store = Store(options.db or default_url(directory), instance(directory))
     engines = start_engines(starter)
-    service = None
-    server = None
-    try:
-        info = engines[0].info
-        sampler = Sampler(engines, engine_cfg.slots, lambda ids: tokenizer.decode(ids))
-        service = Service(
-            model,
-            {*names, str(recipe.model), str(model)},
-            sampler,
-            directory,
-            store,
-            dtype=recipe.trainer.dtype,
-            max_context=info.max_context,
-            vocab_size=info.vocab_size,
-            limits=limits(recipe),
-            quotas=options.quotas,
-            threads=recipe.trainer.threads,
-            pack_tokens=options.pack_tokens,
-        )
-        api = app(service, options.keys, options.max_body)
-        server = ThreadServer(api, options.host, options.port, name="orbit serve").start()
-        yield server.url, service
-    finally:
-        if server is not None:
-            server.stop()
-        if service is not None:
-            service.close()
-        stop_engines(engines)
-        store.close()
+    started.append(engines)
+    info = engines[0].info
+    return Engines(
+        model,
+        names,
+        Sampler(engines, engine_cfg.slots, lambda ids: tokenizer.decode(ids)),
+        info.max_context,
+        info.vocab_size,
+        limits(recipe),
+    )
 
 
 def limits(recipe: Recipe) -> EngineLimits:

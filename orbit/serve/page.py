@@ -49,25 +49,33 @@ def state(service: Service) -> dict[str, Any]:
             }
         )
     latency = service.futures.latencies()
-    serving = [cache.serving() for cache in service.sampler.caches]
+    caches = [
+        (f"{(base.public_names() or [base.model.name])[0]} #{i}", cache)
+        for base in service.bases
+        for i, cache in enumerate(base.sampler.caches)
+    ]
+    serving = [cache.serving() for _, cache in caches]
     return {
         "tenants": {t: {"waiting": n} for t, n in sorted(waiting.items())},
         "clients": clients,
         "engines": [
             {
+                "name": name,
                 "slots": list(cache.held),
                 "versions": list(cache.versions),
                 "running": list(cache.running),
                 "load": cache.load(),
                 "flips": cache.flips,
             }
-            for cache in service.sampler.caches
+            for name, cache in caches
         ],
         "targets": [
             {
                 "id": t.model_id,
                 "version": t.newest().version,
-                "engines": [found.get(t.key) for found in serving],
+                "engines": {
+                    name: found.get(t.key) for (name, _), found in zip(caches, serving, strict=True)
+                },
             }
             for t in service.sessions.targets()
         ],

@@ -26,10 +26,11 @@ from typing import Any
 from safetensors.torch import load_file
 
 from orbit.host.files import recover_dir, write_dir
+from orbit.serve.bases import Bases
 from orbit.serve.checkpoints import Checkpoints
 from orbit.serve.clients import TrainingClient
 from orbit.serve.futures import NotFound
-from orbit.serve.samplers import BASE, Sampler, Weights
+from orbit.serve.samplers import BASE, Weights
 from orbit.serve.store import SamplerRow, Store
 
 SNAPSHOTS_KEPT = 4  # a training client's newest unnamed snapshots kept, in memory and on disk
@@ -74,14 +75,14 @@ class Target:
 
 
 class SamplingSessions:
-    """Every tenant's sampling sessions: `snapshots` is where unnamed snapshots go, `sampler` the
-    engines that sample, `base` what the base model is called in a session's row."""
+    """Every tenant's sampling sessions: `snapshots` is where unnamed snapshots go, `bases` the
+    served base models (a session samples on its row's `base_model`'s engines)."""
 
     def __init__(
-        self, snapshots: Path, store: Store, checkpoints: Checkpoints, sampler: Sampler, base: str
+        self, snapshots: Path, store: Store, checkpoints: Checkpoints, bases: Bases
     ) -> None:
         self.snapshots, self.store, self.checkpoints = snapshots, store, checkpoints
-        self.sampler, self.base = sampler, base
+        self.bases = bases
         self._weights: dict[str, Weights] = {}
         self._kept: dict[str, deque[str]] = {}  # training client -> its snapshots, oldest first
         self._targets: dict[str, Target] = {}  # training client -> its inflight target
@@ -100,13 +101,14 @@ class SamplingSessions:
             weights = read_weights(model_path, found.directory)
         self._bind(self._row(tenant, sampler, base_model, model_path, None), weights)
 
-    def snapshot(self, tenant: str, sampler: str, trainer: TrainingClient) -> None:
-        """A session on `trainer`'s adapter as it is now (written to disk first)."""
+    def snapshot(self, tenant: str, sampler: str, trainer: TrainingClient, base: str) -> None:
+        """A session on `trainer`'s adapter as it is now (written to disk first); `base`: the name
+        its client gave its base model."""
         directory = self.snapshots / sampler
         write_dir(directory, lambda d: trainer.save(d, optimizer=False), True, replace=True)
         tensors, config = trainer.adapter()
         weights = Weights(f"snapshot:{sampler}:{uuid.uuid4().hex[:8]}", tensors, config)
-        self._bind(self._row(tenant, sampler, self.base, None, str(directory)), weights)
+        self._bind(self._row(tenant, sampler, base, None, str(directory)), weights)
         with self._lock:
             kept = self._kept.setdefault(trainer.model_id, deque())
             kept.append(sampler)
@@ -116,11 +118,12 @@ class SamplingSessions:
             shutil.rmtree(self.snapshots / gone, ignore_errors=True)
 
     def publish(
-        self, tenant: str, sampler: str, trainer: TrainingClient, executor: Executor
+        self, tenant: str, sampler: str, trainer: TrainingClient, base: str, executor: Executor
     ) -> int:
         """An inflight save: `trainer`'s adapter as it is now becomes its target's newest version
-        (on disk first), and `sampler` a session on the target. The engines flip in the background
-        (on `executor`): this returns the version once the target is updated."""
+        (on disk first), and `sampler` a session on the target. The engines of `base` (its client's
+        name for its base model) flip in the background (on `executor`): this returns the version
+        once the target is updated."""
         with self._lock:
             target = self._targets.get(trainer.model_id)
             if target is None:
@@ -129,13 +132,13 @@ class SamplingSessions:
         save = lambda d: trainer.save(d, optimizer=False)  # noqa: E731 - the adapter alone
         write_dir(target.directory, save, True, replace=True)
         weights = target.publish(*trainer.adapter())
-        row = self._row(tenant, sampler, self.base, None, str(target.directory))
+        row = self._row(tenant, sampler, base, None, str(target.directory))
         row.target = trainer.model_id
         self.store.add_sampler(row)
         with self._lock:
             self._weights.pop(sampler, None)
             self._floors[sampler] = weights.version
-        self.sampler.publish(weights, executor)
+        self.bases.named(base).sampler.publish(weights, executor)
         return weights.version
 
     def targets(self) -> list[Target]:
@@ -156,7 +159,7 @@ class SamplingSessions:
                 del self._kept[trainer]
             gone = [self._targets.pop(t) for t in list(self._targets) if t.split(":")[0] in ended]
         for target in gone:
-            self.sampler.forget(target.key)
+            self.bases.forget(target.key)
             shutil.rmtree(target.directory, ignore_errors=True)
 
     def _row(
@@ -183,7 +186,7 @@ class SamplingSessions:
             self._floors.pop(sampler, None)
         self.store.drop_sampler(sampler)
         if weights is not None and not weights.key.startswith("inflight:"):
-            self.sampler.forget(weights.key)
+            self.bases.forget(weights.key)
 
     def _row_of(self, tenant: str, sampler: str) -> SamplerRow:
         row = self.store.sampler(sampler)

@@ -30,6 +30,7 @@ from typing import Any
 from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
 from orbit.serve import exports, provenance, wire
+from orbit.serve.bases import Base, Bases, Engines
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, files, iso, rest_checkpoint
 from orbit.serve.clients import (
     AdamParams,
@@ -40,12 +41,11 @@ from orbit.serve.clients import (
     forward_backward_checked,
 )
 from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused, RequestFailed
-from orbit.serve.samplers import Sampler, Stops, onto
+from orbit.serve.samplers import Stops, onto
 from orbit.serve.sampling_sessions import SamplingSessions, sampler_id, session_of
 from orbit.serve.store import ClientRow, SessionRow, Store
 from orbit.serve.training import Packable, Turns
 from orbit.serve.wire import Sampled
-from orbit.train.shared import SharedBase
 
 log = logging.getLogger(__name__)
 # A pack's bound in tokens (training.py). Each request of a pack is answered when the whole pack is
@@ -55,21 +55,6 @@ log = logging.getLogger(__name__)
 PACK_TOKENS = 1024
 SAMPLES_KEPT = 4096  # samples' requests remembered for resends (service.sample)
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What the engines can load into a slot: any LoRA rank on the embedded engine (None); up to the
-    rank SGLang was started with (the recipe's adapter.r) on SGLang."""
-
-    max_rank: int | None = None
-
-    def check(self, spec: LoraSpec) -> None:
-        if self.max_rank is not None and spec.rank > self.max_rank:
-            raise Refused(
-                f"lora_config.rank: {spec.rank}; these SGLang engines load LoRA ranks up to "
-                f"{self.max_rank} (the recipe's adapter.r: serve with a higher one)"
-            )
 
 
 @dataclass(frozen=True)
@@ -87,36 +72,29 @@ class Quotas:
 
 
 class Service:
-    """One base model (`model`, also known by the names in `names`), its engines (`sampler`), and
-    the state of every tenant's clients, in `store`; checkpoints under `directory`; `threads`: the
-    trainer's torch threads."""
+    """The base models `served` (bases.py: each its engines and the trainer's copy of its weights),
+    and the state of every tenant's clients, in `store`; checkpoints under `directory`; `threads`:
+    the trainer's torch threads (one trainer thread runs every base's requests, in turns)."""
 
     def __init__(
         self,
-        model: Path,
-        names: set[str],
-        sampler: Sampler,
+        served: list[Engines],
         directory: Path,
         store: Store,
         dtype: str = "float32",
-        max_context: int = 4096,
-        vocab_size: int = 0,
-        limits: EngineLimits = EngineLimits(),
         quotas: Quotas = Quotas(),
         threads: int = 1,
         pack_tokens: int = PACK_TOKENS,
     ) -> None:
-        self.model, self.names, self.sampler, self.limits = model, names, sampler, limits
+        self.bases = Bases(served, dtype)
         self.directory, self.store, self.quotas = directory, store, quotas
-        self.max_context, self.vocab_size = max_context, vocab_size
-        self.base = SharedBase(model, dtype)
         self.futures = Futures(store)
         self.turns = Turns(threads, pack_tokens, self._run_pack)
         self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
-        self.checkpoints = Checkpoints(directory / "checkpoints", store, str(model))
+        self.checkpoints = Checkpoints(directory / "checkpoints", store, str(self.bases[0].model))
         self.links = exports.Links(directory / "link-secret")
         self.sessions = SamplingSessions(
-            directory / "snapshots", store, self.checkpoints, sampler, str(model)
+            directory / "snapshots", store, self.checkpoints, self.bases
         )
         self._lock = threading.Lock()
         self._adapters = 0
@@ -233,16 +211,6 @@ class Service:
 
     # -- training clients -------------------------------------------------------------------
 
-    def _public_names(self) -> list[str]:
-        """The base model's names but its absolute paths (where the server keeps its files)."""
-        return sorted(n for n in self.names if not n.startswith("/"))
-
-    def check_base(self, base_model: str) -> None:
-        if base_model not in self.names:
-            shown = self._public_names()  # no refusal shows where the server keeps its files
-            served = " or ".join(shown) if shown else "one base model, by its recipe's model path"
-            raise Refused(f"base_model {str(base_model)[:200]!r}: this orbit serve serves {served}")
-
     def _room(self, tenant: str) -> None:
         """Busy when the tenant has its most requests waiting or running."""
         if self.futures.pending(tenant) >= self.quotas.max_queued:
@@ -265,8 +233,7 @@ class Service:
         metadata: dict[str, Any],
     ) -> Record:
         self._session(tenant, session)
-        self.check_base(base_model)
-        self.limits.check(spec)
+        self.bases.named(base_model).limits.check(spec)
         model_id = f"{session}:train:{seq}"
         if model_id not in self.trainers:
             self._client_room(tenant)
@@ -302,7 +269,7 @@ class Service:
                 return self.trainers[model_id]
             self._adapters += 1
             name = f"c{self._adapters}"
-        trainer = TrainingClient(model_id, name, self.base, spec)
+        trainer = TrainingClient(model_id, name, self.bases.named(base_model).shared, spec)
         now = time.time()
         row = ClientRow(
             id=model_id,
@@ -371,7 +338,7 @@ class Service:
             trainer = self.trainers.pop(model_id, None)
         self.turns.close(model_id, f"training client {model_id!r} {why}")
         if trainer is not None:
-            self.base.remove(trainer.name)
+            trainer.base.remove(trainer.name)
 
     def live(self) -> dict[str, TrainingClient]:
         """Every live training client, by id."""
@@ -382,13 +349,14 @@ class Service:
         row = self._client_row(tenant, model_id)
         if row.end_reason:  # released: as every other call to it
             self.client(tenant, model_id)
+        base = self.bases.named(row.base_model)
         return {
             "type": "get_info",
             "model_id": model_id,
             "model_data": {
-                "arch": self.base.base.config.model_type,
+                "arch": base.shared.base.config.model_type,
                 "model_name": row.base_model,
-                "tokenizer_id": str(self.model),
+                "tokenizer_id": str(base.model),
             },
             "is_lora": True,
             "lora_rank": row.rank,
@@ -432,7 +400,15 @@ class Service:
         return self._ordered(tenant, request.model_id, request.seq_id, kind, work, proto=True)
 
     def _run_pack(self, requests: list[Request]) -> list[Scored | Refused]:
-        return forward_backward_checked(self.base, requests)
+        """A pack's requests, a pass over each base they are on (one pass when they share one)."""
+        answers: list[Scored | Refused | None] = [None] * len(requests)
+        for base in self.bases:
+            mine = [i for i, r in enumerate(requests) if r.client.base is base.shared]
+            if mine:
+                done = forward_backward_checked(base.shared, [requests[i] for i in mine])
+                for i, answer in zip(mine, done, strict=True):
+                    answers[i] = answer
+        return answers  # type: ignore[return-value]  # every request is on a served base
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Record:
         trainer = self.client(tenant, model_id)
@@ -485,7 +461,8 @@ class Service:
         inflight target, which later inflight saves update for every session on it
         (sampling_sessions.py); it lasts as long as its session, so it takes no TTL."""
         trainer = self.client(tenant, model_id)
-        session = self._client_row(tenant, model_id).session
+        row = self._client_row(tenant, model_id)
+        session, base = row.session, row.base_model
         if name is not None:
             self.checkpoints.directory(model_id, "sampler_weights", name)
             expiry(ttl_seconds, 0.0)
@@ -504,9 +481,9 @@ class Service:
                 return {"path": path}
             sampler = sampler_id(session, sampling_seq if sampling_seq is not None else 0)
             if kind == "inflight":
-                self.sessions.publish(tenant, sampler, trainer, self._sampling)
+                self.sessions.publish(tenant, sampler, trainer, base, self._sampling)
             else:
-                self.sessions.snapshot(tenant, sampler, trainer)
+                self.sessions.snapshot(tenant, sampler, trainer, base)
             return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
 
         return self._ordered(tenant, model_id, seq_id, "SaveWeightsForSampler", work)
@@ -562,7 +539,7 @@ class Service:
 
     def delete_checkpoint(self, tenant: str, path: str) -> None:
         self.checkpoints.delete(tenant, path)
-        self.sampler.forget(path)
+        self.bases.forget(path)
 
     def publish_checkpoint(self, tenant: str, path: str, public: bool) -> None:
         self.checkpoints.publish(tenant, path, public)
@@ -602,8 +579,9 @@ class Service:
         self._session(tenant, session)
         found = self._loadable(tenant, path, optimizer)
         made_on, spec = self.checkpoints.made_with(found)
-        if base_model is not None and base_model != made_on and base_model not in self.names:
+        if base_model is not None and not self.bases.same(base_model, made_on):
             raise Refused(f"base_model {base_model[:200]!r}: {path} was made on another model")
+        self.bases.named(made_on).limits.check(spec)  # a base this orbit serve still serves
         base_model = made_on
         new_id = f"{session}:train:{seq}"
         if new_id not in self.trainers:
@@ -686,8 +664,8 @@ class Service:
             found = self.checkpoints.loadable(tenant, model_path)
             base = self.checkpoints.made_with(found)[0]
         else:
-            self.check_base(base_model or "")
-            base = base_model or str(self.model)
+            base = base_model or ""
+        self.bases.named(base)  # one this orbit serve serves
         self.sessions.open(tenant, sampler, base, model_path)
         row = self.store.session(session)
         if row is not None and row.ended is not None:  # it ended meanwhile: not kept
@@ -719,7 +697,8 @@ class Service:
         if targets is not None:
             params = dataclasses.replace(params, prompt_targets=targets.rows())
         weights = self.sessions.weights(tenant, sampler)
-        self._check_prompt(prompt, params.max_new_tokens)
+        base = self.sampling_base(tenant, sampler)
+        base.check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
             raise Refused(f"num_samples: {n}; from 1 to 128")
         key = (tenant, sampler, seq_id)
@@ -734,7 +713,7 @@ class Service:
                 while len(self._samples) > SAMPLES_KEPT:
                     self._samples.popitem(last=False)
         submitted = self._sampling.submit(
-            self.sampler.sample, weights, prompt, params, n, stops, last_n
+            base.sampler.sample, weights, prompt, params, n, stops, last_n
         )
         keep = None
         if keep_sequences:
@@ -753,32 +732,10 @@ class Service:
         submitted.add_done_callback(lambda f: onto(f, record.future, keep, self._sampling, targets))
         return record
 
-    def capabilities(self) -> dict[str, Any]:
-        """The models served (RestClient.get_server_capabilities): the base, by each name it has
-        but the server's own paths (by its path when it has no other)."""
-        names = self._public_names() or [str(self.model)]
-        return {
-            "supported_models": [
-                {
-                    "model_name": name,
-                    "max_context_length": self.max_context,
-                    "trainable": True,
-                    "sampleable": True,
-                }
-                for name in names
-            ]
-        }
+    def sampling_base(self, tenant: str, sampler: str) -> Base:
+        """The base a tenant's sampling session samples."""
+        return self.bases.named(self.sessions.info(tenant, sampler)["base_model"])
 
-    def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
-        if not prompt:
-            raise Refused("prompt: no tokens")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise Refused(
-                f"prompt: token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})"
-            )
-        if len(prompt) + max_tokens > self.max_context:
-            raise Refused(
-                f"sampling_params.max_tokens: {max_tokens} after a prompt of {len(prompt)} tokens "
-                f"passes the engines' context of {self.max_context} tokens"
-            )
+    def capabilities(self) -> dict[str, Any]:
+        """The models served (RestClient.get_server_capabilities)."""
+        return {"supported_models": self.bases.capabilities()}

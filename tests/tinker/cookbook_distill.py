@@ -2,7 +2,8 @@
 math_rl's arithmetic sums, with a teacher that is a checkpoint this service trained: a client of
 its own takes a few cross-entropy steps and saves its sampler's weights, then the student learns
 from the teacher's logprobs of its own samples (the teacher's compute_logprobs). Run in
-.venv-tinker: `python cookbook_distill.py BASE_URL MODEL LOG_PATH`."""
+.venv-tinker: `python cookbook_distill.py BASE_URL MODEL LOG_PATH [TEACHER_MODEL]`: the teacher
+on the student's base model, or on TEACHER_MODEL (another base the service serves)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,17 @@ def teacher(base_url: str, model: str) -> str:
     return client.save_weights_for_sampler("teacher").result().path
 
 
-def config(base_url: str, model: str, log_path: str, teacher_path: str) -> Config:
+def config(
+    base_url: str, model: str, log_path: str, teacher_path: str, teacher_model: str
+) -> Config:
     return Config(
         learning_rate=3e-4,
         dataset_configs=[
             DistillationDatasetConfig(
                 dataset_builder=sums(model),
-                teacher_config=TeacherConfig(base_model=model, load_checkpoint_path=teacher_path),
+                teacher_config=TeacherConfig(
+                    base_model=teacher_model, load_checkpoint_path=teacher_path
+                ),
                 groups_per_batch=2,
             )
         ],
@@ -62,6 +67,7 @@ def config(base_url: str, model: str, log_path: str, teacher_path: str) -> Confi
 
 if __name__ == "__main__":
     url, model_path, log = sys.argv[1:4]
-    path = teacher(url, model_path)
+    teacher_model = sys.argv[4] if len(sys.argv) > 4 else model_path
+    path = teacher(url, teacher_model)
     print(f"TEACHER {path}", flush=True)
-    asyncio.run(main(config(url, model_path, log, path)))
+    asyncio.run(main(config(url, model_path, log, path, teacher_model)))

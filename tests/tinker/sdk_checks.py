@@ -621,6 +621,48 @@ def sampling(service, model):
     }
 
 
+def two_models(service, student, teacher):
+    """Two base models of one service by name: the capabilities list both; a training client on
+    each; the teacher trained a step and saved for a sampler; logprobs of the same tokens from each
+    base's sampler, the teacher's checkpoint's and each client's forward; a model not served."""
+    rest = service.create_rest_client()
+    caps = rest.get_server_capabilities().result()
+    s, t = client(service, student, seed=3), client(service, teacher, seed=3)
+
+    def forward(c) -> list[float]:
+        return logprobs(c.forward([ce(TOKENS)], "cross_entropy").result())[0]
+
+    def prompt(sampler) -> list[float]:
+        return sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]
+
+    before = {"student": forward(s), "teacher": forward(t)}
+    bases = {
+        "student": prompt(service.create_sampling_client(base_model=student)),
+        "teacher": prompt(service.create_sampling_client(base_model=teacher)),
+    }
+    t.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    t.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    saved = t.save_weights_for_sampler("teacher-1").result().path
+    trained = forward(t)
+    from_path = service.create_sampling_client(model_path=saved)
+    sampled = from_path.sample(
+        types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=6, seed=1)
+    ).result()
+    again = service.create_training_client_from_state(t.save_state("teacher-s").result().path)
+    return {
+        "models": [m.model_name for m in caps.supported_models],
+        "before": before,
+        "bases": bases,
+        "trained": trained,
+        "checkpoint": prompt(from_path),
+        "sampled": sampled.sequences[0].tokens,
+        "info": [s.get_info().model_data.model_name, t.get_info().model_data.model_name],
+        "from_state": again.get_info().model_data.model_name,
+        "from_state_forward": forward(again),
+        "nobody": _refused(lambda: client(service, "nobody")),
+    }
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -640,6 +682,7 @@ CHECKS = {
         prompt_logprobs,
         fields,
         sampling,
+        two_models,
     )
 }
 
