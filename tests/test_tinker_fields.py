@@ -14,6 +14,7 @@ import pytest
 from tinker_helpers import sdk, sdk_env, sdk_python, serving
 
 from orbit.serve.bodies import INFORMATIONAL, NOT_SERVED, REQUESTS
+from orbit.serve.keys import LOCAL
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +123,27 @@ def test_a_field_orbit_does_not_serve_is_refused_by_name_and_so_is_an_unknown_on
         path = route.format(session="s", run="r", kind="weights", name="n")
         res = httpx.request(method, f"{url}/api/v1{path}", json={}, timeout=30)
         assert res.status_code == 400 and why in res.json()["detail"], (route, res.text)
+
+
+def test_sessions_searched_and_their_storage(served):
+    url, service, model = served
+    seen = sdk(url, model, "sessions_search")
+    a, b = seen["a"], seen["b"]
+    assert seen["pages"] == [[b], [a], True]  # newest first, a page each
+    assert seen["words"] == [a] and seen["team_sl"] == [b] and seen["errored"] == [b]
+    assert a in seen["active"] and b not in seen["active"]
+    summary = seen["summary"]
+    assert summary["display_name"] == "Nightly sweep alpha" and summary["checkpoints_count"] == 1
+    assert summary["user_metadata"] == {"team": "rl"} and summary["status"]["type"] == "active"
+    saved = service.checkpoints.of(LOCAL)
+    assert summary["checkpoint_storage_bytes"] == sum(c.size_bytes for c in saved if a in c.client)
+    status = seen["b_status"]
+    assert status["type"] == "client_finished" and status["reason"]["type"] == "errored"
+    assert status["detail"] == "diverged"
+    usage = seen["usage"]["data"]
+    assert [u["checkpoint_count"] for u in usage] == [len(saved)]
+    assert usage[0]["size_bytes"] == sum(c.size_bytes for c in saved) > 0
+    assert "someone-else" in seen["other_project"] and "a key is a tenant" in seen["other_project"]
 
 
 def test_what_the_fields_orbit_keeps_do(served):

@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 
 from orbit.engine.base import SamplingParams
-from orbit.serve import exports, provenance, wire
+from orbit.serve import exports, provenance, search, wire
 from orbit.serve.bodies import (
     NOT_SERVED,
     Adam,
@@ -36,8 +36,10 @@ from orbit.serve.bodies import (
     SaveExternal,
     SaveForSampler,
     SaveWeights,
+    SearchSessions,
     SessionHeartbeat,
     SetTtl,
+    StorageUsage,
     Telemetry,
     TensorJson,
     UnloadModel,
@@ -160,9 +162,11 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     async def finish(session: str, request: Request) -> dict[str, Any]:
         data = await fields(request)
         reason = data.get("reason")
-        kind = reason.get("type", "no reason") if isinstance(reason, dict) else "no reason"
-        why = f"finished by its client ({str(kind)[:40]})"
-        service.finish_session(who(request), session, why)
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        detail = data.get("detail")
+        finish = kind if kind in search.FINISHES else None  # the SDK sends one of them
+        detail = str(detail)[:2000] if detail is not None else None
+        service.finish_session(who(request), session, finish, detail)
         return {}
 
     @api.post(f"{v1}/unload_model")
@@ -402,6 +406,15 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     @api.get(v1 + "/sessions/{session}")
     async def session_info(request: Request, session: str) -> dict[str, Any]:
         return service.session_info(who(request), session)
+
+    @api.post(f"{v1}/sessions/search")
+    async def search_sessions(request: Request) -> dict[str, Any]:
+        return service.search_sessions(who(request), await body(request, SearchSessions))
+
+    @api.get(f"{v1}/billing/usage/checkpoints/current")
+    async def storage_usage(request: Request) -> dict[str, Any]:
+        req = StorageUsage.model_validate(dict(request.query_params))
+        return service.storage_usage(who(request), req.project_id)
 
     # ---- the SDK's routes Orbit does not serve: each a 400 naming why (not a 501: the SDK
     # retries every 5xx for five minutes) --------------------------------------------------------

@@ -236,6 +236,45 @@ class SetTtl(Body):
 
 
 # The SDK's request type -> Orbit's model of it, for every request type Orbit serves
+class StatusQuery(BaseModel):
+    """A session status searched for (the SDK's SessionStatusQuery)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(None, min_length=1)
+
+
+class Owner(BaseModel):
+    """Whose sessions a search looks at (the SDK's SearchOwner)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = None
+
+
+class Cursor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    last_created_at: str
+    last_session_id: str
+
+
+class SearchSessions(Body):
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = {}
+    display_name: str | None = Field(None, min_length=1)
+    owner: Owner = Owner()
+    statuses: list[StatusQuery] | None = Field(None, min_length=1)
+    limit: int = Field(50, ge=1, le=200)
+    cursor: Cursor | None = None
+
+
+class StorageUsage(Body):
+    """Its query parameters (GET, no body)."""
+
+    project_id: str | None = None
+
+
 REQUESTS: dict[str, type[Body]] = {
     "ClientConfigRequest": ClientConfig,
     "CreateSessionRequest": CreateSession,
@@ -252,6 +291,8 @@ REQUESTS: dict[str, type[Body]] = {
     "CreateSamplingSessionRequest": CreateSampler,
     "SampleRequest": Sample,
     "FutureRetrieveRequest": RetrieveFuture,
+    "SessionSearchRequest": SearchSessions,
+    "GetCurrentCheckpointStorageUsageRequest": StorageUsage,
 }
 
 # The SDK's routes Orbit does not serve: (method, route under /api/v1, the SDK's request type if it
@@ -278,13 +319,6 @@ NOT_SERVED: list[tuple[str, str, str, str]] = [
         "a sampling session is used by the client that made it",
     ),
     ("GET", "/billing/usage/events", "GetBillingUsageRequest", "Orbit bills nobody"),
-    (
-        "GET",
-        "/billing/usage/checkpoints/current",
-        "GetCurrentCheckpointStorageUsageRequest",
-        "list_user_checkpoints gives each checkpoint's size",
-    ),
-    ("POST", "/sessions/search", "SessionSearchRequest", "list_sessions lists a key's sessions"),
     ("PUT", "/sessions/{session}/project", "", "Orbit has no projects: a key is a tenant"),
     ("GET", "/sessions/{session}/trace_export", "", "Orbit records no traces"),
     ("GET", "/audit", "", "Orbit keeps no audit log"),

@@ -40,6 +40,7 @@ class Checkpoint:
     expires: float | None = None  # its TTL's end (time.time); None: never
     user_metadata: dict[str, str] | None = None
     public: bool = False  # published: other tenants may sample and load it
+    size_bytes: int = 0  # on disk, as saved
 
 
 def checkpoint_path(client: str, kind: str, name: str) -> str:
@@ -64,7 +65,7 @@ def rest_checkpoint(c: Checkpoint) -> dict[str, Any]:
         "checkpoint_type": TYPES[c.kind],
         "time": iso(c.time),
         "tinker_path": c.path,
-        "size_bytes": _size(c.directory) if c.directory.is_dir() else 0,
+        "size_bytes": c.size_bytes,
         "public": c.public,
         "expires_at": iso(c.expires) if c.expires is not None else None,
         "user_metadata": c.user_metadata,
@@ -103,6 +104,7 @@ def _of(row: CheckpointRow) -> Checkpoint:
         row.expires,
         row.user_metadata,
         bool(row.public),
+        row.size_bytes,
     )
 
 

@@ -29,8 +29,9 @@ from typing import Any
 
 from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
-from orbit.serve import exports, provenance, wire
+from orbit.serve import exports, provenance, search, wire
 from orbit.serve.bases import Base, Bases, Engines
+from orbit.serve.bodies import SearchSessions
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, files, iso, rest_checkpoint
 from orbit.serve.clients import (
     AdamParams,
@@ -158,6 +159,18 @@ class Service:
             "display_name": row.display_name,
         }
 
+    def search_sessions(self, tenant: str, query: SearchSessions) -> dict[str, Any]:
+        """RestClient.search_sessions: a page of the tenant's sessions (search.py)."""
+        saved: dict[str, list[Checkpoint]] = {}
+        for c in self.checkpoints.of(tenant):
+            saved.setdefault(c.client.split(":")[0], []).append(c)
+        rows = self.store.sessions(tenant)
+        return search.search(tenant, rows, query, lambda s: saved.get(s, []))
+
+    def storage_usage(self, tenant: str, project: str | None) -> dict[str, Any]:
+        """get_current_checkpoint_storage_usage: the tenant's checkpoints' bytes (search.py)."""
+        return search.usage(tenant, project, self.checkpoints.of(tenant))
+
     def _session(self, tenant: str, session: str) -> SessionRow:
         """The tenant's session, while it lasts (Gone once it ended)."""
         row = self.store.session(session)
@@ -171,14 +184,18 @@ class Service:
         self._session(tenant, session)
         self.store.seen(session)
 
-    def finish_session(self, tenant: str, session: str, why: str) -> None:
-        """The session ends: its training clients and sampling sessions are released, after the
-        request the trainer is running (their saved checkpoints stay). Again, or after it ended:
-        nothing more (the first reason stays)."""
+    def finish_session(
+        self, tenant: str, session: str, finish: str | None, detail: str | None = None
+    ) -> None:
+        """Its client finished the session (`finish`: success, errored or interrupted, as
+        ServiceClient.close says; None: it said none): its training clients and sampling sessions
+        are released, after the request the trainer is running (their saved checkpoints stay).
+        Again, or after it ended: nothing more (the first reason stays)."""
         row = self.store.session(session)
         if row is None or row.tenant != tenant:
             raise NotFound(f"no session {session!r}")
-        self.store.end_session(session, why)
+        why = f"finished by its client ({finish or 'no reason'})"
+        self.store.end_session(session, why, finish, detail)
         self._release_ended_soon()
 
     def _release_ended_soon(self) -> None:

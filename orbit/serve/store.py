@@ -63,6 +63,9 @@ class SessionRow(Base):
     end_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     tags: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     display_name: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # how its client finished it (ServiceClient.close): success, errored or interrupted
+    finish: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    finish_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class ClientRow(Base):
@@ -252,13 +255,17 @@ class Store:
                 update(SessionRow).where(SessionRow.id == session_id).values(seen=time.time())
             )
 
-    def end_session(self, session_id: str, reason: str) -> None:
-        """Mark the session ended (the first reason stays)."""
+    def end_session(
+        self, session_id: str, reason: str, finish: str | None = None, detail: str | None = None
+    ) -> None:
+        """Mark the session ended (the first reason stays); `finish` and `detail`: how its client
+        finished it, when it did."""
+        ended = {"ended": time.time(), "end_reason": reason, "finish": finish}
         with self._tx() as s:
             s.execute(
                 update(SessionRow)
                 .where(SessionRow.id == session_id, SessionRow.ended.is_(None))
-                .values(ended=time.time(), end_reason=reason)
+                .values(**ended, finish_detail=detail)
             )
 
     def silent_sessions(self, since: float) -> list[str]:

@@ -593,6 +593,48 @@ def fields(service, model):
     }
 
 
+def sessions_search(service, model):
+    """RestClient.search_sessions over sessions made with display names and metadata (one closed
+    as errored), page by page, and the checkpoint storage usage; a project not the key's."""
+    url = os.environ["TINKER_BASE_URL"]
+    a = tinker.ServiceClient(
+        base_url=url, display_name="Nightly sweep alpha", user_metadata={"team": "rl"}
+    )
+    trained = client(a, model, seed=1)
+    trained.save_state("searched").result()
+    b = tinker.ServiceClient(
+        base_url=url, display_name="nightly beta", user_metadata={"team": "sl"}
+    )
+    other = client(b, model, seed=2)
+    b.close("errored", detail="diverged").result()
+    rest = service.create_rest_client()
+
+    def search(**kw) -> tuple[list[str], object]:
+        page = rest.search_sessions(types.SessionSearchRequest(**kw)).result()
+        return [s.session_id for s in page.sessions], page
+
+    first, page = search(display_name="nightly", limit=1)
+    second, last = search(display_name="nightly", limit=1, cursor=page.next_cursor)
+    words, found = search(display_name="ALPHA nightly")
+    finished = types.ClientFinishedSessionStatusQuery(reasons=["errored"])
+    usage = rest.get_current_checkpoint_storage_usage().result()
+    return {
+        "a": trained.model_id.split(":")[0],
+        "b": other.model_id.split(":")[0],
+        "pages": [first, second, last.next_cursor is None],
+        "words": words,
+        "summary": found.sessions[0].model_dump(mode="json"),
+        "team_sl": search(user_metadata={"team": "sl"})[0],
+        "active": search(statuses=[types.ActiveSessionStatusQuery()], limit=200)[0],
+        "errored": search(statuses=[finished])[0],
+        "b_status": search(session_id=other.model_id.split(":")[0])[1]
+        .sessions[0]
+        .status.model_dump(mode="json"),
+        "usage": usage.model_dump(mode="json"),
+        "other_project": _refused(lambda: search(project_ids=["someone-else"])),
+    }
+
+
 def sampling(service, model):
     """SamplingParams as the engines honour them, and sampling from the base model."""
     base = service.create_sampling_client(base_model=model)
@@ -683,6 +725,7 @@ CHECKS = {
         fields,
         sampling,
         two_models,
+        sessions_search,
     )
 }
 
