@@ -14,6 +14,7 @@ import pytest
 from tinker_helpers import sdk, sdk_env, sdk_python, serving
 
 from orbit.serve.bodies import INFORMATIONAL, NOT_SERVED, REQUESTS
+from orbit.serve.futures import Gone
 from orbit.serve.keys import LOCAL
 
 pytestmark = pytest.mark.slow
@@ -144,6 +145,21 @@ def test_sessions_searched_and_their_storage(served):
     assert [u["checkpoint_count"] for u in usage] == [len(saved)]
     assert usage[0]["size_bytes"] == sum(c.size_bytes for c in saved) > 0
     assert "someone-else" in seen["other_project"] and "a key is a tenant" in seen["other_project"]
+
+
+def test_a_checkpoint_copied_continues_exactly_and_its_run_is_not_trained(served):
+    url, service, model = served
+    seen = sdk(url, model, "copies")
+    assert seen["copied"] != seen["source"] and seen["copied"].endswith("/weights/to-copy")
+    assert seen["metadata"] == {"why": "archive"} and seen["expires"] not in (None, "None")
+    a, b = seen["continued"]
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-6
+    assert seen["run"]["model_owner"] == LOCAL and seen["run"]["lora_rank"] == 4
+    run = seen["copied"].removeprefix("tinker://").split("/")[0]
+    with pytest.raises(Gone, match="holds a copy of .*cannot be trained on"):
+        service.client(LOCAL, run)
+    assert "someone-else" in seen["other_project"] and "ttl_seconds: 60" in seen["short_ttl"]
+    assert "weights_access_token" in seen["token"]
 
 
 def test_what_the_fields_orbit_keeps_do(served):

@@ -24,6 +24,7 @@ from orbit.serve.bodies import (
     Adam,
     Body,
     ClientConfig,
+    CopyWeights,
     CreateModel,
     CreateSampler,
     CreateSession,
@@ -406,6 +407,13 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     @api.get(v1 + "/sessions/{session}")
     async def session_info(request: Request, session: str) -> dict[str, Any]:
         return service.session_info(who(request), session)
+
+    @api.post(f"{v1}/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        req = await body(request, CopyWeights)
+        if request.headers.get("X-Tinker-Weights-Access-Token"):  # where the SDK sends it
+            raise Refused(f"weights_access_token: {CopyWeights.UNSERVED['weights_access_token']}")
+        return service.copy_weights(who(request), req)
 
     @api.post(f"{v1}/sessions/search")
     async def search_sessions(request: Request) -> dict[str, Any]:

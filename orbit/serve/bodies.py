@@ -236,6 +236,19 @@ class SetTtl(Body):
 
 
 # The SDK's request type -> Orbit's model of it, for every request type Orbit serves
+class CopyWeights(Body):
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    destination_project_id: str | None = None
+    source_path: str
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+    UNSERVED = {
+        "weights_access_token": "a key copies its own checkpoints and those published to it "
+        "(publish_checkpoint)"
+    }
+
+
 class StatusQuery(BaseModel):
     """A session status searched for (the SDK's SessionStatusQuery)."""
 
@@ -292,18 +305,13 @@ REQUESTS: dict[str, type[Body]] = {
     "SampleRequest": Sample,
     "FutureRetrieveRequest": RetrieveFuture,
     "SessionSearchRequest": SearchSessions,
+    "CopyWeightsRequest": CopyWeights,
     "GetCurrentCheckpointStorageUsageRequest": StorageUsage,
 }
 
 # The SDK's routes Orbit does not serve: (method, route under /api/v1, the SDK's request type if it
 # has one, why); each answers 400 with the reason (the SDK retries any 5xx for minutes)
 NOT_SERVED: list[tuple[str, str, str, str]] = [
-    (
-        "POST",
-        "/copy_weights",
-        "CopyWeightsRequest",
-        "Orbit has no projects to copy weights between",
-    ),
     (
         "POST",
         "/create_custom_loss",

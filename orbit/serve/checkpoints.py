@@ -187,6 +187,18 @@ class Checkpoints:
         self._record(path, tenant, client, kind, name, directory, now, expires, user_metadata)
         return path
 
+    def copy(self, tenant: str, found: Checkpoint, run: str, ttl_seconds: int | None) -> str:
+        """`found` (the tenant's, or published) copied whole under the tenant's training run `run`,
+        with its kind, name and metadata and a TTL of its own: the copy's path."""
+
+        def fill(directory: Path) -> None:
+            for f in files(found):
+                shutil.copy2(found.directory / f, directory / f)
+
+        return self.save(
+            tenant, run, found.kind, found.name, fill, False, ttl_seconds, found.user_metadata
+        )
+
     def _record(
         self,
         path: str,

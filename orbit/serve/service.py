@@ -31,7 +31,7 @@ from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
 from orbit.serve import exports, provenance, search, wire
 from orbit.serve.bases import Base, Bases, Engines
-from orbit.serve.bodies import SearchSessions
+from orbit.serve.bodies import CopyWeights, SearchSessions
 from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, files, iso, rest_checkpoint
 from orbit.serve.clients import (
     AdamParams,
@@ -557,6 +557,48 @@ class Service:
     def delete_checkpoint(self, tenant: str, path: str) -> None:
         self.checkpoints.delete(tenant, path)
         self.bases.forget(path)
+
+    def copy_weights(self, tenant: str, req: CopyWeights) -> dict[str, Any]:
+        """RestClient.copy_weights: a checkpoint (the tenant's, or published) copied to a new
+        training run of the tenant's, which cannot be trained on: `{session}:train:{model_seq_id}`
+        in a session of the tenant's, or a run of its own in the tenant's one project."""
+        if req.session_id is not None:
+            self._session(tenant, req.session_id)
+            if req.model_seq_id is None:
+                raise Refused("model_seq_id: give it with session_id (the run's place)")
+            run = f"{req.session_id}:train:{req.model_seq_id}"
+            if self.store.client(run) is not None:
+                raise Refused(f"model_seq_id: {req.model_seq_id}; the session has a run {run!r}")
+        else:
+            if req.destination_project_id is None:
+                raise Refused("destination_project_id: give one, or session_id and model_seq_id")
+            search.check_projects(tenant, [req.destination_project_id])
+            run = f"copy-{uuid.uuid4().hex[:12]}:train:0"
+        if req.ttl_seconds is not None and req.ttl_seconds < 3600:
+            raise Refused(f"ttl_seconds: {req.ttl_seconds}; a copy lasts an hour (3600) or more")
+        found = self.checkpoints.loadable(tenant, req.source_path)
+        made_on, spec = self.checkpoints.made_with(found)
+        now = time.time()
+        row = ClientRow(
+            id=run,
+            instance=self.store.instance,
+            tenant=tenant,
+            session=run.split(":")[0],
+            base_model=made_on,
+            rank=spec.rank,
+            seed=spec.seed,
+            train_attn=spec.train_attn,
+            train_mlp=spec.train_mlp,
+            train_unembed=spec.train_unembed,
+            user_metadata={},
+            created=now,
+            last_request=now,
+            alive=False,
+            end_reason=f"holds a copy of {req.source_path}: it cannot be trained on",
+        )
+        path = self.checkpoints.copy(tenant, found, run, req.ttl_seconds)
+        self.store.add_client(row)  # after: a copy that failed leaves no run behind
+        return {"tinker_path": path}
 
     def publish_checkpoint(self, tenant: str, path: str, public: bool) -> None:
         self.checkpoints.publish(tenant, path, public)

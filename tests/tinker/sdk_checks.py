@@ -635,6 +635,44 @@ def sessions_search(service, model):
     }
 
 
+def copies(service, model):
+    """RestClient.copy_weights: a training checkpoint copied into the key's one project (its
+    name: a session's project_id), a client made from the copy (it continues exactly), the copy's
+    run (not trainable), and what is refused."""
+    rest = service.create_rest_client()
+    a = client(service, model, seed=47)
+    a.forward_backward([ce(TOKENS)], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    source = a.save_state("to-copy", user_metadata={"why": "archive"}).result().path
+    session = a.model_id.split(":")[0]
+    page = rest.search_sessions(types.SessionSearchRequest(session_id=session)).result()
+    project = page.sessions[0].project_id
+    copied = rest.copy_weights(source, project, ttl_seconds=7200).result()
+    listed = [
+        c for c in rest.list_user_checkpoints().result().checkpoints if c.tinker_path == copied
+    ]
+    b = service.create_training_client_from_state_with_optimizer(copied)
+    for c in (a, b):
+        c.forward_backward([ce(TOKENS)], "cross_entropy").result()
+        c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    run = copied.removeprefix("tinker://").split("/")[0]
+    return {
+        "source": source,
+        "copied": copied,
+        "metadata": listed[0].user_metadata if listed else None,
+        "expires": str(listed[0].expires_at) if listed else None,
+        "continued": [
+            logprobs(c.forward([ce(TOKENS)], "cross_entropy").result())[0] for c in (a, b)
+        ],
+        "run": rest.get_training_run(run).result().model_dump(mode="json"),
+        "other_project": _refused(lambda: rest.copy_weights(source, "someone-else").result()),
+        "short_ttl": _refused(lambda: rest.copy_weights(source, project, ttl_seconds=60).result()),
+        "token": _refused(
+            lambda: rest.copy_weights(source, project, weights_access_token="t").result()
+        ),
+    }
+
+
 def sampling(service, model):
     """SamplingParams as the engines honour them, and sampling from the base model."""
     base = service.create_sampling_client(base_model=model)
@@ -726,6 +764,7 @@ CHECKS = {
         sampling,
         two_models,
         sessions_search,
+        copies,
     )
 }
 
