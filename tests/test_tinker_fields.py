@@ -160,6 +160,8 @@ def test_a_checkpoint_copied_continues_exactly_and_its_run_is_not_trained(served
         service.client(LOCAL, run)
     assert "someone-else" in seen["other_project"] and "ttl_seconds: 60" in seen["short_ttl"]
     assert "weights_access_token" in seen["token"]
+    # a session is in its key's one project: assigned to it, nothing changes; to another, refused
+    assert seen["assigned"] == "" and "someone-else" in seen["assigned_other"]
 
 
 def test_what_the_fields_orbit_keeps_do(served):

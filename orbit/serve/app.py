@@ -408,6 +408,14 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     async def session_info(request: Request, session: str) -> dict[str, Any]:
         return service.session_info(who(request), session)
 
+    @api.put(v1 + "/sessions/{session}/project")
+    async def assign_project(request: Request, session: str) -> dict[str, Any]:
+        """RestClient.assign_session_project: a session is in its key's one project already."""
+        project = (await fields(request)).get("project_id")
+        service.session_info(who(request), session)  # the key's, or not found
+        search.check_projects(who(request), [str(project)])
+        return {}
+
     @api.post(f"{v1}/copy_weights")
     async def copy_weights(request: Request) -> dict[str, Any]:
         req = await body(request, CopyWeights)

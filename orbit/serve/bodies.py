@@ -327,7 +327,6 @@ NOT_SERVED: list[tuple[str, str, str, str]] = [
         "a sampling session is used by the client that made it",
     ),
     ("GET", "/billing/usage/events", "GetBillingUsageRequest", "Orbit bills nobody"),
-    ("PUT", "/sessions/{session}/project", "", "Orbit has no projects: a key is a tenant"),
     ("GET", "/sessions/{session}/trace_export", "", "Orbit records no traces"),
     ("GET", "/audit", "", "Orbit keeps no audit log"),
     ("GET", "/auth/token", "", "Orbit takes its keys as they are (X-API-Key)"),

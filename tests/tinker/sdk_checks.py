@@ -670,6 +670,10 @@ def copies(service, model):
         "token": _refused(
             lambda: rest.copy_weights(source, project, weights_access_token="t").result()
         ),
+        "assigned": _refused(lambda: rest.assign_session_project(session, project).result()),
+        "assigned_other": _refused(
+            lambda: rest.assign_session_project(session, "someone-else").result()
+        ),
     }
 
 
