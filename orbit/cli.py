@@ -245,7 +245,9 @@ def serve(
     with _run_errors("the service", on_ctrl_c="stopped"):
         try:
             checked = preflight(load_recipe(recipe))
-            served(checked.recipe)  # serve.models too, before any engine starts
+            written = str((yaml.safe_load(recipe.read_text()) or {}).get("model", recipe))
+            names = {written, *name}
+            served(checked.recipe, names)  # serve.models and every name, before any engine starts
         except RecipeError as err:
             _fail(f"bad recipe {recipe}:\n{err}")
         if max_clients < 1 or max_queued < 1:
@@ -268,8 +270,7 @@ def serve(
             _fail(str(err))
         from orbit.serve.command import serve as run_serve
 
-        written = str((yaml.safe_load(recipe.read_text()) or {}).get("model", checked.recipe.model))
-        run_serve(checked.recipe, {written, *name}, options, console, watch)
+        run_serve(checked.recipe, names, options, console, watch)
 
 
 @app.command()

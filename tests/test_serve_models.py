@@ -40,6 +40,9 @@ def test_a_student_and_a_teacher_each_on_its_own_base(tiny_llama, tiny_qwen2, tm
     # the teacher's checkpoint samples on the teacher's engines, with the step it took
     assert _diff(seen["trained"], seen["before"]["teacher"]) > 1e-3
     assert _diff(seen["checkpoint"], seen["trained"]) <= ENGINE_AGREEMENT
+    assert _diff(seen["snapshot"], seen["trained"]) <= ENGINE_AGREEMENT
+    # the teacher's state is not loaded into the student (whatever their shapes)
+    assert "made on another base model than this client's (student)" in seen["across"]
     assert len(seen["sampled"]) == 6
     # a client made from the teacher's state is on the teacher, where it left off
     assert seen["info"] == ["student", "teacher"] and seen["from_state"] == "teacher"
@@ -62,6 +65,12 @@ def test_what_a_recipe_says_about_the_models_it_serves(tiny_llama, tiny_qwen2, t
         served(recipe({"models": [{"model": str(tmp_path / "none")}]}))
     with pytest.raises(RecipeError, match=r"serve.models\[0\].model: .* is served already"):
         served(recipe({"models": [{"model": str(tiny_llama)}]}))
+    # a name --name gives the first, given to another too; or another's path
+    teacher_t = recipe({"models": [{"model": str(tiny_qwen2), "names": ["t"]}]})
+    with pytest.raises(RecipeError, match=r"serve.models\[0\].names: 't' is also a name of model:"):
+        served(teacher_t, ["t"])
+    with pytest.raises(RecipeError, match=r"serve.models\[0\].names: .*qwen2.* is also a name"):
+        served(recipe({"models": [{"model": str(tiny_qwen2)}]}), [str(tiny_qwen2)])
     teacher = {
         "model": str(tiny_qwen2),
         "names": ["t"],

@@ -21,7 +21,7 @@ from alembic.migration import MigrationContext
 
 from orbit.serve.futures import Futures, RequestFailed, result_of
 from orbit.serve.keys import Keys, KeysError, read_keys, tenant_of
-from orbit.serve.store import Base, ClientRow, Outcome, Store
+from orbit.serve.store import Base, ClientRow, Outcome, Store, migrate
 
 
 def _store(tmp_path, instance: str = "host:/serve") -> Store:
@@ -44,6 +44,26 @@ def test_the_migrations_make_the_declared_schema(tmp_path):
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     store.close()
     _store(tmp_path).close()  # opening it again migrates nothing and fails nothing
+
+
+def test_sessions_a_client_finished_before_0007_keep_how(tmp_path):
+    """Migration 0007 reads how a client finished its session from the end reason the service
+    wrote before it stored it."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'serve.db'}")
+    migrate(engine, "0006")
+    insert = text(
+        "INSERT INTO sessions (id, tenant, user_metadata, created, seen, ended, end_reason) "
+        "VALUES (:id, 't', '{}', 1.0, 1.0, 2.0, :why)"
+    )
+    with engine.begin() as connection:
+        connection.execute(insert, {"id": "a", "why": "finished by its client (errored)"})
+        connection.execute(insert, {"id": "b", "why": "no heartbeat for 300 s"})
+    engine.dispose()
+    store = _store(tmp_path)  # migrates to the newest
+    assert store.session("a").finish == "errored" and store.session("b").finish is None
+    store.close()
 
 
 def test_a_restart_fails_its_running_futures_and_answers_the_rest(tmp_path):

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import Future
 
 import httpx
 import pytest
 from tinker_helpers import sdk, sdk_env, sdk_python, serving
 
 from orbit.serve.bodies import INFORMATIONAL, NOT_SERVED, REQUESTS
-from orbit.serve.futures import Gone
+from orbit.serve.futures import Gone, RequestFailed
 from orbit.serve.keys import LOCAL
 
 pytestmark = pytest.mark.slow
@@ -162,6 +163,36 @@ def test_a_checkpoint_copied_continues_exactly_and_its_run_is_not_trained(served
     assert "weights_access_token" in seen["token"]
     # a session is in its key's one project: assigned to it, nothing changes; to another, refused
     assert seen["assigned"] == "" and "someone-else" in seen["assigned_other"]
+
+
+def test_a_copy_into_a_sessions_run_takes_that_run(served):
+    """copy_weights with session_id and model_seq_id (the SDK's wire; its method sends a project):
+    the run is the copy's, and a training client made later in its place is refused."""
+    url, service, model = served
+    key = {"X-API-Key": "tml-x"}
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/api/v1/{route}", json=body, headers=key, timeout=60)
+
+    session = post("create_session", {"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+
+    def create(seq: int) -> Future:
+        body = {"session_id": session, "model_seq_id": seq, "base_model": str(model)}
+        made = post("create_model", {**body, "lora_config": {"rank": 4}})
+        return service.futures.get(made.json()["request_id"], LOCAL).future
+
+    create(0).result(60)
+    run = f"{session}:train:0"
+    save = lambda d: service.client(LOCAL, run).save(d, True)  # noqa: E731
+    source = service.checkpoints.save(LOCAL, run, "weights", "src", save, False)
+    copy = {"session_id": session, "model_seq_id": 5, "source_path": source}
+    res = post("copy_weights", copy)
+    assert res.status_code == 200, res.text
+    assert res.json()["tinker_path"].startswith(f"tinker://{session}:train:5/")
+    again = post("copy_weights", copy)
+    assert again.status_code == 400 and "has a run" in again.json()["detail"]
+    with pytest.raises(RequestFailed, match="exists; it holds a copy of"):
+        create(5).result(60)
 
 
 def test_what_the_fields_orbit_keeps_do(served):

@@ -14,6 +14,7 @@ import json
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 
@@ -148,6 +149,8 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     @api.post(f"{v1}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         req = await body(request, CreateSession)
+        if req.project_id is not None:  # the key's one project, or refused
+            search.check_projects(who(request), [req.project_id])
         session = service.create_session(
             who(request), req.user_metadata or {}, req.tags, req.display_name
         )
@@ -413,7 +416,9 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         """RestClient.assign_session_project: a session is in its key's one project already."""
         project = (await fields(request)).get("project_id")
         service.session_info(who(request), session)  # the key's, or not found
-        search.check_projects(who(request), [str(project)])
+        if not isinstance(project, str):
+            raise Refused("project_id: required, a string")
+        search.check_projects(who(request), [project])
         return {}
 
     @api.post(f"{v1}/copy_weights")
@@ -421,7 +426,9 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         req = await body(request, CopyWeights)
         if request.headers.get("X-Tinker-Weights-Access-Token"):  # where the SDK sends it
             raise Refused(f"weights_access_token: {CopyWeights.UNSERVED['weights_access_token']}")
-        return service.copy_weights(who(request), req)
+        key = request.headers.get("X-Idempotency-Key")
+        # it waits for the trainer's thread: off the event loop
+        return await run_in_threadpool(service.copy_weights, who(request), req, key)
 
     @api.post(f"{v1}/sessions/search")
     async def search_sessions(request: Request) -> dict[str, Any]:

@@ -4,8 +4,8 @@ what its engines take (context, vocabulary, LoRA ranks).
 
 A client names a base by any of its names: the recipe's `model:` as written, its absolute path, and
 the names the recipe gives it (`serve.names`, `serve.models[i].names`, `--name`). A name belongs to
-one base. Refusals and `get_server_capabilities` show the names but the absolute paths (where the
-server keeps its files).
+one base. Refusals show the names but the absolute paths (where the server keeps its files);
+`get_server_capabilities` shows a base by its path only when it has no other name.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class Bases:
         """The base a client names; Refused, naming what is served, when none is called so."""
         found = self.find(name)
         if found is None:
-            served = self._shown()
-            raise Refused(f"base_model {str(name)[:200]!r}: this orbit serve serves {served}")
+            asked = "a model by its path" if str(name).startswith("/") else repr(str(name)[:200])
+            raise Refused(f"base_model {asked}: this orbit serve serves {self._shown()}")
         return found
 
     def same(self, a: str, b: str) -> bool:

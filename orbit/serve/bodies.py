@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, AwareDatetime, BaseModel, ConfigDict, Field
 
 from orbit.serve.futures import Refused
 
@@ -55,7 +55,6 @@ class CreateSession(Body):
     project_id: str | None = None
     display_name: str | None = None
     type: str = "create_session"
-    UNSERVED = {"project_id": "Orbit has no projects: a key is a tenant"}
 
 
 class SessionHeartbeat(Body):
@@ -235,7 +234,6 @@ class SetTtl(Body):
     ttl_seconds: int | None = None
 
 
-# The SDK's request type -> Orbit's model of it, for every request type Orbit serves
 class CopyWeights(Body):
     session_id: str | None = None
     model_seq_id: int | None = None
@@ -267,7 +265,7 @@ class Owner(BaseModel):
 
 class Cursor(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    last_created_at: str
+    last_created_at: AwareDatetime
     last_session_id: str
 
 
@@ -288,6 +286,7 @@ class StorageUsage(Body):
     project_id: str | None = None
 
 
+# The SDK's request type -> Orbit's model of it, for every request type Orbit serves
 REQUESTS: dict[str, type[Body]] = {
     "ClientConfigRequest": ClientConfig,
     "CreateSessionRequest": CreateSession,

@@ -144,8 +144,9 @@ def serving(
 
 def served(recipe: Recipe, names: Iterable[str] = ()) -> list[tuple[Recipe, set[str]]]:
     """The recipe's base models, each checked (preflight: serve.models' are named by their place)
-    with every name it has: as written, its absolute path, and the names given. RecipeError for a
-    checkpoint served twice."""
+    with every name it has: as written, its absolute path, and the names given (`names`: the first
+    one's besides its serve.names). RecipeError for a checkpoint served twice or a name given to
+    two."""
     bases: list[tuple[Recipe, set[str]]] = []
     for i, (base, given) in enumerate(recipe.bases()):
         where = "" if i == 0 else f"serve.models[{i - 1}]."
@@ -161,7 +162,18 @@ def served(recipe: Recipe, names: Iterable[str] = ()) -> list[tuple[Recipe, set[
                 "it more names in its serve.names or serve.models[i].names)"
             )
         extra = set(names) if i == 0 else set()
-        bases.append((base, {*given, *extra, str(base.model), str(model)}))
+        mine = {*given, *extra, str(base.model), str(model)}
+        for earlier, (other, theirs) in enumerate(bases):
+            both = sorted(mine & theirs)
+            if both:
+                first = (
+                    "model: (its names, --name)" if earlier == 0 else f"serve.models[{earlier - 1}]"
+                )
+                raise RecipeError(
+                    f"{where}names: {both[0]!r} is also a name of {first} ({other.model}); a name "
+                    "names one model"
+                )
+        bases.append((base, mine))
     return bases
 
 

@@ -50,8 +50,8 @@ def state(service: Service) -> dict[str, Any]:
         )
     latency = service.futures.latencies()
     caches = [
-        (f"{(base.public_names() or [base.model.name])[0]} #{i}", cache)
-        for base in service.bases
+        (f"{(base.public_names() or [f'base {b}'])[0]} #{i}", cache)
+        for b, base in enumerate(service.bases)
         for i, cache in enumerate(base.sampler.caches)
     ]
     serving = [cache.serving() for _, cache in caches]

@@ -40,9 +40,16 @@ def sequence_ids(request_id: str, n: int) -> list[str]:
 
 
 def records(
-    tenant: str, session: str, prompt: list[int], ids: list[str], sampled: Sampled, now: float
+    tenant: str,
+    session: str,
+    prompt: list[int],
+    ids: list[str],
+    sampled: Sampled,
+    now: float,
+    base: str | None = None,
 ) -> list[RecordedRow]:
-    """The rows recording a sample request's sequences, each under its sequence_id."""
+    """The rows recording a sample request's sequences, each under its sequence_id; `base`: the
+    base model its sampling session samples."""
     return [
         RecordedRow(
             id=sid,
@@ -52,6 +59,7 @@ def records(
             tokens=list(seq.tokens),
             logprobs=torch.tensor(seq.logprobs, dtype=torch.float32).numpy().tobytes(),
             used=now,
+            base=base,
         )
         for sid, seq in zip(ids, sampled.sequences, strict=True)
     ]
@@ -82,11 +90,16 @@ Lookup = Callable[[str, list[str]], dict[str, RecordedRow]]
 
 
 def resolve(
-    data: list[Datum], tenant: str, session: str, lookup: Lookup
+    data: list[Datum],
+    tenant: str,
+    session: str,
+    lookup: Lookup,
+    on_base: Callable[[str], bool] = lambda _: True,
 ) -> tuple[list[Datum], float]:
     """stable_reinforce's datums: each with `logprobs` the sampler's recorded ones at its sampled
     positions (0 at prompt ones) and `sampled` 1 there; and the largest difference between the
-    client's `logprobs` and the recorded ones (0 when it sent none). ProvenanceError names what
+    client's `logprobs` and the recorded ones (0 when it sent none). `on_base`: whether a base
+    model (as a sampling session names it) is the training client's. ProvenanceError names what
     does not hold."""
     check_tiling(data)
     for i, d in enumerate(data):
@@ -107,6 +120,12 @@ def resolve(
     for i, d in enumerate(data):
         for sid in sorted({s.sequence_id for s in _spans(d)}):
             _check_owner(i, sid, found.get(sid), tenant, session)
+            base = found[sid].base
+            if base is not None and not on_base(base):  # its logprobs are another model's
+                raise ProvenanceError(
+                    f"datum {i}: sequence_id {sid!r} was sampled from another base model than "
+                    "this training client's: its logprobs are not this policy's behaviour"
+                )
         assert d.input_spans is not None and d.target_spans is not None
         _claims(i, "model_input", d.tokens, d.input_spans, found)
         targets = d.inputs["target_tokens"].to(torch.int64).tolist()

@@ -61,7 +61,7 @@ def search(
         (r for r in rows if _matches(r, query)), key=lambda r: (_when(r), r.id), reverse=True
     )
     if query.cursor is not None:
-        last = (datetime.fromisoformat(query.cursor.last_created_at), query.cursor.last_session_id)
+        last = (query.cursor.last_created_at, query.cursor.last_session_id)
         found = [r for r in found if (_when(r), r.id) < last]
     page, more = found[: query.limit], found[query.limit :]
     cursor = None

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 # and a p99 1.5-1.8x (bench/investigations/service.md, "orbit serve under load")
 PACK_TOKENS = 1024
 SAMPLES_KEPT = 4096  # samples' requests remembered for resends (service.sample)
+COPY_WAIT_S = 300.0  # how long a copy_weights waits for its turn on the trainer's thread and runs
 RESTARTED = "orbit serve restarted while this request ran, so it did not finish: send it again"
 
 
@@ -101,6 +102,7 @@ class Service:
         self._adapters = 0
         # the newest samples' requests by (tenant, session, seq_id), for the SDK's resends
         self._samples: OrderedDict[tuple[str, str, int | None], Record] = OrderedDict()
+        self._copies: OrderedDict[tuple[str, str], Record] = OrderedDict()  # by idempotency key
         # they load adapters into engine slots (tensor copies): helpers, so that the trainer's
         # OpenMP team stays the process's only one (orbit/host/threads.py)
         self._sampling = ThreadPoolExecutor(
@@ -284,27 +286,15 @@ class Service:
         with self._lock:
             if model_id in self.trainers:  # a resubmission: the client exists
                 return self.trainers[model_id]
+        taken = self.store.client(model_id)
+        if taken is not None:  # a copy's run, or a client lost in a restart: not made again
+            why = taken.end_reason or "was lost when orbit serve restarted"
+            raise Refused(f"model_seq_id: the session's run {model_id!r} exists; it {why}")
+        with self._lock:
             self._adapters += 1
             name = f"c{self._adapters}"
         trainer = TrainingClient(model_id, name, self.bases.named(base_model).shared, spec)
-        now = time.time()
-        row = ClientRow(
-            id=model_id,
-            instance=self.store.instance,
-            tenant=tenant,
-            session=session,
-            base_model=base_model,
-            rank=spec.rank,
-            seed=spec.seed,
-            train_attn=spec.train_attn,
-            train_mlp=spec.train_mlp,
-            train_unembed=spec.train_unembed,
-            user_metadata=metadata,
-            created=now,
-            last_request=now,
-            alive=True,
-            last_state=None,
-        )
+        row = client_row(self.store.instance, tenant, model_id, base_model, spec, metadata)
         self.store.add_client(row)
         with self._lock:
             self.trainers[model_id] = trainer
@@ -399,8 +389,9 @@ class Service:
         data, metrics = request.data, {}
         if request.loss_fn == "stable_reinforce":  # the recorded sequences the datums name
             row = self.store.client(request.model_id)
-            session = row.session if row is not None else ""
-            data, diff = provenance.resolve(data, tenant, session, self.store.recorded)
+            session, base = (row.session, row.base_model) if row is not None else ("", "")
+            on_base = lambda b: self.bases.same(b, base)  # noqa: E731
+            data, diff = provenance.resolve(data, tenant, session, self.store.recorded, on_base)
             metrics[provenance.DIFF_METRIC] = diff
         else:
             provenance.check_tiling(data)
@@ -416,16 +407,21 @@ class Service:
         work = Packable(kind, asked.tokens(), asked, answer)
         return self._ordered(tenant, request.model_id, request.seq_id, kind, work, proto=True)
 
-    def _run_pack(self, requests: list[Request]) -> list[Scored | Refused]:
-        """A pack's requests, a pass over each base they are on (one pass when they share one)."""
-        answers: list[Scored | Refused | None] = [None] * len(requests)
+    def _run_pack(self, requests: list[Request]) -> list[Scored | Exception]:
+        """A pack's requests, a pass over each base they are on (one pass when they share one);
+        a pass that fails fails its own requests only (the others' gradients are in)."""
+        answers: list[Scored | Exception] = [RuntimeError("on no served base")] * len(requests)
         for base in self.bases:
             mine = [i for i, r in enumerate(requests) if r.client.base is base.shared]
-            if mine:
-                done = forward_backward_checked(base.shared, [requests[i] for i in mine])
-                for i, answer in zip(mine, done, strict=True):
-                    answers[i] = answer
-        return answers  # type: ignore[return-value]  # every request is on a served base
+            if not mine:
+                continue
+            try:
+                done: list = forward_backward_checked(base.shared, [requests[i] for i in mine])
+            except Exception as err:  # noqa: BLE001 - the pass's failure is its requests' answer
+                done = [err] * len(mine)
+            for i, answer in zip(mine, done, strict=True):
+                answers[i] = answer
+        return answers
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Record:
         trainer = self.client(tenant, model_id)
@@ -558,10 +554,16 @@ class Service:
         self.checkpoints.delete(tenant, path)
         self.bases.forget(path)
 
-    def copy_weights(self, tenant: str, req: CopyWeights) -> dict[str, Any]:
+    def copy_weights(self, tenant: str, req: CopyWeights, key: str | None) -> dict[str, Any]:
         """RestClient.copy_weights: a checkpoint (the tenant's, or published) copied to a new
         training run of the tenant's, which cannot be trained on: `{session}:train:{model_seq_id}`
-        in a session of the tenant's, or a run of its own in the tenant's one project."""
+        in a session of the tenant's, or a run of its own in the tenant's one project. On the
+        trainer's thread, where saves run, so no save of the same name is copied half old, half
+        new; `key`: the SDK's X-Idempotency-Key (a retry waits for the first copy's answer)."""
+        with self._lock:
+            again = self._copies.get((tenant, key)) if key else None
+        if again is not None:
+            return _waited(again, COPY_WAIT_S)
         if req.session_id is not None:
             self._session(tenant, req.session_id)
             if req.model_seq_id is None:
@@ -576,29 +578,25 @@ class Service:
             run = f"copy-{uuid.uuid4().hex[:12]}:train:0"
         if req.ttl_seconds is not None and req.ttl_seconds < 3600:
             raise Refused(f"ttl_seconds: {req.ttl_seconds}; a copy lasts an hour (3600) or more")
-        found = self.checkpoints.loadable(tenant, req.source_path)
-        made_on, spec = self.checkpoints.made_with(found)
-        now = time.time()
-        row = ClientRow(
-            id=run,
-            instance=self.store.instance,
-            tenant=tenant,
-            session=run.split(":")[0],
-            base_model=made_on,
-            rank=spec.rank,
-            seed=spec.seed,
-            train_attn=spec.train_attn,
-            train_mlp=spec.train_mlp,
-            train_unembed=spec.train_unembed,
-            user_metadata={},
-            created=now,
-            last_request=now,
-            alive=False,
-            end_reason=f"holds a copy of {req.source_path}: it cannot be trained on",
-        )
-        path = self.checkpoints.copy(tenant, found, run, req.ttl_seconds)
-        self.store.add_client(row)  # after: a copy that failed leaves no run behind
-        return {"tinker_path": path}
+        self.checkpoints.loadable(tenant, req.source_path)  # NotFound: now
+        record = self._new(tenant, "CopyWeights")
+
+        def work() -> dict[str, Any]:
+            found = self.checkpoints.loadable(tenant, req.source_path)
+            made_on, spec = self.checkpoints.made_with(found)
+            row = client_row(self.store.instance, tenant, run, made_on, spec, {})
+            row.alive = False
+            row.end_reason = f"holds a copy of {req.source_path}: it cannot be trained on"
+            path = self.checkpoints.copy(tenant, found, run, req.ttl_seconds)
+            self.store.add_client(row)  # after: a copy that failed leaves no run behind
+            return {"tinker_path": path}
+
+        if key:
+            with self._lock:
+                self._copies[(tenant, key)] = record
+                while len(self._copies) > SAMPLES_KEPT:
+                    self._copies.popitem(last=False)
+        return _waited(self.turns.run_now(record, work), COPY_WAIT_S)
 
     def publish_checkpoint(self, tenant: str, path: str, public: bool) -> None:
         self.checkpoints.publish(tenant, path, public)
@@ -654,8 +652,16 @@ class Service:
         return self.turns.run_now(record, work)
 
     def _fits(self, trainer: TrainingClient, found: Checkpoint) -> None:
-        """Refuse a checkpoint whose LoRA is not the client's (rank, targets), naming both."""
-        spec = self.checkpoints.made_with(found)[1]
+        """Refuse a checkpoint made on another base model than the client's, or whose LoRA is not
+        the client's (rank, targets), naming both."""
+        made_on, spec = self.checkpoints.made_with(found)
+        row = self.store.client(trainer.model_id)
+        if row is not None and not self.bases.same(made_on, row.base_model):
+            raise Refused(
+                f"{found.path}: made on another base model than this client's "
+                f"({row.base_model[:200]}); create_training_client_from_state makes a client on "
+                "the checkpoint's"
+            )
         mine = trainer.spec
         shape = (spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed)
         if shape != (mine.rank, mine.train_attn, mine.train_mlp, mine.train_unembed):
@@ -756,7 +762,8 @@ class Service:
         if targets is not None:
             params = dataclasses.replace(params, prompt_targets=targets.rows())
         weights = self.sessions.weights(tenant, sampler)
-        base = self.sampling_base(tenant, sampler)
+        base_model = self.sessions.info(tenant, sampler)["base_model"]
+        base = self.bases.named(base_model)
         base.check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
             raise Refused(f"num_samples: {n}; from 1 to 128")
@@ -785,6 +792,7 @@ class Service:
                     provenance.sequence_ids(record.id, n),
                     sampled,
                     time.time(),
+                    base_model,
                 )
                 self.store.add_recorded(rows)
 
@@ -798,3 +806,48 @@ class Service:
     def capabilities(self) -> dict[str, Any]:
         """The models served (RestClient.get_server_capabilities)."""
         return {"supported_models": self.bases.capabilities()}
+
+
+def client_row(
+    instance: str,
+    tenant: str,
+    model_id: str,
+    base_model: str,
+    spec: LoraSpec,
+    metadata: dict[str, Any],
+) -> ClientRow:
+    """A training run's row, alive, as created now (`model_id`: `{session}:train:{n}`)."""
+    now = time.time()
+    return ClientRow(
+        id=model_id,
+        instance=instance,
+        tenant=tenant,
+        session=model_id.split(":")[0],
+        base_model=base_model,
+        rank=spec.rank,
+        seed=spec.seed,
+        train_attn=spec.train_attn,
+        train_mlp=spec.train_mlp,
+        train_unembed=spec.train_unembed,
+        user_metadata=metadata,
+        created=now,
+        last_request=now,
+        alive=True,
+        last_state=None,
+    )
+
+
+def _waited(record: Record, timeout: float) -> Any:
+    """A request run on the trainer's thread, answered in place (a route without a future): its
+    result, or its failure as the refusal or the error it was."""
+    try:
+        return record.future.result(timeout)
+    except TimeoutError:  # concurrent.futures' too (3.11)
+        raise Busy(
+            f"{record.kind}: not done after {timeout:g} s (the trainer is busy); it goes on: send "
+            "it again with the same X-Idempotency-Key for its answer"
+        ) from None
+    except RequestFailed as err:
+        if err.category == "user":
+            raise Refused(str(err)) from None
+        raise

@@ -152,6 +152,9 @@ class RecordedRow(Base):
     tokens: Mapped[list[int]] = mapped_column(JSON)  # the sampled tokens
     logprobs: Mapped[bytes] = mapped_column(LargeBinary)  # the sampler's, float32
     used: Mapped[float] = mapped_column(Float, index=True)  # recorded, or last trained on
+    # the base model it was sampled on, as its sampling session names it (None: recorded before
+    # a service had more than one)
+    base: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 @dataclass(frozen=True)
@@ -475,8 +478,9 @@ class Store:
         return int(getattr(gone, "rowcount", 0) or 0)
 
 
-def migrate(engine: Engine) -> None:
-    """Bring the database's schema to the newest migration (a new database: all of them)."""
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Bring the database's schema to the newest migration (a new database: all of them), or to
+    `revision`."""
     from alembic import command
     from alembic.config import Config
 
@@ -484,4 +488,4 @@ def migrate(engine: Engine) -> None:
     config.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as connection:
         config.attributes["connection"] = connection
-        command.upgrade(config, "head")
+        command.upgrade(config, revision)

@@ -732,8 +732,12 @@ def two_models(service, student, teacher):
     sampled = from_path.sample(
         types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=6, seed=1)
     ).result()
-    again = service.create_training_client_from_state(t.save_state("teacher-s").result().path)
+    state = t.save_state("teacher-s").result().path
+    again = service.create_training_client_from_state(state)
+    snapshot = t.save_weights_and_get_sampling_client()  # an unnamed snapshot, on the teacher
     return {
+        "snapshot": prompt(snapshot),
+        "across": _refused(lambda: s.load_state(state).result()),
         "models": [m.model_name for m in caps.supported_models],
         "before": before,
         "bases": bases,
