@@ -14,18 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from tinker_helpers import sdk_python, serving
+from tinker_helpers import COOKBOOK_ENV, cookbook_script, metric_rows, sdk_python, serving
 
 pytestmark = pytest.mark.slow
-
-
-ENV = {
-    "TINKER_API_KEY": "tml-local",
-    "TINKER_TELEMETRY": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}
 
 
 def _cookbook(recipe: str, args: dict[str, object], url: str) -> subprocess.Popen:
@@ -38,29 +29,13 @@ def _cookbook(recipe: str, args: dict[str, object], url: str) -> subprocess.Pope
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **ENV, "TINKER_BASE_URL": url},
+        env={**os.environ, **COOKBOOK_ENV, "TINKER_BASE_URL": url},
     )
 
 
 NO_BASE_URL = ("preference.shorter", "multiplayer_rl.guess_number")  # CLIs without the field
 # rubric's CLI has the field, but its grader's client does not take it (rubric/env.py)
 ENV_BASE_URL = (*NO_BASE_URL, "rubric")
-
-
-def _script(name: str, url: str, model: Path | str, log: Path, *more: str) -> str:
-    """tests/tinker/`name` (a cookbook entry point driven from Python) against the service at
-    `url`, logging to `log`, with `more` arguments: what it printed; it must succeed."""
-    script = Path(__file__).parent / "tinker" / name
-    model = model.resolve() if isinstance(model, Path) else model
-    done = subprocess.run(
-        [str(sdk_python()), str(script), url, str(model), str(log), *more],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={**os.environ, **ENV},
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
 
 
 def _math_rl(model: Path, log: Path, **overrides: object) -> dict[str, object]:
@@ -97,12 +72,6 @@ def _conversations() -> Path:
         check=True,
     )
     return Path(found.stdout.strip()) / "example_data" / "conversations.jsonl"
-
-
-def _rows(log: Path, having: str | None = None) -> list[dict]:
-    """A run's metrics lines, or only those with the key `having`."""
-    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if having is None or having in r]
 
 
 def _finished(runs: dict[str, subprocess.Popen]) -> None:
@@ -146,7 +115,7 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
         _finished({"rl": rl, "sl": sl})
         clients = len(service.store.clients())
     assert clients == 2  # one base, two adapters (released when each run closed its session)
-    rl_rows = _rows(tmp_path / "rl")
+    rl_rows = metric_rows(tmp_path / "rl")
     assert [r["step"] for r in rl_rows if "env/all/reward/total" in r] == [0, 1]
     # the sampler's logprobs and the trainer's agree (the cookbook measures it every step)
     assert all(
@@ -154,7 +123,7 @@ def test_math_rl_and_chat_sl_run_at_once_against_one_service(smollm2, tmp_path):
         for r in rl_rows
         if "optim/kl_sample_train_v1" in r
     )
-    sl_rows = _rows(tmp_path / "sl", "train_mean_nll")
+    sl_rows = metric_rows(tmp_path / "sl", "train_mean_nll")
     assert len(sl_rows) == 2 and all(r["train_mean_nll"] > 0 for r in sl_rows)
     for log in (tmp_path / "rl", tmp_path / "sl"):
         final = [json.loads(x) for x in (log / "checkpoints.jsonl").read_text().splitlines()][-1]
@@ -176,7 +145,7 @@ def test_math_rl_steps_on_sglang(tinker_served, tmp_path):
         url,
     )
     _finished({"rl": rl})
-    rows = _rows(tmp_path / "rl", "optim/kl_sample_train_v1")
+    rows = metric_rows(tmp_path / "rl", "optim/kl_sample_train_v1")
     assert len(rows) == 2
     print(f"\nkl_sample_train on SGLang: {[r['optim/kl_sample_train_v1'] for r in rows]}")
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-2 for r in rows)
@@ -196,7 +165,7 @@ def test_math_rl_with_its_default_loss(tinker_served, tmp_path):
     )
     _finished({"rl": rl})
     assert "stable_reinforce" in (tmp_path / "rl" / "config.json").read_text()
-    rows = _rows(tmp_path / "rl", "optim/kl_sample_train_v1")
+    rows = metric_rows(tmp_path / "rl", "optim/kl_sample_train_v1")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in rows)
 
@@ -214,7 +183,7 @@ def test_math_rl_async_steps_off_policy(tinker_served, tmp_path):
         url,
     )
     _finished({"rl": rl})
-    rows = _rows(tmp_path / "rl", "env/all/reward/total")
+    rows = metric_rows(tmp_path / "rl", "env/all/reward/total")
     assert [r["step"] for r in rows] == [0, 1, 2]
 
 
@@ -225,8 +194,8 @@ def test_the_rl_loop_with_a_kl_penalty_against_its_base(tinker_served, tmp_path)
     its reference logprobs come from a sampling client's compute_logprobs (tests/tinker/
     cookbook_kl.py builds math_rl's Config and sets the two fields its command line lacks)."""
     url, _, model = tinker_served
-    _script("cookbook_kl.py", url, model, tmp_path / "rl")
-    rows = _rows(tmp_path / "rl", "env/all/reward/total")
+    cookbook_script("cookbook_kl.py", url, model, tmp_path / "rl")
+    rows = metric_rows(tmp_path / "rl", "env/all/reward/total")
     assert [r["step"] for r in rows] == [0, 1]
     kl = [k for r in rows for k in r if "kl" in k.lower()]
     print(f"\nKL metrics the cookbook logged: {sorted(set(kl))}")
@@ -240,67 +209,11 @@ def test_on_policy_distillation_from_a_teacher_this_service_trained(tinker_serve
     service saved, whose logprobs of the student's samples (compute_logprobs) are the signal
     (tests/tinker/cookbook_distill.py)."""
     url, _, model = tinker_served
-    printed = _script("cookbook_distill.py", url, model, tmp_path / "distill")
+    printed = cookbook_script("cookbook_distill.py", url, model, tmp_path / "distill")
     assert "TEACHER tinker://" in printed
-    rows = _rows(tmp_path / "distill", "teacher_kl")
+    rows = metric_rows(tmp_path / "distill", "teacher_kl")
     print(f"\nteacher_kl per step: {[r['teacher_kl'] for r in rows]}")
     assert len(rows) == 2 and all(r["teacher_kl"] == r["teacher_kl"] for r in rows)  # not NaN
-
-
-def test_on_policy_distillation_from_a_teacher_on_another_base(tiny_llama, tiny_qwen2, tmp_path):
-    """The same, with the teacher on a second base model of the service (a qwen2 beside the
-    student's llama, by the name the recipe gives it): its client trains and saves there, and its
-    checkpoint scores the student's samples on its own engines (where a checkpoint samples:
-    tests/test_serve_models.py)."""
-    serve = {"models": [{"model": str(tiny_qwen2), "names": ["teacher"]}]}
-    with serving(tiny_llama, tmp_path / "serve", serve=serve) as (url, service):
-        printed = _script("cookbook_distill.py", url, tiny_llama, tmp_path / "distill", "teacher")
-        on = {row.id: row.base_model for row in service.store.clients()}
-    path = printed.split("TEACHER ", 1)[1].split()[0]
-    assert on[path.removeprefix("tinker://").split("/")[0]] == "teacher"
-    assert sorted(on.values()) == sorted(["teacher", str(tiny_llama.resolve())])
-    rows = _rows(tmp_path / "distill", "teacher_kl")
-    print(f"\nteacher_kl per step (a teacher on another base): {[r['teacher_kl'] for r in rows]}")
-    assert len(rows) == 2 and all(r["teacher_kl"] == r["teacher_kl"] for r in rows)  # not NaN
-
-
-ANSWERER = "Qwen/Qwen3.5-9B"  # twenty_questions' answerer (its env.py), as the recipe ships
-
-
-def _chat_tokens(model: Path, out: Path) -> Path:
-    """`model` with the chat markup Qwen's renderers need as single tokens (the answerer's renderer,
-    qwen3_5_disable_thinking, asserts it), its embeddings grown to match."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)  # the new tokens' embeddings are drawn
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    markup = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": markup})
-    grown = AutoModelForCausalLM.from_pretrained(model)
-    grown.resize_token_embeddings(len(tokenizer))
-    grown.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-@pytest.mark.timeout(600)
-def test_twenty_questions_with_its_answerer_on_a_second_base(tiny_llama, tiny_qwen2, tmp_path):
-    """`multiplayer_rl.twenty_questions` as it ships: the student plays, and the answerer is the
-    model the recipe names, served as a second base (a tiny qwen2 with Qwen's chat markup), its
-    tokenizer registered locally under that name (the recipe would fetch it from the hub;
-    tests/tinker/cookbook_twenty.py)."""
-    answerer = _chat_tokens(tiny_qwen2, tmp_path / "answerer")
-    serve = {"models": [{"model": str(answerer), "names": [ANSWERER]}]}
-    engine = {"max_context": 4096}  # a game's whole conversation is the player's prompt
-    with serving(tiny_llama, tmp_path / "serve", serve=serve, engine=engine) as (url, service):
-        printed = _script("cookbook_twenty.py", url, tiny_llama, tmp_path / "twenty", str(answerer))
-        sessions = [row for row in service.store.samplers() if row.base_model == ANSWERER]
-    assert f"ANSWERER {ANSWERER}" in printed
-    assert sessions, "the answerer sampled on the second base"
-    rows = _rows(tmp_path / "twenty", "env/all/reward/total")
-    turns = [r["env/all/ac_tokens_per_turn"] for r in rows if "env/all/ac_tokens_per_turn" in r]
-    print(f"\ntwenty_questions: steps {[r['step'] for r in rows]}, tokens a turn {turns}")
-    assert [r["step"] for r in rows] == [0, 1]
 
 
 @pytest.mark.timeout(600)
@@ -334,7 +247,7 @@ def test_rubric_with_a_grader_on_the_same_base(tinker_served, tmp_path):
     }
     run = _cookbook("rubric", args, url)
     _finished({"rubric": run})
-    rows = _rows(tmp_path / "rubric", "env/all/reward/total")
+    rows = metric_rows(tmp_path / "rubric", "env/all/reward/total")
     assert [r["step"] for r in rows] == [0, 1]
     assert all("env/all/rubric_score" in r for r in rows)  # every episode went to the grader
 
@@ -371,13 +284,13 @@ def test_the_cookbooks_sweep_of_chat_sl_runs_two_at_once(tinker_served, tmp_path
         capture_output=True,
         text=True,
         timeout=540,
-        env={**os.environ, **ENV},
+        env={**os.environ, **COOKBOOK_ENV},
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
     assert len(runs) == 2, runs
     for run in runs:
-        assert len(_rows(run, "train_mean_nll")) == 2, run
+        assert len(metric_rows(run, "train_mean_nll")) == 2, run
     most = max((p.clients for p in list(service.turns.packs) if p.at >= start), default=0)
     print(f"\nthe sweep's passes over the base: clients a pass at most {most}")
 
@@ -411,7 +324,7 @@ def test_forecasting_and_decisions_forecasting_on_a_local_csv(tinker_served, tmp
         capture_output=True,
         text=True,
         timeout=540,
-        env={**os.environ, **ENV},
+        env={**os.environ, **COOKBOOK_ENV},
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     rl = {
@@ -431,9 +344,9 @@ def test_forecasting_and_decisions_forecasting_on_a_local_csv(tinker_served, tmp
     }
     run = _cookbook("forecasting", rl, url)
     _finished({"forecasting": run})
-    steps = [r["step"] for r in _rows(tmp_path / "rl", "env/all/reward/total")]
+    steps = [r["step"] for r in metric_rows(tmp_path / "rl", "env/all/reward/total")]
     assert steps == [0, 1], steps
-    rows = _rows(tmp_path / "log")
+    rows = metric_rows(tmp_path / "log")
     scored = [r["test/brier_reward"] for r in rows if "test/brier_reward" in r]
     trained = [r["train/loss"] for r in rows if "train/loss" in r]
     print(f"\nvalidation Brier reward at the start and end {scored}, train loss {trained}")
@@ -476,8 +389,8 @@ def test_chat_sl_with_its_nll_evaluator_on_held_out_conversations(tinker_served,
     NLL evaluator (compute_logprobs of each held-out conversation) runs at every step, and its NLL
     is the training loss's kind of number (tests/tinker/cookbook_sl_eval.py)."""
     url, _, model = tinker_served
-    _script("cookbook_sl_eval.py", url, model, tmp_path / "sl")
-    rows = _rows(tmp_path / "sl")
+    cookbook_script("cookbook_sl_eval.py", url, model, tmp_path / "sl")
+    rows = metric_rows(tmp_path / "sl")
     tested = [r["test/nll"] for r in rows if "test/nll" in r]
     print(f"\nheld-out NLL per step: {tested}")
     assert len(tested) == 2 and all(0 < x < 20 for x in tested), rows
@@ -491,8 +404,8 @@ def test_dpo_on_preference_pairs_in_a_local_file(tinker_served, tmp_path):
     are a sampling client's compute_logprobs, the DPO loss the SDK's client-side custom loss
     (tests/tinker/cookbook_dpo.py)."""
     url, _, model = tinker_served
-    _script("cookbook_dpo.py", url, model, tmp_path / "dpo" / "log")
-    rows = _rows(tmp_path / "dpo" / "log", "dpo_loss")
+    cookbook_script("cookbook_dpo.py", url, model, tmp_path / "dpo" / "log")
+    rows = metric_rows(tmp_path / "dpo" / "log", "dpo_loss")
     print(f"\nDPO loss per step: {[r['dpo_loss'] for r in rows]}")
     assert len(rows) == 2
     # at step 0 the policy is the reference: the margin is 0 and the loss log 2, exactly when the
@@ -528,9 +441,9 @@ def test_shorter_guess_number_and_prompt_distillation_run_as_they_ship(tinker_se
     runs["prompt_distillation"] = _cookbook("prompt_distillation", distill, url)
     _finished(runs)
     for recipe in NO_BASE_URL:
-        steps = [r["step"] for r in _rows(tmp_path / recipe, "env/all/reward/total")]
+        steps = [r["step"] for r in metric_rows(tmp_path / recipe, "env/all/reward/total")]
         assert steps == [0, 1], (recipe, steps)
-    steps = _rows(tmp_path / "distill", "train_mean_nll")
+    steps = metric_rows(tmp_path / "distill", "train_mean_nll")
     assert len(steps) == 2 and all(r["train_mean_nll"] > 0 for r in steps), steps
 
 

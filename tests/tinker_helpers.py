@@ -88,3 +88,34 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def python() -> str:
     return sys.executable
+
+
+# what the cookbook's processes run with: offline, the local key, no telemetry
+COOKBOOK_ENV = {
+    "TINKER_API_KEY": "tml-local",
+    "TINKER_TELEMETRY": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def cookbook_script(name: str, url: str, model: Path | str, log: Path, *more: str) -> str:
+    """tests/tinker/`name` (a cookbook entry point driven from Python) against the service at
+    `url`, logging to `log`, with `more` arguments: what it printed; it must succeed."""
+    script = Path(__file__).parent / "tinker" / name
+    model = model.resolve() if isinstance(model, Path) else model
+    done = subprocess.run(
+        [str(sdk_python()), str(script), url, str(model), str(log), *more],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, **COOKBOOK_ENV},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+def metric_rows(log: Path, having: str | None = None) -> list[dict]:
+    """A run's metrics lines, or only those with the key `having`."""
+    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if having is None or having in r]
