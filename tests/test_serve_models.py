@@ -89,10 +89,10 @@ def test_what_a_recipe_says_about_the_models_it_serves(tiny_llama, tiny_qwen2, t
 
 
 def test_on_policy_distillation_from_a_teacher_on_another_base(tiny_llama, tiny_qwen2, tmp_path):
-    """The same, with the teacher on a second base model of the service (a qwen2 beside the
-    student's llama, by the name the recipe gives it): its client trains and saves there, and its
-    checkpoint scores the student's samples on its own engines (where a checkpoint samples:
-    tests/test_serve_models.py)."""
+    """The cookbook's on-policy distillation (on one base: tests/test_cookbook.py) with the teacher
+    on a second base model of the service (a qwen2 beside the student's llama, by the name the
+    recipe gives it): its client trains and saves there, and its checkpoint scores the student's
+    samples on its own engines (where a checkpoint samples: the test above)."""
     serve = {"models": [{"model": str(tiny_qwen2), "names": ["teacher"]}]}
     with serving(tiny_llama, tmp_path / "serve", serve=serve) as (url, service):
         printed = cookbook_script(

@@ -340,6 +340,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
         record = service.sample(
             who(request),
             req.sampling_session_id,
+            base,
             prompt,
             params,
             req.num_samples,

@@ -79,19 +79,12 @@ class Base:
 
 
 class Bases:
-    """Every served base, the first the recipe's own `model:`; a name names one of them."""
+    """Every served base, the first the recipe's own `model:`; a name names one of them (the
+    recipe's bases are checked so before they start: command.served)."""
 
     def __init__(self, served: list[Engines], dtype: str) -> None:
         if not served:
             raise ValueError("orbit serve serves at least one base model")
-        seen: dict[str, Path] = {}
-        for engines in served:
-            for name in engines.names:
-                if seen.setdefault(name, engines.model) != engines.model:
-                    raise ValueError(
-                        f"the name {name!r} is given to two base models: {seen[name]} and "
-                        f"{engines.model}; a name names one"
-                    )
         self._bases = [Base(engines, dtype) for engines in served]
 
     def __iter__(self) -> Iterator[Base]:

@@ -87,6 +87,11 @@ def usage(tenant: str, project: str | None, saved: list[Checkpoint]) -> dict[str
     return {"effective_rate_usd_per_gigabyte_month": None, "data": [item] if saved else []}
 
 
+def metadata(row: SessionRow) -> dict[str, str]:
+    """A session's user_metadata as the SDK reads it: strings."""
+    return {k: str(v) for k, v in (row.user_metadata or {}).items()}
+
+
 def _when(row: SessionRow) -> datetime:
     return datetime.fromtimestamp(row.created, tz=timezone.utc)
 
@@ -95,7 +100,7 @@ def _matches(row: SessionRow, query: SearchSessions) -> bool:
     named = query.session_id is not None or query.display_name is not None
     if named and not (row.id == query.session_id or _named(row, query.display_name)):
         return False
-    meta = {k: str(v) for k, v in (row.user_metadata or {}).items()}
+    meta = metadata(row)
     if any(meta.get(k) != v for k, v in query.user_metadata.items()):
         return False
     return query.statuses is None or any(_is(row, s) for s in query.statuses)
@@ -123,6 +128,6 @@ def _summary(tenant: str, row: SessionRow, saved: list[Checkpoint]) -> dict[str,
         "status": status(row),
         "checkpoints_count": len(saved),
         "display_name": row.display_name,
-        "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()},
+        "user_metadata": metadata(row),
         "checkpoint_storage_bytes": sum(c.size_bytes for c in saved),
     }

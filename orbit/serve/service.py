@@ -157,7 +157,7 @@ class Service:
         return {
             "training_run_ids": clients,
             "sampler_ids": [x for x in samplers if self.store.sampler(x) is not None],
-            "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()},
+            "user_metadata": search.metadata(row),
             "display_name": row.display_name,
         }
 
@@ -745,6 +745,7 @@ class Service:
         self,
         tenant: str,
         sampler: str,
+        base: Base,
         prompt: list[int],
         params: SamplingParams,
         n: int,
@@ -754,7 +755,8 @@ class Service:
         keep_sequences: bool = False,
         targets: wire.Targets | None = None,
     ) -> Record:
-        """`n` samples of `prompt` from the session's weights. A request the SDK sends again
+        """`n` samples of `prompt` from the session's weights, on `base` (the session's:
+        `sampling_base`). A request the SDK sends again
         (the same session and `seq_id`: a retry after a lost answer) is the first one's future,
         not a second sample. `keep_sequences`: the sequences are recorded under their sequence_ids
         (`sequence_ids`) for stable_reinforce (orbit/serve/provenance.py). `targets`: the
@@ -762,8 +764,6 @@ class Service:
         if targets is not None:
             params = dataclasses.replace(params, prompt_targets=targets.rows())
         weights = self.sessions.weights(tenant, sampler)
-        base_model = self.sessions.info(tenant, sampler)["base_model"]
-        base = self.bases.named(base_model)
         base.check_prompt(prompt, params.max_new_tokens)
         if not 1 <= n <= 128:
             raise Refused(f"num_samples: {n}; from 1 to 128")
@@ -792,7 +792,7 @@ class Service:
                     provenance.sequence_ids(record.id, n),
                     sampled,
                     time.time(),
-                    base_model,
+                    str(base.model),  # one of its names
                 )
                 self.store.add_recorded(rows)
 
