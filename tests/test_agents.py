@@ -23,6 +23,7 @@ from orbit.agents.chat import ChatError, Renderer, normal, parse_reply
 from orbit.agents.record import trajectory
 from orbit.config import RecipeError
 from orbit.engine.base import Completion, SamplingParams
+from orbit.rl import call_lengths
 from orbit.run import RunStopped, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +174,8 @@ def test_token_in_token_out(chat_model):
     tool = path.output_ids[len(sampled) : len(script.prompts[1]) - len(prompt)]
     assert "<tool_response>\n3\n</tool_response>" in tok.decode(tool)
     assert path.loss_mask == [1] * len(sampled) + [0] * len(tool) + [1] * 2 and not record.forks
+    # each call measured alone against its max_new_tokens (the overlong penalty's lengths)
+    assert call_lengths(path.loss_mask) == [len(sampled), 2]
 
 
 def test_edited_history_forks_the_episode(chat_model):

@@ -21,7 +21,7 @@ from orbit.rl import (
 )
 from orbit.rl.advantages import batch as batch_advantages
 from orbit.rl.advantages import dr_grpo, grpo, rloo
-from orbit.rl.filters import carries_signal, left_out, overlong_penalty
+from orbit.rl.filters import call_lengths, carries_signal, left_out, overlong_penalty
 
 GROUPS = [[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0], [0.5, 0.5, 0.5], [2.0]]
 
@@ -107,10 +107,25 @@ def test_overlong_penalty_is_dapos():
         )
         assert overlong_penalty(length, l_max, cache) == pytest.approx(want, abs=1e-9)
     cfg = AlgorithmConfig(overlong="penalty", overlong_buffer=4)
-    assert shaped_rewards([1.0, 1.0, 0.0], [10, 18, 20], cfg, 20) == pytest.approx([1.0, 0.5, -1.0])
-    assert shaped_rewards([1.0, 1.0], [10, 20], AlgorithmConfig(), 20) == [1.0, 1.0]
+    calls = [[10], [18], [20]]
+    assert shaped_rewards([1.0, 1.0, 0.0], calls, cfg, 20) == pytest.approx([1.0, 0.5, -1.0])
+    assert shaped_rewards([1.0, 1.0], [[10], [20]], AlgorithmConfig(), 20) == [1.0, 1.0]
     # a fifth of the length, as DAPO's 4096 of 20480
     assert AlgorithmConfig(overlong="penalty").buffer(32) == 6
+
+
+def test_an_episodes_penalty_is_its_longest_calls_each_against_its_own_limit():
+    """A multi-turn episode's calls each had max_new_tokens: two answers of 12 tokens are not one
+    answer of 24 cut short (which would take a right second attempt's whole reward), and the episode
+    takes the penalty of its longest call."""
+    mask = [1] * 12 + [0] * 7 + [1] * 12  # an answer, "That is wrong, try again.", an answer
+    assert call_lengths(mask) == [12, 12]
+    assert call_lengths([0, 1, 1, 0, 0, 1]) == [2, 1] and call_lengths([0, 0]) == []
+    cfg = AlgorithmConfig(overlong="penalty", overlong_buffer=4)
+    assert shaped_rewards([1.0], [call_lengths(mask)], cfg, 20) == [1.0]
+    longest = [1] * 12 + [0] * 7 + [1] * 18 + [0] * 7 + [1] * 17
+    assert shaped_rewards([1.0], [call_lengths(longest)], cfg, 20) == pytest.approx([0.5])
+    assert shaped_rewards([0.0], [[]], cfg, 20) == [0.0]  # nothing generated: nothing too long
 
 
 def test_overlong_mask_leaves_out_cut_completions():

@@ -4,7 +4,13 @@ pipeline and the trainer call it (docs/algorithms.md)."""
 
 from orbit.rl.advantages import advantages
 from orbit.rl.config import AlgorithmConfig, MaskBand
-from orbit.rl.filters import carries_signal, left_out, overlong_penalty, shaped_rewards
+from orbit.rl.filters import (
+    call_lengths,
+    carries_signal,
+    left_out,
+    overlong_penalty,
+    shaped_rewards,
+)
 from orbit.rl.loss import LossStats, Norm, own_norm, policy_loss
 from orbit.rl.presets import PRESET_NAMES, PRESETS
 
@@ -16,6 +22,7 @@ __all__ = [
     "PRESETS",
     "PRESET_NAMES",
     "advantages",
+    "call_lengths",
     "carries_signal",
     "left_out",
     "overlong_penalty",

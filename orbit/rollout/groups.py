@@ -97,7 +97,7 @@ class Signal:
     def rewards(self, group: Group) -> list[float]:
         return rl.shaped_rewards(
             [s.reward for s in group.samples],
-            [sum(s.loss_mask) for s in group.samples],
+            [rl.call_lengths(s.loss_mask) for s in group.samples],
             self.algorithm,
             self.max_new_tokens,
         )
