@@ -46,7 +46,6 @@ from orbit.serve.bodies import (
     TensorJson,
     UnloadModel,
 )
-from orbit.serve.checkpoints import rest_checkpoint
 from orbit.serve.clients import AdamParams, LoraSpec
 from orbit.serve.futures import Busy, Gone, NotFound, Record, Refused, RequestFailed, result_of
 from orbit.serve.keys import Keys
@@ -261,11 +260,11 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     @api.get(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls")
     async def external_urls(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
         path = f"tinker://{run}/{kind}/{name}"
-        return service.external_urls(who(request), path, str(request.base_url))
+        return service.listings.external_urls(who(request), path, str(request.base_url))
 
     @api.get(exports.ROUTE + "{token}")
     async def external_file(token: str) -> FileResponse:
-        return FileResponse(service.external_file(token))
+        return FileResponse(service.listings.external_file(token))
 
     @api.post(f"{v1}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
@@ -357,7 +356,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.get(f"{v1}/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        runs = service.training_runs(who(request))
+        runs = service.listings.training_runs(who(request))
         return {
             "training_runs": runs[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
@@ -365,21 +364,15 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.get(v1 + "/training_runs/{run}")
     async def training_run(request: Request, run: str) -> dict[str, Any]:
-        return service.training_run(who(request), run)
+        return service.listings.training_run(who(request), run)
 
     @api.get(v1 + "/training_runs/{run}/checkpoints")
     async def run_checkpoints(request: Request, run: str) -> dict[str, Any]:
-        service.training_run(who(request), run)  # 404 for a run that is not the tenant's
-        found = [rest_checkpoint(c) for c in service.checkpoints.of(who(request), run)]
-        return {"checkpoints": found, "cursor": None}
+        return service.listings.run_checkpoints(who(request), run)
 
     @api.get(f"{v1}/checkpoints")
     async def checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        found = [rest_checkpoint(c) for c in service.checkpoints.of(who(request))]
-        return {
-            "checkpoints": found[offset : offset + limit],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
-        }
+        return service.listings.checkpoints_page(who(request), limit, offset)
 
     @api.delete(v1 + "/training_runs/{run}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(request: Request, run: str, kind: str, name: str) -> dict[str, Any]:
@@ -406,17 +399,17 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.get(f"{v1}/sessions")
     async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return {"sessions": service.session_ids(who(request))[offset : offset + limit]}
+        return {"sessions": service.listings.session_ids(who(request))[offset : offset + limit]}
 
     @api.get(v1 + "/sessions/{session}")
     async def session_info(request: Request, session: str) -> dict[str, Any]:
-        return service.session_info(who(request), session)
+        return service.listings.session_info(who(request), session)
 
     @api.put(v1 + "/sessions/{session}/project")
     async def assign_project(request: Request, session: str) -> dict[str, Any]:
         """RestClient.assign_session_project: a session is in its key's one project already."""
         project = (await fields(request)).get("project_id")
-        service.session_info(who(request), session)  # the key's, or not found
+        service.listings.session_info(who(request), session)  # the key's, or not found
         if not isinstance(project, str):
             raise Refused("project_id: required, a string")
         search.check_projects(who(request), [project])
@@ -433,12 +426,12 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
 
     @api.post(f"{v1}/sessions/search")
     async def search_sessions(request: Request) -> dict[str, Any]:
-        return service.search_sessions(who(request), await body(request, SearchSessions))
+        return service.listings.search_sessions(who(request), await body(request, SearchSessions))
 
     @api.get(f"{v1}/billing/usage/checkpoints/current")
     async def storage_usage(request: Request) -> dict[str, Any]:
         req = StorageUsage.model_validate(dict(request.query_params))
-        return service.storage_usage(who(request), req.project_id)
+        return service.listings.storage_usage(who(request), req.project_id)
 
     # ---- the SDK's routes Orbit does not serve: each a 400 naming why (not a 501: the SDK
     # retries every 5xx for five minutes) --------------------------------------------------------
@@ -457,7 +450,7 @@ def app(service: Service, keys: Keys = Keys(), max_body: int = MAX_BODY) -> Fast
     @api.post(f"{v1}/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
         data = await fields(request)
-        return service.weights_info(who(request), str(data.get("tinker_path", "")))
+        return service.listings.weights_info(who(request), str(data.get("tinker_path", "")))
 
     @api.post(f"{v1}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:

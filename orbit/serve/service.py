@@ -1,7 +1,8 @@
-"""The service behind the Tinker routes: tenants' sessions, training clients on the one base,
+"""The service behind the Tinker routes: tenants' sessions, training clients on the served bases,
 sampling sessions on the engines, checkpoints on disk, all of it recorded in the store (store.py).
 app.py turns the wire into these calls; every call that does work returns a future (futures.py) at
-once.
+once. A tenant's sessions, training runs and checkpoints as the RestClient lists them, and export
+downloads, are listings.py's.
 
 Every call names its tenant (keys.py): what belongs to another tenant is not found, whatever its
 name. Names, as the SDK builds and parses them: a training client is `{session}:train:{n}` (the
@@ -31,8 +32,8 @@ from orbit.engine.base import SamplingParams
 from orbit.host.threads import helper_thread
 from orbit.serve import exports, provenance, search, wire
 from orbit.serve.bases import Base, Bases, Engines
-from orbit.serve.bodies import CopyWeights, SearchSessions
-from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry, files, iso, rest_checkpoint
+from orbit.serve.bodies import CopyWeights
+from orbit.serve.checkpoints import Checkpoint, Checkpoints, expiry
 from orbit.serve.clients import (
     AdamParams,
     LoraSpec,
@@ -42,6 +43,7 @@ from orbit.serve.clients import (
     forward_backward_checked,
 )
 from orbit.serve.futures import Busy, Futures, Gone, NotFound, Record, Refused, RequestFailed
+from orbit.serve.listings import Listings
 from orbit.serve.samplers import Stops, onto
 from orbit.serve.sampling_sessions import SamplingSessions, sampler_id, session_of
 from orbit.serve.store import ClientRow, SessionRow, Store
@@ -94,7 +96,7 @@ class Service:
         self.turns = Turns(threads, pack_tokens, self._run_pack)
         self.trainers: dict[str, TrainingClient] = {}  # the live clients' adapters
         self.checkpoints = Checkpoints(directory / "checkpoints", store, str(self.bases[0].model))
-        self.links = exports.Links(directory / "link-secret")
+        self.listings = Listings(store, self.checkpoints, exports.Links(directory / "link-secret"))
         self.sessions = SamplingSessions(
             directory / "snapshots", store, self.checkpoints, self.bases
         )
@@ -142,36 +144,6 @@ class Service:
         )
         self.store.add_session(row)
         return session
-
-    def session_ids(self, tenant: str) -> list[str]:
-        """The tenant's sessions, newest first (RestClient.list_sessions)."""
-        return [row.id for row in self.store.sessions(tenant)]
-
-    def session_info(self, tenant: str, session: str) -> dict[str, Any]:
-        """What a session made (RestClient.get_session), ended or not."""
-        row = self.store.session(session)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"no session {session!r}")
-        clients = [c.id for c in self.store.clients(tenant) if c.session == session]
-        samplers = [x.id for x in self.store.samplers() if x.id.split(":")[0] == session]
-        return {
-            "training_run_ids": clients,
-            "sampler_ids": [x for x in samplers if self.store.sampler(x) is not None],
-            "user_metadata": search.metadata(row),
-            "display_name": row.display_name,
-        }
-
-    def search_sessions(self, tenant: str, query: SearchSessions) -> dict[str, Any]:
-        """RestClient.search_sessions: a page of the tenant's sessions (search.py)."""
-        saved: dict[str, list[Checkpoint]] = {}
-        for c in self.checkpoints.of(tenant):
-            saved.setdefault(c.client.split(":")[0], []).append(c)
-        rows = self.store.sessions(tenant)
-        return search.search(tenant, rows, query, lambda s: saved.get(s, []))
-
-    def storage_usage(self, tenant: str, project: str | None) -> dict[str, Any]:
-        """get_current_checkpoint_storage_usage: the tenant's checkpoints' bytes (search.py)."""
-        return search.usage(tenant, project, self.checkpoints.of(tenant))
 
     def _session(self, tenant: str, session: str) -> SessionRow:
         """The tenant's session, while it lasts (Gone once it ended)."""
@@ -530,23 +502,6 @@ class Service:
 
         return self._ordered(tenant, model_id, seq_id, "SaveWeightsExternal", work)
 
-    def external_urls(self, tenant: str, path: str, base_url: str) -> dict[str, Any]:
-        """RestClient.get_external_weights_urls: a signed link to each file of an export."""
-        found = self.checkpoints.get(tenant, path)
-        if found.kind != "external_weights":
-            raise Refused(f"{path}: only external weights are downloaded (save_weights_external)")
-        links = [exports.Link(tenant, path, f) for f in files(found)]
-        urls, expires = self.links.urls(base_url, links)
-        return {"urls": urls, "expires": iso(expires)}
-
-    def external_file(self, token: str) -> Path:
-        """The file a download link names, while its export lasts."""
-        link = self.links.open(token)
-        found = self.checkpoints.get(link.tenant, link.path)
-        if link.file not in files(found):
-            raise NotFound(f"{link.path} has no file {link.file!r}")
-        return found.directory / link.file
-
     def checkpoint(self, tenant: str, path: str) -> Checkpoint:
         return self.checkpoints.get(tenant, path)
 
@@ -684,39 +639,6 @@ class Service:
         self._fits(trainer, found)
         trainer.load(found.directory, optimizer)
         return {"path": found.path, "model_id": trainer.model_id, "type": "load_weights"}
-
-    def training_runs(self, tenant: str) -> list[dict[str, Any]]:
-        """The tenant's training clients, lost ones included (RestClient's runs)."""
-        return [self._run(row) for row in self.store.clients(tenant)]
-
-    def training_run(self, tenant: str, run: str) -> dict[str, Any]:
-        row = self.store.client(run)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"no training run {run!r}")
-        return self._run(row)
-
-    def _run(self, row: ClientRow) -> dict[str, Any]:
-        saved = self.checkpoints.of(row.tenant, row.id)
-
-        def newest(kind: str) -> dict[str, Any] | None:
-            found = [c for c in saved if c.kind == kind]
-            return rest_checkpoint(found[-1]) if found else None
-
-        return {
-            "training_run_id": row.id,
-            "base_model": row.base_model,
-            "model_owner": row.tenant,
-            "is_lora": True,
-            "lora_rank": row.rank,
-            "corrupted": False,
-            "last_request_time": iso(row.last_request),
-            "last_checkpoint": newest("weights"),
-            "last_sampler_checkpoint": newest("sampler_weights"),
-            "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
-        }
-
-    def weights_info(self, tenant: str, path: str) -> dict[str, Any]:
-        return self.checkpoints.info(self.checkpoints.get(tenant, path, reading=True))
 
     # -- sampling ---------------------------------------------------------------------------
 
