@@ -18,14 +18,20 @@ from pathlib import Path
 
 import yaml
 
-from orbit.rl import AlgorithmConfig, call_lengths, overlong_penalty
+from orbit import rl
+from orbit.rl import AlgorithmConfig
+
+HEAD = (
+    "steps | episodes | more than one call | right at a later attempt | "
+    "their penalty, per call / summed"
+)
 
 
-def penalties(mask: list[int], limit: int, buffer: int) -> tuple[float, float]:
-    """The episode's penalty per call (its longest call's) and summed (all calls as one)."""
-    calls = call_lengths(mask)
-    per_call = min((overlong_penalty(n, limit, buffer) for n in calls), default=0.0)
-    return per_call, overlong_penalty(sum(calls), limit, buffer)
+def penalties(mask: list[int], cfg: AlgorithmConfig, limit: int) -> tuple[float, float]:
+    """The episode's penalty as the run counts it (orbit.rl.shaped_rewards: its longest call's) and
+    summed (all its calls as one answer against one call's limit)."""
+    per_call = rl.shaped_rewards([0.0], [rl.call_lengths(mask)], cfg, limit)[0]
+    return per_call, rl.overlong_penalty(sum(mask), limit, cfg.buffer(limit))
 
 
 def main() -> None:
@@ -34,23 +40,21 @@ def main() -> None:
     args = parser.parse_args()
     recipe = yaml.safe_load((args.run / "recipe.yaml").read_text())
     limit = recipe["rollout"]["max_new_tokens"]
-    buffer = AlgorithmConfig(overlong="penalty").buffer(limit)
+    cfg = AlgorithmConfig(overlong="penalty")
     rows = [json.loads(line) for line in (args.run / "samples.jsonl").open()]
-    last = max(r["step"] for r in rows)
-    print(f"{args.run}: max_new_tokens {limit}, penalty from {limit - buffer} tokens")
-    print(
-        "steps | episodes | more than one call | right at a later attempt | their penalty,", end=""
-    )
-    print(" per call / summed")
-    for lo in range(0, last + 1, (last + 3) // 3):
-        part = [r for r in rows if lo <= r["step"] < lo + (last + 3) // 3]
-        many = [r for r in part if len(call_lengths(r["trained"])) > 1]
+    steps = max(r["step"] for r in rows) + 1
+    third = (steps + 2) // 3
+    print(f"{args.run}: max_new_tokens {limit}, penalty from {limit - cfg.buffer(limit)} tokens")
+    print(HEAD)
+    for lo in range(0, steps, third):
+        part = [r for r in rows if lo <= r["step"] < lo + third]
+        many = [r for r in part if len(rl.call_lengths(r["trained"])) > 1]
         later = [r for r in many if r["correct"]]
-        charged = [penalties(r["trained"], limit, buffer) for r in later]
+        charged = [penalties(r["trained"], cfg, limit) for r in later]
         per_call = statistics.fmean(c[0] for c in charged) if charged else 0.0
         summed = statistics.fmean(c[1] for c in charged) if charged else 0.0
         print(
-            f"{lo + 1}-{min(lo + (last + 3) // 3, last + 1)} | {len(part)} | "
+            f"{lo + 1}-{min(lo + third, steps)} | {len(part)} | "
             f"{len(many) / len(part):.0%} | {len(later) / len(part):.0%} | "
             f"{per_call:.2f} / {summed:.2f}"
         )
