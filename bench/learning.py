@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict] = {
     "no-overlong-penalty": {"algorithm.overlong": "none"},
     "lr-2x": {"trainer.lr": 6e-4},
     "trl-settings": TRL,
+    # not a difference from TRL: staged sampling, the engine spared the groups a policy solves
+    "screen": {"algorithm.screen": 2},
 }
 
 
