@@ -17,7 +17,7 @@ from orbit.config import RecipeError, parse_recipe
 from orbit.engine.base import Completion, SamplingParams
 from orbit.engine.pool import EnginePool
 from orbit.rl import AlgorithmConfig
-from orbit.rollout.groups import Screen, Signal
+from orbit.rollout.groups import Screen, Signal, build_group
 from orbit.rollout.pipeline import Pipeline
 from orbit.rollout.producer import Producer
 from orbit.tasks.base import Prompt, Score
@@ -45,14 +45,16 @@ class PassRateTask:
 
 
 class SeededEngine(FakeEngine):
-    """Answers each request on a thread of its own, right with its prompt's pass rate; records the
-    requests per prompt and the most ever in flight."""
+    """Answers each request on a thread of its own after `delay` seconds, right with its prompt's
+    pass rate, with the weights of `version`; records the requests per prompt, the most ever in
+    flight, and how many were in flight as each arrived."""
 
-    def __init__(self, task: PassRateTask) -> None:
+    def __init__(self, task: PassRateTask, delay: float = 0.001) -> None:
         super().__init__()
-        self.task = task
+        self.task, self.delay, self.version = task, delay, 0
         self.requests: Counter[tuple[int, ...]] = Counter()
         self.in_flight = self.most_in_flight = 0
+        self.rows: list[int] = []
         self.lock = threading.Lock()
 
     def generate(self, prompt_ids, sampling: SamplingParams, slot="active", meta=None) -> Future:
@@ -62,14 +64,19 @@ class SeededEngine(FakeEngine):
             self.requests[tuple(prompt_ids)] += 1
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.rows.append(self.in_flight)
         fut: Future = Future()
+        version = self.version
 
         def answer() -> None:
             with self.lock:
                 self.in_flight -= 1
-            fut.set_result(Completion(list(prompt_ids), [right], [-0.5], "stop", None, 0, 0))
+            completion = Completion(
+                list(prompt_ids), [right], [-0.5], "stop", None, version, version
+            )
+            fut.set_result(completion)
 
-        threading.Timer(0.001, answer).start()
+        threading.Timer(self.delay, answer).start()
         return fut
 
 
@@ -144,3 +151,97 @@ def test_screen_is_checked_against_the_group_and_dynamic_sampling():
         parse_recipe({"model": "m", "algorithm": {"screen": 8}, "rollout": {"group_size": 8}})
     with pytest.raises(RecipeError, match="algorithm.screen: .*dynamic_sampling is off"):
         parse_recipe({"model": "m", "algorithm": {"screen": 2, "dynamic_sampling": False}})
+
+
+def _first(task: PassRateTask, gid: int, prompt: Prompt, rewards: list[int]):
+    """A group of `prompt` scored from answers right (1) or wrong (0)."""
+    answers = [
+        Completion(list(prompt.prompt_ids), [r], [-0.5], "stop", None, 0, 0) for r in rewards
+    ]
+    return build_group(task, prompt, answers, gid)
+
+
+def test_probes_are_admitted_at_their_expected_pass_rate_and_one_with_no_place_is_stale():
+    """A probe (a group on its first samples) counts as started only once it passes the screen;
+    admission counts the pending ones at the recent pass rate. One that passes when no place is
+    left within max_staleness of its version is dropped as stale, its tokens waste."""
+    task = PassRateTask([0.5])
+    pool = EnginePool([FakeEngine()], [64], monitor=False)
+    signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=2), 1)
+    screen = Screen(2, signal)
+    # one group a step, on-policy: one place at version 0
+    pipeline = Pipeline(pool, 1, 0, GROUP, 64, keep=signal.carries, screen=screen, filter_limit=99)
+    pipeline.grant(100)
+    prompts = task.prompts(0)
+    screen.seen(_first(task, -1, next(prompts), [0, 1]))  # a right and a wrong answer seen
+    for _ in range(3):  # three probes screened out: the pass rate is now (0 + 1) / (3 + 1)
+        prompt = next(prompts)
+        gid, _ = pipeline.start(prompt, False)
+        assert not pipeline.screened(gid, _first(task, gid, prompt, [1, 1]))
+    assert pipeline.counts.screened == 3
+    # counted whole, only one probe could start; at a pass rate of 1/4, four do
+    started = [(p, pipeline.start(p, False)) for p in (next(prompts) for _ in range(5))]
+    assert [s is not None for _, s in started] == [True] * 4 + [False]
+    (p0, (g0, _)), (p1, (g1, _)) = started[:2]
+    assert pipeline.screened(g0, _first(task, g0, p0, [0, 1]))  # passed: the one place
+    late = _first(task, g1, p1, [1, 0])
+    assert not pipeline.screened(g1, late)  # passed, with no place left for version 0
+    for p, (gid, _) in started[2:4]:  # screened out: the trainer waits for a probe due now
+        assert not pipeline.screened(gid, _first(task, gid, p, [1, 1]))
+    whole = _first(task, g0, p0, [0, 1] * (GROUP // 2))
+    pipeline.complete(g0, whole)
+    batch = pipeline.take(1, version=0, stall_s=5)
+    assert [g.id for g in batch.groups] == [g0]
+    assert batch.stale_dropped == 1 and batch.dropped_tokens == late.tokens > 0
+
+
+def _steps(task: PassRateTask, steps: int, batch: int = 4, max_inflight: int = 64):
+    """`steps` batches taken from a real Producer and Pipeline under max_staleness 1 (the engine
+    double serving the trainer's version after each step), with staged sampling (screen 2)."""
+    engine = SeededEngine(task, delay=0.25)
+    pool = EnginePool([engine], [max_inflight], monitor=False)
+    signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=2), 1)
+    pipeline = Pipeline(
+        pool,
+        batch,
+        1,
+        GROUP,
+        max_inflight,
+        keep=signal.carries,
+        screen=Screen(2, signal),
+        filter_limit=1000,
+    )
+    producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=1), seed=0)
+    pipeline.grant(batch * (steps + 2))  # the last steps' groups do not drain the pipeline
+    producer.start()
+    batches = []
+    try:
+        for version in range(steps):
+            batches.append(pipeline.take(batch, version=version, stall_s=60))
+            engine.version = version + 1
+            pool.serves(pool.members[0], version + 1)
+    finally:
+        producer.stop()
+    return batches, engine, pipeline
+
+
+def test_when_most_probes_are_screened_out_more_run_at_once_within_the_staleness_bound():
+    """At a pass rate of 0.95 nine probes in ten are screened out. Counted whole, the probes of the
+    (K + 1) * B = 8 groups admission allows kept a median 15 requests in flight here; counted at
+    their pass rate they fill `max_inflight`, and every group trained is within max_staleness. (The
+    engine double answers after 0.25 s, as a decode of a batch takes: answered faster than the
+    producer's thread reads the answers, it would see fewer in flight than the pipeline counts.)"""
+    batches, engine, pipeline = _steps(PassRateTask([0.95]), steps=8)
+    assert all(g.staleness(v) <= 1 for v, b in enumerate(batches) for g in b.groups)
+    assert all(len(b.groups) == 4 for b in batches)
+    rows = sorted(engine.rows)
+    median = rows[len(rows) // 2]
+    judged = pipeline.counts.screened + sum(1 for n in engine.requests.values() if n > 2)
+    dropped = sum(b.stale_dropped for b in batches)
+    print(
+        f"\nrows in flight: median {median}, most {engine.most_in_flight}; {judged} probes judged, "
+        f"{pipeline.counts.screened} screened out, {dropped} passed with no place"
+    )
+    assert median >= 40 and engine.most_in_flight <= 64
+    # a probe that passes after the places its version fits are taken is dropped: a few of them
+    assert dropped <= 0.25 * (judged - pipeline.counts.screened)
