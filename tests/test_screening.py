@@ -80,9 +80,15 @@ class SeededEngine(FakeEngine):
         return fut
 
 
-def _batches(task: PassRateTask, screen: int | None, groups: int, max_inflight: int = 24):
+def _batches(
+    task: PassRateTask,
+    screen: int | None,
+    groups: int,
+    max_inflight: int = 24,
+    min_screened: float = 0.0,
+):
     """`groups` groups that carried signal, from a real Producer and Pipeline; with the engine and
-    pipeline, to read what it took."""
+    pipeline, to read what it took. Groups start as probes from the first (`min_screened` 0)."""
     engine = SeededEngine(task)
     pool = EnginePool([engine], [max_inflight], monitor=False)
     signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=screen), 1)
@@ -93,7 +99,7 @@ def _batches(task: PassRateTask, screen: int | None, groups: int, max_inflight: 
         GROUP,
         max_inflight,
         keep=signal.carries,
-        screen=Screen(screen, signal) if screen else None,
+        screen=Screen(screen, signal, min_screened=min_screened) if screen else None,
         filter_limit=1000,
     )
     producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=1), seed=0)
@@ -151,6 +157,8 @@ def test_screen_is_checked_against_the_group_and_dynamic_sampling():
         parse_recipe({"model": "m", "algorithm": {"screen": 8}, "rollout": {"group_size": 8}})
     with pytest.raises(RecipeError, match="algorithm.screen: .*dynamic_sampling is off"):
         parse_recipe({"model": "m", "algorithm": {"screen": 2, "dynamic_sampling": False}})
+    with pytest.raises(RecipeError, match=r"algorithm.screen_from"):
+        parse_recipe({"model": "m", "algorithm": {"screen": 2, "screen_from": 1.5}})
 
 
 def _first(task: PassRateTask, gid: int, prompt: Prompt, rewards: list[int]):
@@ -168,7 +176,7 @@ def test_probes_are_admitted_at_their_expected_pass_rate_and_one_with_no_place_i
     task = PassRateTask([0.5])
     pool = EnginePool([FakeEngine()], [64], monitor=False)
     signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=2), 1)
-    screen = Screen(2, signal)
+    screen = Screen(2, signal, min_screened=0)
     # one group a step, on-policy: one place at version 0
     pipeline = Pipeline(pool, 1, 0, GROUP, 64, keep=signal.carries, screen=screen, filter_limit=99)
     pipeline.grant(100)
@@ -232,6 +240,7 @@ def test_when_most_probes_are_screened_out_more_run_at_once_within_the_staleness
     engine double answers after 0.25 s, as a decode of a batch takes: answered faster than the
     producer's thread reads the answers, it would see fewer in flight than the pipeline counts.)"""
     batches, engine, pipeline = _steps(PassRateTask([0.95]), steps=8)
+    assert pipeline.counts.screened > 0  # past the first verdicts, groups start as probes
     assert all(g.staleness(v) <= 1 for v, b in enumerate(batches) for g in b.groups)
     assert all(len(b.groups) == 4 for b in batches)
     rows = sorted(engine.rows)
@@ -245,3 +254,49 @@ def test_when_most_probes_are_screened_out_more_run_at_once_within_the_staleness
     assert median >= 40 and engine.most_in_flight <= 64
     # a probe that passes after the places its version fits are taken is dropped: a few of them
     assert dropped <= 0.25 * (judged - pipeline.counts.screened)
+
+
+def test_groups_start_whole_while_few_would_be_screened_out():
+    """Staged sampling pays once half the groups are screened out (`algorithm.screen_from`): at a
+    pass rate of 0.5 a group's first two answers are both right a quarter of the time, so groups
+    keep starting whole, and what a probe would have found is still counted."""
+    _, engine, pipeline = _batches(PassRateTask([0.5]), screen=2, groups=40, min_screened=0.5)
+    assert pipeline.counts.screened == 0
+    assert sum(n == GROUP for n in engine.requests.values()) >= len(engine.requests) - 3
+    verdicts = list(pipeline._verdicts)
+    assert len(verdicts) >= 40 and 0.1 < 1 - sum(verdicts) / len(verdicts) < 0.4
+
+
+def test_an_older_probe_that_passes_late_goes_ahead_of_a_newer_group_with_room_to_spare():
+    """One group a step, on-policy (K = 0): probe A starts at version 0, the engine flips, probe B
+    starts at version 1 and passes first. A passing next still fits: trained oldest first, A at
+    step 0 and B at step 1, each within the bound."""
+    task = PassRateTask([0.5])
+    pool = EnginePool([FakeEngine()], [64], monitor=False)
+    signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=2), 1)
+    screen = Screen(2, signal, min_screened=0)
+    pipeline = Pipeline(pool, 1, 0, GROUP, 64, keep=signal.carries, screen=screen, filter_limit=99)
+    pipeline.grant(10)
+    prompts = task.prompts(0)
+    screen.seen(_first(task, -1, next(prompts), [0, 1]))
+    for _ in range(3):  # three screened out: the pass rate (0 + 1) / (3 + 1) lets B start
+        prompt = next(prompts)
+        gid, _ = pipeline.start(prompt, False)
+        assert not pipeline.screened(gid, _first(task, gid, prompt, [1, 1]))
+    pa = next(prompts)
+    a, _ = pipeline.start(pa, False)
+    pool.serves(pool.members[0], 1)
+    pb = next(prompts)
+    b, group_b = pipeline.start(pb, False)
+    assert group_b.version == 1
+    assert pipeline.screened(b, _first(task, b, pb, [0, 1]))
+    assert pipeline.screened(a, _first(task, a, pa, [1, 0]))  # placed ahead of B
+    for gid, prompt, version in ((b, pb, 1), (a, pa, 0)):
+        answers = [
+            Completion(list(prompt.prompt_ids), [i % 2], [-0.5], "stop", None, version, version)
+            for i in range(GROUP)
+        ]
+        pipeline.complete(gid, build_group(task, prompt, answers, gid))
+    first, second = pipeline.take(1, version=0, stall_s=5), pipeline.take(1, version=1, stall_s=5)
+    assert [g.id for g in first.groups] == [a] and [g.id for g in second.groups] == [b]
+    assert first.stale_dropped == second.stale_dropped == 0

@@ -106,7 +106,7 @@ def test_staged_sampling_generates_the_rest_only_of_groups_whose_first_samples_d
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8},
         "trainer": {"steps": 6, "lr": 0.002},
         "task": {"name": "arith", "max_digits": 2, "ops": "+-"},
-        "algorithm": {"preset": "dapo", "screen": 2},
+        "algorithm": {"preset": "dapo", "screen": 2, "screen_from": 0},
         "mode": "double-buffer",
         "max_staleness": 1,
     }

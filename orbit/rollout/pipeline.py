@@ -17,12 +17,14 @@ both of them read and change lives here, under one condition:
   as waste, and does not count as started. Staged sampling (`screen`) looks at a group's first
   samples: a group whose first samples all reached the best reward seen is dropped there, its other
   samples never generated (counted as filtered and as screened).
-- probes (staged sampling): a group on its first samples does not count as started until it passes
-  the screen; it then takes the next place, if its version still fits it (else it is dropped as
-  stale, its samples waste). While probes are pending, admission counts only the share of them
-  expected to pass (the recent pass rate), so late in a run, when most are screened out, more
-  probes run at once and the engine keeps its rows full: counted whole, they left it a quarter of
-  `max_inflight` (bench/investigations/learning.md).
+- probes (staged sampling): groups start on their first samples (as probes) only while at least
+  `algorithm.screen_from` of the recent ones were screened out (of those started whole: would have
+  been). A probe does not count as started until it passes the screen; it then takes the next
+  place, if its version still fits it (else it is dropped as stale, its samples waste). While
+  probes are pending, admission counts only the share of them expected to pass (the recent pass
+  rate), so late in a run, when most are screened out, many probes run at once and the engine keeps
+  its rows full; counted whole, (K + 1) * B probes left it 2 (K + 1) B rows
+  (bench/investigations/learning.md).
 
 `take(n, version)` drops groups too stale to train (each replaced by a fresh grant when
 `replenish`), waits for a group still in flight at its deadline rather than overtaking it with
@@ -104,6 +106,7 @@ class InFlight:
     screening: bool = False
     # the pipeline's: a probe, on its first samples and not yet counted as started (admission)
     probe: bool = False
+    staged: bool = False  # started as a probe
 
 
 @dataclass
@@ -185,6 +188,7 @@ class Pipeline:
         self._cond = threading.Condition()
         self._granted = 0
         self._started = start_version * batch  # every group trained before this run counts
+        self._next_step = start_version  # the version of the next batch the trainer takes
         self._requests = 0  # requests in flight
         self._probing = 0  # probes in flight: groups on their first samples, not counted as started
         # the recent probes' verdicts: passed the screen (True) or screened out
@@ -233,7 +237,7 @@ class Pipeline:
             group = self.in_flight[gid] = InFlight(
                 prompt, engine, self.pool.versions()[engine] or 0, [None] * n, [0] * n, episodes
             )
-            group.screening = group.probe = probe
+            group.screening = group.probe = group.staged = probe
             return gid, group
 
     def _expected_passes(self) -> int:
@@ -246,8 +250,13 @@ class Pipeline:
     @property
     def first_samples(self) -> int:
         """How many samples a group starts with: all of them, or the first `screen` while dynamic
-        sampling is on (when it stands aside, groups start whole again)."""
+        sampling is on (when it stands aside, groups start whole again) and at least
+        `screen.min_screened` (`algorithm.screen_from`) of the recent groups were screened out (or
+        would have been)."""
         if self.screen is None or self.keep is None:
+            return self.group_size
+        screened_out = len(self._verdicts) - sum(self._verdicts)
+        if screened_out < self.screen.min_screened * (len(self._verdicts) + 1):
             return self.group_size
         return self.screen.k
 
@@ -296,12 +305,22 @@ class Pipeline:
         return False
 
     def _place(self, group: InFlight) -> bool:
-        """A probe passed the screen: count it as started, at the next place, if that place is
-        trained within max_staleness of the version its first samples were generated on
-        (admission's rule), and a grant is left. Else it cannot be trained fresh enough."""
-        fits = group.version >= self._started // self.admission.batch - self.admission.k
-        if self._granted <= 0 or not fits:
+        """A probe passed the screen: count it as started if a grant is left and every group in the
+        pipeline, it included, can still be trained within max_staleness of its version, oldest
+        first (the earliest deadline first: for each deadline t from the probe's on, the groups due
+        by step t fit in the batches left until then). Newer groups placed while it ran may have
+        taken the places after its own deadline; this lets it in ahead of them where they have
+        room to spare. Else it cannot be trained fresh enough."""
+        if self._granted <= 0:
             return False
+        k, batch = self.admission.k, self.admission.batch
+        deadlines = [g.version + k for g in self.in_flight.values() if not g.probe]
+        deadlines += [g.oldest_version + k for g in self._complete]  # `group` is in flight
+        mine = group.version + k
+        for t in sorted({d for d in deadlines if d > mine} | {mine}):
+            due = sum(d <= t for d in deadlines)  # the probe itself counted among the in flight
+            if due > (t - self._next_step + 1) * batch:
+                return False
         self._granted -= 1
         self._started += 1
         return True
@@ -324,10 +343,14 @@ class Pipeline:
         # outside the lock: the rewards are the group's own
         keep = self.keep
         kept = keep is None or keep(group)
+        verdict = None
         if self.screen is not None:
             self.screen.seen(group)
+            verdict = not self.screen.would_solve(group)
         warning = None
         with self._cond:
+            if verdict is not None and not self.in_flight[gid].staged:
+                self._verdicts.append(verdict)  # what a probe of it would have found
             del self.in_flight[gid]
             self._last_progress = time.monotonic()
             if kept:
@@ -473,6 +496,7 @@ class Pipeline:
                 self._trainer_waits(False)
             self._filtered_since_take = 0
             unplaced, self._unplaced = self._unplaced, (0, 0)
+            self._next_step = version + 1
             self._since_take = (self.counts.episodes_ended, self.counts.episodes_lost)
         # the engines are asked outside the lock: the producer must not wait on a hung engine
         if stalled:
