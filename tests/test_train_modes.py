@@ -106,7 +106,7 @@ def test_staged_sampling_generates_the_rest_only_of_groups_whose_first_samples_d
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8},
         "trainer": {"steps": 6, "lr": 0.002},
         "task": {"name": "arith", "max_digits": 2, "ops": "+-"},
-        "algorithm": {"preset": "dapo", "screen": 2, "screen_from": 0},
+        "algorithm": {"preset": "dapo", "screen": 2},
         "mode": "double-buffer",
         "max_staleness": 1,
     }
@@ -115,7 +115,6 @@ def test_staged_sampling_generates_the_rest_only_of_groups_whose_first_samples_d
     screened = sum(r["groups_screened"] for r in rows)
     assert len(rows) == 6 and screened > 0
     assert all(r["groups_screened"] <= r["groups_filtered"] for r in rows)
-    assert all(r["staleness_max"] <= 1 for r in rows)  # probes admitted at their pass rate
     requests: dict[int, int] = {}
     for line in (tmp_path / "run" / "timeline.jsonl").read_text().splitlines():
         e = json.loads(line)

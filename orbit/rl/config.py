@@ -140,14 +140,6 @@ class AlgorithmConfig(_Section):
         "Weights a prompt of pass rate p by 1 - p^k - (1-p)^n instead of 1 - p^n - (1-p)^n "
         "(docs/algorithms.md)",
     )
-    screen_from: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="with screen: groups start on their first samples only while at least this "
-        "share of the recent ones were screened out (or, started whole, would have been); until "
-        "then a second round of generation costs more than it saves. 0: from the start",
-    )
     overlong: Literal["none", "mask", "penalty"] = Field(
         "none",
         description="completions cut by max_new_tokens: none (as any); mask (left out of the "

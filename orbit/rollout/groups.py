@@ -124,14 +124,8 @@ class Screen:
     teaches most. Until two different rewards were seen there is no best: nothing is screened (the
     first groups of a task the base model always fails). Used by the producer's thread alone."""
 
-    def __init__(self, k: int, signal: Signal, min_screened: float = 0.0) -> None:
-        """`min_screened` (`algorithm.screen_from`): groups start on their first `k` samples only
-        while at least this share of the recent ones were (or, started whole, would have been)
-        screened out. Staged sampling pays once many are: at a half, a probe saves at least
-        (group_size - k) / 2 samples a group on average, against a second round of generation for
-        the groups that pass, which early in a run, with few screened out, only halved the
-        engine's rows (bench/investigations/learning.md)."""
-        self.k, self.signal, self.min_screened = k, signal, min_screened
+    def __init__(self, k: int, signal: Signal) -> None:
+        self.k, self.signal = k, signal
         self.best, self.worst = -math.inf, math.inf
 
     def seen(self, group: Group) -> None:
@@ -142,11 +136,6 @@ class Screen:
         rewards = self.signal.rewards(first)
         self._see(rewards)
         return self.best > self.worst and min(rewards) >= self.best
-
-    def would_solve(self, group: Group) -> bool:
-        """Would a group started whole have been screened out on its first `k` samples?"""
-        first = self.signal.rewards(group)[: self.k]
-        return self.best > self.worst and min(first) >= self.best
 
     def _see(self, rewards: list[float]) -> None:
         self.best, self.worst = max(self.best, *rewards), min(self.worst, *rewards)

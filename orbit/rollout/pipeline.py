@@ -17,14 +17,6 @@ both of them read and change lives here, under one condition:
   as waste, and does not count as started. Staged sampling (`screen`) looks at a group's first
   samples: a group whose first samples all reached the best reward seen is dropped there, its other
   samples never generated (counted as filtered and as screened).
-- probes (staged sampling): groups start on their first samples (as probes) only while at least
-  `algorithm.screen_from` of the recent ones were screened out (of those started whole: would have
-  been). A probe does not count as started until it passes the screen; it then takes the next
-  place, if its version still fits it (else it is dropped as stale, its samples waste). While
-  probes are pending, admission counts only the share of them expected to pass (the recent pass
-  rate), so late in a run, when most are screened out, many probes run at once and the engine keeps
-  its rows full; counted whole, (K + 1) * B probes left it 2 (K + 1) B rows
-  (bench/investigations/learning.md).
 
 `take(n, version)` drops groups too stale to train (each replaced by a fresh grant when
 `replenish`), waits for a group still in flight at its deadline rather than overtaking it with
@@ -37,7 +29,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,17 +95,13 @@ class InFlight:
     episodes: list[Episode] | None = None  # multi-turn tasks: each sample's episode in progress
     # staged sampling: only the first samples are submitted yet (the rest wait for their verdict)
     screening: bool = False
-    # the pipeline's: a probe, on its first samples and not yet counted as started (admission)
-    probe: bool = False
-    staged: bool = False  # started as a probe
 
 
 @dataclass
 class Batch:
     groups: list[Group]
     wait_s: float  # time the trainer was blocked waiting for it
-    # groups dropped as too stale while assembling it, and probes that passed with no place left
-    stale_dropped: int
+    stale_dropped: int  # groups dropped as too stale while assembling it
     dropped_tokens: int = 0  # tokens generated for those dropped groups (waste)
 
     @property
@@ -188,14 +175,7 @@ class Pipeline:
         self._cond = threading.Condition()
         self._granted = 0
         self._started = start_version * batch  # every group trained before this run counts
-        self._next_step = start_version  # the version of the next batch the trainer takes
         self._requests = 0  # requests in flight
-        self._probing = 0  # probes in flight: groups on their first samples, not counted as started
-        # the recent probes' verdicts: passed the screen (True) or screened out
-        self._verdicts: deque[bool] = deque(maxlen=8 * batch)
-        # probes that passed with no place left for their version: (groups, tokens) since the last
-        # take, dropped as stale
-        self._unplaced = (0, 0)
         # told when the engines have nothing in flight, or again do
         self.on_idle: Callable[[bool], None] | None = None
         # told when the trainer starts waiting for a batch, and when it stops (under the lock:
@@ -215,48 +195,30 @@ class Pipeline:
     def start(self, prompt: Prompt, multi_turn: bool) -> tuple[int, InFlight] | None:
         """Start a group of `prompt` if one may start now: (its number, the group in flight, on the
         engine the pool picked); None when no group may start (no grant, no room in flight, no
-        engine fresh enough). A probe (staged sampling) is admitted as if the pending probes
-        expected to pass had started."""
+        engine fresh enough)."""
         with self._cond:
-            probe = self.first_samples < self.group_size
-            ahead = self._expected_passes() if probe else 0
-            if self._granted - ahead <= 0 or not self._room(self.first_samples):
+            if self._granted <= 0 or not self._room(self.first_samples):
                 return None
             in_pipeline = len(self._complete) + len(self.in_flight)
-            engine = self.admission.pick(self.pool, self._started + ahead, in_pipeline)
+            engine = self.admission.pick(self.pool, self._started, in_pipeline)
             if engine is None:
                 return None
-            if probe:
-                self._probing += 1
-            else:
-                self._granted -= 1
-                self._started += 1
+            self._granted -= 1
+            self._started += 1
             gid, self.next_group = self.next_group, self.next_group + 1
             n = self.group_size
             episodes = [Episode(list(prompt.prompt_ids)) for _ in range(n)] if multi_turn else None
             group = self.in_flight[gid] = InFlight(
                 prompt, engine, self.pool.versions()[engine] or 0, [None] * n, [0] * n, episodes
             )
-            group.screening = group.probe = group.staged = probe
+            group.screening = self.first_samples < n
             return gid, group
-
-    def _expected_passes(self) -> int:
-        """How many of the pending probes admission counts as started: their expected passes at the
-        recent pass rate, counted as if one more probe had passed (before any verdict every probe
-        counts whole, and a few verdicts overbook little)."""
-        passed = sum(self._verdicts) + 1
-        return self._probing * passed // (len(self._verdicts) + 1)
 
     @property
     def first_samples(self) -> int:
         """How many samples a group starts with: all of them, or the first `screen` while dynamic
-        sampling is on (when it stands aside, groups start whole again) and at least
-        `screen.min_screened` (`algorithm.screen_from`) of the recent groups were screened out (or
-        would have been)."""
+        sampling is on (when it stands aside, groups start whole again)."""
         if self.screen is None or self.keep is None:
-            return self.group_size
-        screened_out = len(self._verdicts) - sum(self._verdicts)
-        if screened_out < self.screen.min_screened * (len(self._verdicts) + 1):
             return self.group_size
         return self.screen.k
 
@@ -268,62 +230,23 @@ class Pipeline:
     def _room(self, requests: int) -> bool:
         return self._requests + requests <= self.max_inflight
 
-    def screened(self, gid: int, first: Group | None) -> bool:
-        """Staged sampling: `first` holds a group's first samples, scored (None: every one of them
-        was a lost episode). True: generate the rest. False: the group is dropped, either because
-        they all reached the best reward seen (as dynamic sampling drops a complete one: another
-        prompt's group takes its place; toward `filter_limit` it counts as the share of a group it
-        cost) or because, passed, it found no place its version fits (`_place`)."""
-        solved = (
-            first is not None
-            and self.keep is not None
-            and self.screen is not None
-            and self.screen.solved(first)
-        )
+    def screened(self, gid: int, first: Group) -> bool:
+        """Staged sampling: `first` holds a group's first samples, scored. True: generate the rest.
+        False: they all reached the best reward seen, and the group is dropped as dynamic sampling
+        drops a complete one (another prompt's group takes its place); toward `filter_limit` it
+        counts as the share of a group it cost."""
+        if self.keep is None or self.screen is None or not self.screen.solved(first):
+            return True
         with self._cond:
-            group = self.in_flight[gid]
-            probe, group.probe = group.probe, False
-            if probe:
-                self._probing -= 1
-                self._verdicts.append(not solved)
-            if not solved and (not probe or self._place(group)):
-                return True
             del self.in_flight[gid]
             self._last_progress = time.monotonic()
-            warning = None
-            if solved:
-                assert first is not None
-                self.counts.screened += 1
-                warning = self._filter(first, len(first.samples) / self.group_size, probe)
-            else:
-                groups, tokens = self._unplaced
-                self._unplaced = (groups + 1, tokens + (first.tokens if first is not None else 0))
+            self.counts.screened += 1
+            warning = self._filter(first, len(first.samples) / self.group_size)
             self._cond.notify_all()
         if warning:
             self.on_warning(warning)
         self.wake()  # its replacement starts now
         return False
-
-    def _place(self, group: InFlight) -> bool:
-        """A probe passed the screen: count it as started if a grant is left and every group in the
-        pipeline, it included, can still be trained within max_staleness of its version, oldest
-        first (the earliest deadline first: for each deadline t from the probe's on, the groups due
-        by step t fit in the batches left until then). Newer groups placed while it ran may have
-        taken the places after its own deadline; this lets it in ahead of them where they have
-        room to spare. Else it cannot be trained fresh enough."""
-        if self._granted <= 0:
-            return False
-        k, batch = self.admission.k, self.admission.batch
-        deadlines = [g.version + k for g in self.in_flight.values() if not g.probe]
-        deadlines += [g.oldest_version + k for g in self._complete]  # `group` is in flight
-        mine = group.version + k
-        for t in sorted({d for d in deadlines if d > mine} | {mine}):
-            due = sum(d <= t for d in deadlines)  # the probe itself counted among the in flight
-            if due > (t - self._next_step + 1) * batch:
-                return False
-        self._granted -= 1
-        self._started += 1
-        return True
 
     def submitted(self) -> None:
         with self._cond:
@@ -343,14 +266,10 @@ class Pipeline:
         # outside the lock: the rewards are the group's own
         keep = self.keep
         kept = keep is None or keep(group)
-        verdict = None
         if self.screen is not None:
             self.screen.seen(group)
-            verdict = not self.screen.would_solve(group)
         warning = None
         with self._cond:
-            if verdict is not None and not self.in_flight[gid].staged:
-                self._verdicts.append(verdict)  # what a probe of it would have found
             del self.in_flight[gid]
             self._last_progress = time.monotonic()
             if kept:
@@ -364,20 +283,16 @@ class Pipeline:
         if not kept:
             self.wake()  # its replacement starts now
 
-    def _filter(self, group: Group, share: float = 1.0, probe: bool = False) -> str | None:
-        """Dynamic sampling: the group says nothing; another prompt's group takes its place (a
-        probe was never counted as started, so there is nothing to give back). Past
+    def _filter(self, group: Group, share: float = 1.0) -> str | None:
+        """Dynamic sampling: the group says nothing; another prompt's group takes its place. Past
         the limit: the run stops if under a batch of groups has carried signal (the task gives this
         model nothing to learn from), else the filter stands aside (the policy has learned and
         settled on its answers: a run of silent groups that would otherwise end it); what to warn
         of."""
         self.counts.filtered += 1
         self.counts.filtered_tokens += group.tokens
-        if not probe:
-            self._started -= (
-                1  # its replacement counts as started instead, as a dropped group's does
-            )
-            self._granted += 1
+        self._started -= 1  # its replacement counts as started instead, as a dropped group's does
+        self._granted += 1
         self._filtered_since_take += share
         if (
             self._filtered_since_take <= self.filter_limit * self.admission.batch
@@ -495,8 +410,6 @@ class Pipeline:
             finally:
                 self._trainer_waits(False)
             self._filtered_since_take = 0
-            unplaced, self._unplaced = self._unplaced, (0, 0)
-            self._next_step = version + 1
             self._since_take = (self.counts.episodes_ended, self.counts.episodes_lost)
         # the engines are asked outside the lock: the producer must not wait on a hung engine
         if stalled:
@@ -505,8 +418,8 @@ class Pipeline:
         return Batch(
             groups=taken,
             wait_s=time.time() - t0,
-            stale_dropped=len(dropped) + unplaced[0],
-            dropped_tokens=sum(g.tokens for g in dropped) + unplaced[1],
+            stale_dropped=len(dropped),
+            dropped_tokens=sum(g.tokens for g in dropped),
         )
 
     def _await(
@@ -564,12 +477,11 @@ class Pipeline:
         return stale
 
     def _seen(self) -> str:
-        probes = f", {self._probing} of them probes" if self._probing else ""
         return (
             f"{len(self._complete)} complete group(s) buffered; {len(self.in_flight)} group(s) in "
-            f"flight ({self._requests} request(s){probes}); {self._granted} grant(s) left; "
-            f"{self._started} group(s) started (max_staleness {self.admission.max_staleness}, "
-            f"engine versions {self.pool.versions()})"
+            f"flight ({self._requests} request(s)); {self._granted} grant(s) left; {self._started} "
+            f"group(s) started (max_staleness {self.admission.max_staleness}, engine versions "
+            f"{self.pool.versions()})"
         )
 
     def _engines(self) -> str:

@@ -6,9 +6,8 @@ up to `max_inflight` requests stay in flight. When one is answered it resubmits 
 aborted (at most `rollout.max_attempts` times), runs the next turn of a multi-turn episode
 (episode.py), and once every sample of a group is done scores the group (pipeline.py) and hands it
 to the pipeline. With staged sampling (`algorithm.screen`) a group starts with its first samples
-only; once they are scored the pipeline drops the group if they all reached the best reward seen
-(or if, passed, no place fits its version: pipeline.py's probes), else the rest are submitted,
-ahead of any new group. The two loop kinds differ only in grants:
+only; once they are scored the pipeline drops the group if they all reached the best reward seen,
+else the rest are submitted, ahead of any new group. The two loop kinds differ only in grants:
 serial grants one batch per step, overlapped grants the whole run at start (and each dropped group
 is granted again).
 """
@@ -213,9 +212,11 @@ class Producer:
             return
         group.screening = False
         kept = [c for c in first if c is not LOST]
-        scored = build_group(self.task, group.prompt, kept, gid) if kept else None
-        if self.pipeline.screened(gid, scored):
-            self._rest.append(gid)
+        if kept and not self.pipeline.screened(
+            gid, build_group(self.task, group.prompt, kept, gid)
+        ):
+            return
+        self._rest.append(gid)
 
     def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
         """An agent episode that failed: counted, told, and left out of its group; the run goes
