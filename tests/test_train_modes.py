@@ -97,16 +97,17 @@ def test_dapo_keeps_every_batch_full_of_signal_and_nothing_stale(tmp_path, warm_
 
 
 @pytest.mark.timeout(300)
-def test_staged_sampling_generates_the_rest_only_of_groups_whose_first_samples_differ(
+def test_staged_sampling_generates_a_group_only_for_prompts_whose_probe_differs(
     tmp_path, warm_arith
 ):
-    """algorithm.screen: 2 of groups of 4 on the embedded engine: a group whose first two answers
-    agree is dropped with no more requests; every trained group has its 4 samples."""
+    """algorithm.screen: 2 of groups of 4 on the embedded engine, probes from the start: a prompt
+    whose probe's two answers are both right is dropped with no group; every trained group is a
+    whole group of 4 fresh samples, within the staleness bound."""
     patch = {
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8},
         "trainer": {"steps": 6, "lr": 0.002},
         "task": {"name": "arith", "max_digits": 2, "ops": "+-"},
-        "algorithm": {"preset": "dapo", "screen": 2},
+        "algorithm": {"preset": "dapo", "screen": 2, "screen_from": 0},
         "mode": "double-buffer",
         "max_staleness": 1,
     }
@@ -115,18 +116,20 @@ def test_staged_sampling_generates_the_rest_only_of_groups_whose_first_samples_d
     screened = sum(r["groups_screened"] for r in rows)
     assert len(rows) == 6 and screened > 0
     assert all(r["groups_screened"] <= r["groups_filtered"] for r in rows)
+    assert all(r["staleness_max"] <= 1 for r in rows)
     requests: dict[int, int] = {}
+    probes: dict[int, int] = {}
     for line in (tmp_path / "run" / "timeline.jsonl").read_text().splitlines():
         e = json.loads(line)
         if e["kind"] == "request" and e["finish"] != "abort":
-            requests[e["group"]] = requests.get(e["group"], 0) + 1
+            counts = probes if e.get("probe") else requests
+            counts[e["group"]] = counts.get(e["group"], 0) + 1
     logged = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     trained = {json.loads(line)["group"] for line in logged}
-    assert trained and all(requests[g] == 4 for g in trained)
-    # a group stops at 2 requests (screened out) or runs to 4; the ones still in flight at the end
-    # may have fewer
-    assert sum(n == 2 for n in requests.values()) >= screened
-    assert all(n <= 4 for n in requests.values())
+    assert trained and all(requests[g] == 4 and probes[g] == 2 for g in trained)
+    # a prompt screened out has its probe and no group; the last ones may be in flight
+    assert sum(n == 2 and g not in requests for g, n in probes.items()) >= screened
+    assert all(n <= 4 for n in requests.values()) and all(n <= 2 for n in probes.values())
 
 
 def test_truncated_sampling_end_to_end_with_task_figures(tmp_path, tiny_llama):

@@ -103,7 +103,7 @@ class StepMetrics:
     zero_variance_frac: float = 0.0
     # groups dynamic sampling dropped in the step (not waste: they carried no signal)
     groups_filtered: int = 0
-    # of those, groups dropped on their first samples (staged sampling: the rest never generated)
+    # of those, prompts dropped on their probe (staged sampling: their group never generated)
     groups_screened: int = 0
     # agent episodes lost in the step (the agent raised, hung, or gave no number)
     episodes_lost: int = 0

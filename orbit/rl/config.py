@@ -134,11 +134,19 @@ class AlgorithmConfig(_Section):
     screen: int | None = Field(
         None,
         ge=2,
-        description="with dynamic_sampling: generate this many samples of a group first, and "
-        "the rest only unless all of them reached the best reward the run has seen (a prompt "
-        "the policy already solves, which dynamic sampling would most likely drop whole). "
-        "Weights a prompt of pass rate p by 1 - p^k - (1-p)^n instead of 1 - p^n - (1-p)^n "
-        "(docs/algorithms.md)",
+        description="with dynamic_sampling: generate this many samples of a prompt first (a "
+        "probe, never trained), and a group of it only unless all of them reached the best "
+        "reward the run has seen (a prompt the policy already solves, which dynamic sampling "
+        "would most likely drop whole). Weights a prompt of pass rate p by "
+        "(1 - p^k)(1 - p^n - (1-p)^n) instead of 1 - p^n - (1-p)^n (docs/algorithms.md)",
+    )
+    screen_from: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="with screen: probes run only while at least this share of the recent "
+        "prompts were screened out (or, started as a group, would have been); until then a "
+        "probe costs more than it saves. 0: from the start",
     )
     overlong: Literal["none", "mask", "penalty"] = Field(
         "none",

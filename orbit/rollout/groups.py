@@ -117,15 +117,17 @@ class Signal:
 
 
 class Screen:
-    """Staged sampling's test of a group's first `k` samples (`algorithm.screen`): did every one
-    reach the best shaped reward the run has seen? Then the policy already solves the prompt, and
-    the group's other samples would most likely agree: dynamic sampling would drop it. Agreement on
+    """Staged sampling's test of a prompt's `k` probe samples (`algorithm.screen`, probes.py): did
+    every one reach the best shaped reward the run has seen? Then the policy already solves the
+    prompt, and a group of it would most likely agree: dynamic sampling would drop it. Agreement on
     a failure does not count: a prompt the policy rarely solves is the one whose rare success
     teaches most. Until two different rewards were seen there is no best: nothing is screened (the
     first groups of a task the base model always fails). Used by the producer's thread alone."""
 
-    def __init__(self, k: int, signal: Signal) -> None:
-        self.k, self.signal = k, signal
+    def __init__(self, k: int, signal: Signal, min_screened: float = 0.0) -> None:
+        """`min_screened` (`algorithm.screen_from`): probes run only while at least this share of
+        the recent prompts were screened out (probes.py)."""
+        self.k, self.signal, self.min_screened = k, signal, min_screened
         self.best, self.worst = -math.inf, math.inf
 
     def seen(self, group: Group) -> None:
@@ -136,6 +138,11 @@ class Screen:
         rewards = self.signal.rewards(first)
         self._see(rewards)
         return self.best > self.worst and min(rewards) >= self.best
+
+    def would_solve(self, group: Group) -> bool:
+        """Would a probe of the same samples as this group's first `k` have screened it out?"""
+        first = self.signal.rewards(group)[: self.k]
+        return self.best > self.worst and min(first) >= self.best
 
     def _see(self, rewards: list[float]) -> None:
         self.best, self.worst = max(self.best, *rewards), min(self.worst, *rewards)

@@ -5,18 +5,17 @@ It starts every group the pipeline admits (pipeline.py), on the engine the pool 
 up to `max_inflight` requests stay in flight. When one is answered it resubmits a sample the engine
 aborted (at most `rollout.max_attempts` times), runs the next turn of a multi-turn episode
 (episode.py), and once every sample of a group is done scores the group (pipeline.py) and hands it
-to the pipeline. With staged sampling (`algorithm.screen`) a group starts with its first samples
-only; once they are scored the pipeline drops the group if they all reached the best reward seen,
-else the rest are submitted, ahead of any new group. The two loop kinds differ only in grants:
-serial grants one batch per step, overlapped grants the whole run at start (and each dropped group
-is granted again).
+to the pipeline. With staged sampling (`algorithm.screen`, probes.py) a new prompt may start as a
+probe of a few samples instead; once they are scored the pipeline drops the prompt or queues it,
+and a queued prompt's group starts ahead of any new prompt. The two loop kinds differ only in
+grants: serial grants one batch per step, overlapped grants the whole run at start (and each dropped
+group is granted again).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -66,7 +65,6 @@ class Producer:
         for _ in range(pipeline.next_group):
             self._next_prompt()
         self._ready: Prompt | None = None
-        self._rest: deque[int] = deque()  # screened groups whose other samples wait for room
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orbit-producer", daemon=True)
 
@@ -91,25 +89,20 @@ class Producer:
             self.pipeline.fail(err)
 
     def _fill(self) -> None:
-        screen = self.pipeline.screen
-        n, first = self.pipeline.group_size, screen.k if screen is not None else 0
-        while self._rest and self.pipeline.room(n - first):
-            gid = self._rest.popleft()
-            for idx in range(first, n):
-                self._submit(gid, idx, self.pipeline.in_flight[gid])
-        if self._rest:
-            return  # groups already started finish before new ones start
         while not self._stop.is_set():
-            # the next prompt is read ahead: the task runs outside the pipeline's lock, and prompts
-            # are still taken strictly in group order (a resumed run skips exactly the groups it
-            # started)
-            self._ready = self._ready or self._next_prompt()
-            started = self.pipeline.start(self._ready, self.multi_turn)
+            # a prompt whose probe passed starts its group before any new prompt starts
+            started = self.pipeline.start_passed(self.multi_turn)
             if started is None:
-                return
+                # the next prompt is read ahead: the task runs outside the pipeline's lock, and
+                # prompts are still taken strictly in group order (a resumed run skips exactly the
+                # groups it started)
+                self._ready = self._ready or self._next_prompt()
+                started = self.pipeline.start(self._ready, self.multi_turn)
+                if started is None:
+                    return
+                self._ready = None
             gid, group = started
-            self._ready = None
-            for idx in range(first if group.screening else n):
+            for idx in range(len(group.completions)):
                 self._submit(gid, idx, group)
 
     def _next_prompt(self) -> Prompt:
@@ -129,14 +122,15 @@ class Producer:
         """Sample `idx` of a group (its next turn, multi-turn; an agent's whole episode) on the
         group's engine: the prompt's prefix cache (an episode's context) is there. The pool reroutes
         if that engine is gone."""
+        # a probe's samples have seeds of their own: its group is a fresh draw, not its replay
+        draw = idx + self.pipeline.group_size if group.probe else idx
+        meta = {"group": gid, "probe": True} if group.probe else {"group": gid}
         if self.agents is not None:
-            name = f"s{self.seed}-g{gid}-{idx}-{group.attempts[idx]}"
-            episode_fut = self.agents.start(
-                group.prompt, group.engine, ACTIVE, name, meta={"group": gid}
-            )
+            name = f"s{self.seed}-g{gid}-{draw}-{group.attempts[idx]}"
+            episode_fut = self.agents.start(group.prompt, group.engine, ACTIVE, name, meta=meta)
             self._post_when_done(episode_fut, gid, idx)
             return
-        key: tuple[int, ...] = (self.seed, gid, idx, group.attempts[idx])
+        key: tuple[int, ...] = (self.seed, gid, draw, group.attempts[idx])
         if group.episodes is None:
             context = list(group.prompt.prompt_ids)
         else:  # the next turn of a multi-turn episode: prompt + everything so far
@@ -145,9 +139,7 @@ class Producer:
         # A distinct, reproducible seed per sample, attempt (and turn): ints hash the same in every
         # run.
         sampling = dataclasses.replace(self.sampling, seed=hash(key) & 0x7FFFFFFF)
-        fut = self.pool.generate(
-            context, sampling, slot=ACTIVE, engine=group.engine, meta={"group": gid}
-        )
+        fut = self.pool.generate(context, sampling, slot=ACTIVE, engine=group.engine, meta=meta)
         self._post_when_done(fut, gid, idx)
 
     def _post_when_done(self, fut: Future[Any], gid: int, idx: int) -> None:
@@ -191,10 +183,10 @@ class Producer:
         if self.agents is not None:
             self.pipeline.count(episodes_ended=1, episodes_lost=int(completion is LOST), why=why)
         group.completions[idx] = completion
-        if group.screening:
-            self._screen(gid, group)
-            return
         if any(c is None for c in group.completions):
+            return
+        if group.probe:
+            self._screen(gid, group)
             return
         kept = [c for c in group.completions if c is not LOST]
         if kept:
@@ -202,21 +194,13 @@ class Producer:
         else:  # every episode of the group was lost: another prompt's group takes its place
             self.pipeline.drop(gid)
 
-    def _screen(self, gid: int, group: InFlight) -> None:
-        """Staged sampling: once a group's first samples are done, score them (they are scored
-        again with the whole group: the task's score is cheap beside generation) and either queue
-        the rest or let the pipeline drop the group."""
-        assert self.pipeline.screen is not None
-        first = group.completions[: self.pipeline.screen.k]
-        if any(c is None for c in first):
-            return
-        group.screening = False
-        kept = [c for c in first if c is not LOST]
-        if kept and not self.pipeline.screened(
-            gid, build_group(self.task, group.prompt, kept, gid)
-        ):
-            return
-        self._rest.append(gid)
+    def _screen(self, gid: int, probe: InFlight) -> None:
+        """Staged sampling: a probe's samples are done; the pipeline scores them and drops the
+        prompt or queues its group (the task's score is cheap beside generation)."""
+        kept = [c for c in probe.completions if c is not LOST]
+        self.pipeline.screened(
+            gid, build_group(self.task, probe.prompt, kept, gid) if kept else None
+        )
 
     def _lost(self, gid: int, idx: int, err: EpisodeFailed) -> None:
         """An agent episode that failed: counted, told, and left out of its group; the run goes
@@ -260,5 +244,6 @@ class Producer:
                 tokens=len(c.output_ids),
                 finish=c.finish_reason,
                 group=(c.meta or {}).get("group"),
+                **({"probe": True} if (c.meta or {}).get("probe") else {}),
                 **({"adapter": self.adapter} if self.adapter else {}),
             )

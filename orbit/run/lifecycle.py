@@ -281,7 +281,11 @@ def start(
             keep=signal.carries if recipe.algorithm.dynamic_sampling else None,
             stood_aside=bool(run_state.get("filter_stood_aside", False)),
             filter_limit=recipe.algorithm.filter_limit,
-            screen=Screen(recipe.algorithm.screen, signal) if recipe.algorithm.screen else None,
+            screen=(
+                Screen(recipe.algorithm.screen, signal, recipe.algorithm.screen_from)
+                if recipe.algorithm.screen
+                else None
+            ),
             max_lost_frac=recipe.rollout.max_lost_frac,
             on_warning=warner(console, run_dir, prefix),
         )
