@@ -243,9 +243,11 @@ class Pipeline:
         prompt could start but for room (its group needs the rows first)."""
         assert self.probes is not None
         k = self.probes.k
-        if not self.probes.wanted() or not self._room(k) or self._passed_waits_for_room():
+        wanted = self.probes.wanted(self._granted)
+        if not wanted or not self._room(k) or self._passed_waits_for_room():
             return None
-        engine = self.pool.pick()
+        # an engine as fresh as the next group's: a lagging one would judge with an old policy
+        engine = self.pool.pick(self._started // self.admission.batch - self.admission.k)
         if engine is None:
             return None
         self.probes.pending += 1
@@ -274,11 +276,6 @@ class Pipeline:
         )
         group.probe = probe
         return gid, group
-
-    def room(self, requests: int) -> bool:
-        """Whether `requests` more fit under max_inflight now."""
-        with self._cond:
-            return self._room(requests)
 
     def _room(self, requests: int) -> bool:
         return self._requests + requests <= self.max_inflight

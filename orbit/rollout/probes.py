@@ -14,8 +14,10 @@ a window of max_staleness + 1 steps and the engine had a quarter of its rows
 
 Probes run only while at least `screen.min_screened` (`algorithm.screen_from`) of the recent prompts
 were screened out (a prompt started as a whole group counts as what a probe of its first `k` samples
-would have found): until then a probe costs `k` samples a prompt and saves few. All state here is
-the pipeline's, read and changed under its lock.
+would have found): until then a probe costs `k` samples a prompt and saves few. Only the overlapped
+modes have probes (recipe check): a serial step must end with nothing in flight. A resumed run skips
+the prompts probed or passed and not yet started, as it skips groups in flight, and counts its
+verdicts afresh. All state here is the pipeline's, read and changed under its lock.
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ class Probes:
         screened_out = len(self.verdicts) - sum(self.verdicts)
         return screened_out >= self.screen.min_screened * max(len(self.verdicts), 1)
 
-    def wanted(self) -> bool:
+    def wanted(self, grants: int) -> bool:
         """Is another probe worth starting: fewer prompts passed and waiting, or expected to pass
         among the pending probes (at the recent pass rate, counted as if one more had passed), than
-        admission's window?"""
+        admission's window and the `grants` left (at the end of a run, no group could start)?"""
         rate = (sum(self.verdicts) + 1) / (len(self.verdicts) + 1)
-        return len(self.passed) + self.pending * rate < self.window
+        return len(self.passed) + self.pending * rate < min(self.window, grants)
 
     def judged(self, passed: bool) -> None:
         self.verdicts.append(passed)
