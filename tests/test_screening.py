@@ -82,22 +82,28 @@ class SeededEngine(FakeEngine):
         return fut
 
 
-def _batches(
+def _run(
     task: PassRateTask,
     screen: int | None,
-    groups: int,
+    batch: int,
+    steps: int = 1,
+    max_staleness: int | None = None,
     max_inflight: int = 24,
     min_screened: float = 0.0,
+    delay: float = 0.001,
+    spare: int = 0,
 ):
-    """`groups` groups that carried signal, from a real Producer and Pipeline; with the engine and
-    pipeline, to read what it took. Probes run from the first prompt (`min_screened` 0)."""
-    engine = SeededEngine(task)
+    """`steps` batches of `batch` groups that carried signal, taken from a real Producer and
+    Pipeline (the engine double serving the trainer's version after each step); with the engine
+    and pipeline, to read what it took. Probes run from the first prompt with `min_screened` 0;
+    `spare` batches more are granted, so the last steps' groups do not drain the pipeline."""
+    engine = SeededEngine(task, delay)
     pool = EnginePool([engine], [max_inflight], monitor=False)
     signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=screen), 1)
     pipeline = Pipeline(
         pool,
-        groups,
-        None,
+        batch,
+        max_staleness,
         GROUP,
         max_inflight,
         keep=signal.carries,
@@ -105,13 +111,31 @@ def _batches(
         filter_limit=1000,
     )
     producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=1), seed=0)
-    pipeline.grant(groups)
+    pipeline.grant(batch * (steps + spare))
     producer.start()
+    batches = []
     try:
-        batch = pipeline.take(groups, version=0, stall_s=60)
+        for version in range(steps):
+            batches.append(pipeline.take(batch, version=version, stall_s=60))
+            engine.version = version + 1
+            pool.serves(pool.members[0], version + 1)
     finally:
         producer.stop()
-    return batch, engine, pipeline
+    return batches, engine, pipeline
+
+
+def _batches(
+    task: PassRateTask,
+    screen: int | None,
+    groups: int,
+    max_inflight: int = 24,
+    min_screened: float = 0.0,
+):
+    """One batch of `groups` groups, unbounded staleness (`_run`)."""
+    batches, engine, pipeline = _run(
+        task, screen, groups, max_inflight=max_inflight, min_screened=min_screened
+    )
+    return batches[0], engine, pipeline
 
 
 def test_a_prompt_whose_probe_is_all_right_is_dropped_before_its_group_is_generated():
@@ -181,44 +205,24 @@ def test_prompts_start_as_groups_while_few_would_be_screened_out():
     assert len(verdicts) >= 40 and 0.1 < 1 - sum(verdicts) / len(verdicts) < 0.4
 
 
-def _steps(task: PassRateTask, steps: int, batch: int = 4, max_inflight: int = 64):
-    """`steps` batches taken from a real Producer and Pipeline under max_staleness 1 (the engine
-    double serving the trainer's version after each step), with staged sampling (screen 2, from
-    half screened out)."""
-    engine = SeededEngine(task, delay=0.25)
-    pool = EnginePool([engine], [max_inflight], monitor=False)
-    signal = Signal(AlgorithmConfig(dynamic_sampling=True, screen=2), 1)
-    pipeline = Pipeline(
-        pool,
-        batch,
-        1,
-        GROUP,
-        max_inflight,
-        keep=signal.carries,
-        screen=Screen(2, signal, 0.5),
-        filter_limit=1000,
-    )
-    producer = Producer(pipeline, pool, task, SamplingParams(max_new_tokens=1), seed=0)
-    pipeline.grant(batch * (steps + 2))  # the last steps' groups do not drain the pipeline
-    producer.start()
-    batches = []
-    try:
-        for version in range(steps):
-            batches.append(pipeline.take(batch, version=version, stall_s=60))
-            engine.version = version + 1
-            pool.serves(pool.members[0], version + 1)
-    finally:
-        producer.stop()
-    return batches, engine, pipeline
-
-
 def test_probes_run_beside_the_groups_and_every_group_is_fresh_enough():
     """At a pass rate of 0.95 nine prompts in ten are screened out. Probes stand outside
     admission: they fill the rows the window's groups leave, every group trained is within
     max_staleness, and none is dropped as stale. (The engine double answers after 0.25 s, as a
     decode of a batch takes: answered faster than the producer's thread reads the answers, it
     would see fewer in flight than the pipeline counts.)"""
-    batches, engine, pipeline = _steps(PassRateTask([0.95]), steps=8)
+    # max_staleness 1, screen 2 from half screened out
+    batches, engine, pipeline = _run(
+        PassRateTask([0.95]),
+        2,
+        4,
+        steps=8,
+        max_staleness=1,
+        max_inflight=64,
+        min_screened=0.5,
+        delay=0.25,
+        spare=2,
+    )
     assert pipeline.counts.screened > 0  # past the first verdicts, prompts start as probes
     assert all(len(b.groups) == 4 for b in batches)
     assert all(g.staleness(v) <= 1 for v, b in enumerate(batches) for g in b.groups)

@@ -223,15 +223,22 @@ class Pipeline:
         self, prompt: Prompt, multi_turn: bool, gid: int | None
     ) -> tuple[int, InFlight] | None:
         """A whole group under admission; `gid`: its probe's number (None: a new prompt's)."""
-        if self._granted <= 0 or not self._room(self.group_size):
+        if not self._room(self.group_size):
             return None
-        in_pipeline = len(self._complete) + len(self.in_flight)
-        engine = self.admission.pick(self.pool, self._started, in_pipeline)
+        engine = self._admitted()
         if engine is None:
             return None
         self._granted -= 1
         self._started += 1
         return self._in_flight(prompt, multi_turn, gid, engine, self.group_size)
+
+    def _admitted(self) -> int | None:
+        """The engine the next group would start on, if a grant is left and admission lets it
+        start now (room in flight aside)."""
+        if self._granted <= 0:
+            return None
+        in_pipeline = len(self._complete) + len(self.in_flight)
+        return self.admission.pick(self.pool, self._started, in_pipeline)
 
     def _probing(self) -> bool:
         """Do new prompts start as probes: staged sampling, with dynamic sampling on (when it
@@ -243,21 +250,16 @@ class Pipeline:
         prompt could start but for room (its group needs the rows first)."""
         assert self.probes is not None
         k = self.probes.k
-        wanted = self.probes.wanted(self._granted)
-        if not wanted or not self._room(k) or self._passed_waits_for_room():
+        # a passed prompt that admission would start now waits only for room: its group goes first
+        passed_waits = bool(self.probes.passed) and self._admitted() is not None
+        if not self.probes.wanted(self._granted) or not self._room(k) or passed_waits:
             return None
         # an engine as fresh as the next group's: a lagging one would judge with an old policy
-        engine = self.pool.pick(self._started // self.admission.batch - self.admission.k)
+        engine = self.admission.pick(self.pool, self._started, 0)
         if engine is None:
             return None
         self.probes.pending += 1
         return self._in_flight(prompt, multi_turn, None, engine, k, probe=True)
-
-    def _passed_waits_for_room(self) -> bool:
-        assert self.probes is not None
-        if not self.probes.passed or self._granted <= 0:
-            return False
-        return self.admission.pick(self.pool, self._started, 0) is not None
 
     def _in_flight(
         self,
