@@ -39,14 +39,6 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 
-@app.callback()
-def _before_every_command() -> None:
-    # Until here a Ctrl-C exits at once (there is nothing to undo); from here on it raises, so that
-    # each command says what it stopped. Not later: typer turns a KeyboardInterrupt that reaches it
-    # into a silent exit 130.
-    interrupts.catch_ctrl_c()
-
-
 # typer takes choices as an Enum; these two are built from the names their owners list
 ModeChoice = Enum("ModeChoice", {m: m for m in MODE_NAMES}, type=str)  # type: ignore[misc]
 EngineChoice = Enum(  # type: ignore[misc]
@@ -93,10 +85,14 @@ def _run_errors(what: str, on_ctrl_c: str = "did not start, nothing was trained"
     other Ctrl-C here means `on_ctrl_c`.
 
     Nothing is imported before the block runs: Ctrl-C while torch is still importing must be
-    caught here too."""
-    _quiet_resource_sharer()
-    scratch.claim()
+    caught here too. Until the block, a Ctrl-C exits at once (`interrupts.exit_while_importing`:
+    nothing has started); from its first line it raises, so that the command says what it stopped.
+    Not earlier (while typer parses the arguments, say): typer turns a KeyboardInterrupt that
+    reaches it into a silent exit 130."""
     try:
+        interrupts.catch_ctrl_c()
+        _quiet_resource_sharer()
+        scratch.claim()
         yield
     except KeyboardInterrupt:
         _interrupted(f"interrupted: {what} {on_ctrl_c}")
@@ -142,6 +138,7 @@ def watch(
     ),
 ) -> None:
     """Serve the live page of a run going or finished (or of every run of a sweep) until Ctrl-C."""
+    interrupts.catch_ctrl_c()  # the page stops on the KeyboardInterrupt
     from orbit.pages.live import serve
 
     if not directory.is_dir():
@@ -364,15 +361,15 @@ def bench(
 ) -> None:
     """The five modes on one workload: summary.json, a table and panels.png per engine (the engine
     pool's flips: bench/pool.py)."""
-    with _run_errors("the bench"):
-        from orbit.measure.bench import run_bench
-    overrides = {"engine.backend": engine.value if engine else None}
-    try:
-        r = preflight(load_recipe(recipe, overrides))
-        backends = _backends(engines) if engines else None
-    except RecipeError as err:
-        _fail(f"bad bench arguments ({recipe}):\n{err}")
     with _run_errors("the bench", on_ctrl_c="stopped before writing its summary"):
+        from orbit.measure.bench import run_bench
+
+        overrides = {"engine.backend": engine.value if engine else None}
+        try:
+            r = preflight(load_recipe(recipe, overrides))
+            backends = _backends(engines) if engines else None
+        except RecipeError as err:
+            _fail(f"bad bench arguments ({recipe}):\n{err}")
         result = run_bench(r, out, steps=steps, warmup=warmup, console=console, engines=backends)
     pngs = ", ".join(str(result.out / b / "panels.png") for b in result.summary["engines"])
     console.print(f"wrote {result.out / 'summary.json'} and {pngs}")

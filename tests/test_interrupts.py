@@ -123,3 +123,25 @@ def test_importing_the_command_line_keeps_the_programs_ctrl_c():
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "caught", done.stderr[-2000:]
+
+
+def test_a_ctrl_c_as_a_command_sets_up_is_reported_not_silent(tmp_path, monkeypatch):
+    """A Ctrl-C in the first lines of a command (before its work's own try) is still said in one
+    line with exit 130: typer would turn one that reaches it into a silent 130. (A CI run sent
+    Ctrl-C 1.5 s after `orbit train` started and got exit 130 with nothing said.)"""
+    from typer.testing import CliRunner
+
+    import orbit.cli
+
+    def interrupted() -> Path:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orbit.cli.scratch, "claim", interrupted)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        done = CliRunner().invoke(orbit.cli.app, ["train", str(tmp_path / "r.yaml"), "--quiet"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert done.exit_code == 130
+    said = " ".join(done.output.split())
+    assert "interrupted: the run did not start, nothing was trained" in said
