@@ -505,12 +505,13 @@ class Recipe(_Section):
                 f"algorithm.screen ({screen}): the samples generated first must be fewer than "
                 f"rollout.group_size ({self.rollout.group_size})"
             )
-        if screen is not None and MODES[self.mode].loop != "overlapped":
+        if screen is not None and MODES[self.mode].serial:
             # Probes run outside the step's grants; a serial step must end with nothing in flight
             # (the engine releases its memory while the trainer trains).
+            overlapped = ", ".join(m.name for m in MODES.values() if not m.serial)
             raise ValueError(
                 f"algorithm.screen: staged sampling's probes run beside the trainer; mode "
-                f"{self.mode!r} is serial (use async-full, async-adapter or double-buffer)"
+                f"{self.mode!r} is serial (use one of {overlapped})"
             )
         if (
             self.max_staleness is not None
