@@ -139,3 +139,15 @@ def test_sglangs_cuda_modules_import_through_the_stand_ins_with_cuda_faked():
     print(res.stdout[-2000:])
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
     assert "is_cuda: True" in res.stdout
+
+
+def test_every_orbit_requirement_is_carried_or_on_the_lent_machine():
+    """A dependency Orbit adds must reach the lent GPU machine (it has no network): pinned in
+    requirements/gpu-carry.txt or in the image's list. pyrage and itsdangerous were once neither,
+    and only a device minute's `make gpu-carry` said so."""
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    try:
+        import carry
+    finally:
+        sys.path.remove(str(ROOT / "scripts" / "gpu"))
+    assert carry.orbit_requirements_uncovered() == []

@@ -346,6 +346,8 @@ def _bench_engine(
             rows, engines, floor_s(rows, MODES[mode].loop == "serial", engines)
         )
         per_mode[mode]["engine_tok_per_busy_s"] = engine_rate(rows, engines)
+        # each mode's line as it ends: a long bench (a GPU's engine starts) shows what it has
+        console.print(f"{mode}: {headline(per_mode[mode])}", highlight=False)
         if flops:
             per_mode[mode]["flop_floor_s"] = floor = flop_floor_s(rows, *flops)
             per_mode[mode]["flop_floor_ratio"] = per_mode[mode]["step_mean_s"] / floor
@@ -378,7 +380,8 @@ def _flop_scale(recipe: Recipe, console: Console) -> tuple[int, float] | None:
     its own)."""
     from transformers import AutoConfig
 
-    if recipe.trainer.device != "cpu" or recipe.engine.device != "cpu":
+    devices = recipe.trainer.rank_devices() + recipe.engine.engine_devices()
+    if any(d != "cpu" for d in devices):
         return None
     threads = recipe.trainer.threads + recipe.engine.threads * recipe.engine.engines
     threads = min(threads, os.cpu_count() or 1)

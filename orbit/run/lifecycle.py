@@ -48,7 +48,7 @@ from orbit.run.engines import (
     lendable_cores,
     trainer_lends,
 )
-from orbit.run.loop import LoopParts, run_steps, save_checkpoint
+from orbit.run.loop import LoopParts, logprob_warn, run_steps, save_checkpoint
 from orbit.run.placement import colocate
 from orbit.run.preflight import Checked, stop_token_ids
 from orbit.run.revive import Revival
@@ -343,6 +343,7 @@ def start(
         trackers=run.trackers,
         label=prefix,
         signal=signal,
+        logprob_warn=logprob_warn(recipe.engine.dtype, recipe.trainer.dtype),
     )
     return run
 

@@ -41,7 +41,7 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)
 SGLANG_CUT = ("sglang/test/", "sglang/benchmark/", "sglang/bench_", "sglang/multimodal_gen/")
 # what --check imports from the carry: the compiled packages (the rest is pure Python)
 COMPILED = ["pydantic_core", "zmq", "orjson", "msgspec", "pybase64", "setproctitle", "jiter"]
-COMPILED += ["zstandard", "greenlet", "sqlalchemy", "tvm_ffi", "pyqwest"]
+COMPILED += ["zstandard", "greenlet", "sqlalchemy", "tvm_ffi", "pyqwest", "pyrage"]
 
 
 def download(out: Path) -> list[Path]:
@@ -114,6 +114,29 @@ def missing_requirements(wheels: list[Path]) -> list[str]:
                     if canonicalize_name(r.name) not in have:
                         missing.append(f"{r.name} (for {req.name}[{extra}], for {who})")
     return sorted(set(missing))
+
+
+def orbit_requirements_uncovered() -> list[str]:
+    """Orbit's own requirements that neither requirements/gpu-carry.txt pins nor the image has:
+    the same check as `missing_requirements` for Orbit's part, without downloading the carry (a
+    test runs it, so a new dependency is named here, not in a device minute)."""
+    env = {
+        **default_environment(),
+        "python_version": "3.12",
+        "python_full_version": "3.12.3",
+        "extra": "",
+    }
+    image = {canonicalize_name(x) for x in IMAGE.read_text().split() if not x.startswith("#")}
+    lines = [x.split("#")[0].strip() for x in REQUIREMENTS.read_text().splitlines()]
+    pinned = {canonicalize_name(Requirement(x).name) for x in lines if x}
+    missing = []
+    for text in metadata.requires("orbit-rl") or []:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        if canonicalize_name(req.name) not in pinned | image:
+            missing.append(req.name)
+    return sorted(missing)
 
 
 def python312() -> str:

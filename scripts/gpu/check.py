@@ -308,7 +308,7 @@ def modes(check: Check, figures: dict) -> None:
             "slots": 4,
             "flip": "barrier",
             **(
-                {"sglang_args": check.sglang_args(), "mem_fraction": CUDA_MEM_FRACTION}
+                {"sglang_args": recipe_sglang_args(check), "mem_fraction": CUDA_MEM_FRACTION}
                 if check.cuda
                 else {}
             ),
@@ -337,6 +337,12 @@ def modes(check: Check, figures: dict) -> None:
     figures["seed"] = SEED_RATIOS
 
 
+def recipe_sglang_args(check: Check) -> dict:
+    """The arguments as a recipe may give them: without lora_backend, which Orbit sets itself on a
+    CPU and leaves to SGLang's default (csgmv, a Triton kernel) on a GPU."""
+    return {k: v for k, v in check.sglang_args().items() if k != "lora_backend"}
+
+
 def serve(check: Check, figures: dict) -> None:
     from orbit.config import parse_recipe
     from orbit.host.net import free_port
@@ -350,7 +356,7 @@ def serve(check: Check, figures: dict) -> None:
         "max_running": 16,
     }
     if check.cuda:
-        engine.update(sglang_args=check.sglang_args(), mem_fraction=CUDA_MEM_FRACTION)
+        engine.update(sglang_args=recipe_sglang_args(check), mem_fraction=CUDA_MEM_FRACTION)
     recipe = parse_recipe(
         {
             "model": str(check.model),
