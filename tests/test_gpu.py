@@ -271,3 +271,49 @@ def test_each_mode_on_sglang_on_the_gpu(model, tmp_path, mode):
     result = train(preflight(parse_recipe(recipe)), live=False)
     assert result.steps_done == STEPS
     _check_run(tmp_path / mode)
+
+
+# ---- orbit serve's trainer --------------------------------------------------------------------
+
+
+def test_service_clients_train_on_the_gpu_as_on_the_cpu(model):
+    """`orbit serve`'s trainer on trainer.device: several clients' packed forward_backward and their
+    optimizer steps on CUDA give the CPU's logprobs, losses and adapters (fp32; CUDA's kernels sum
+    in other orders, hence 1e-4), and the adapter goes to the engines from the CPU."""
+    from test_packing import CLIENTS, _data
+
+    from orbit.serve.clients import AdamParams, Request, TrainingClient, forward_backward
+    from orbit.train.shared import SharedBase
+
+    seen = {}
+    for device in ("cpu", "cuda"):
+        base = SharedBase(model, "float32", device)
+        clients = [
+            TrainingClient("m", f"c{i}", base, spec) for i, (spec, _, _) in enumerate(CLIENTS)
+        ]
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # B = 0 (peft's init) would hide a wrong A gradient
+            for c in clients:
+                for p in c.params:
+                    assert p.device.type == device
+                    p.copy_(torch.randn(p.shape, generator=gen) * LORA_INIT)
+        data = [_data(i, loss_fn) for i, (_, loss_fn, _) in enumerate(CLIENTS)]
+        requests = [
+            Request(c, d, loss_fn, {}, False)
+            for c, d, (_, loss_fn, _) in zip(clients, data, CLIENTS, strict=True)
+        ]
+        scored = forward_backward(base, requests, packed=True)
+        for c, (_, _, lr) in zip(clients, CLIENTS, strict=True):
+            c.optim_step(AdamParams(learning_rate=lr))
+        adapters = [c.adapter()[0] for c in clients]
+        assert all(t.device.type == "cpu" for a in adapters for t in a.values())
+        seen[device] = (scored, adapters)
+    for cpu, gpu in zip(*(seen[d][0] for d in ("cpu", "cuda")), strict=True):
+        assert abs(cpu.loss - gpu.loss) <= 1e-4 * max(abs(cpu.loss), 1.0)
+        for a, b in zip(cpu.logprobs, gpu.logprobs, strict=True):
+            assert float((a - b).abs().max()) <= 1e-4 * max(float(a.abs().max()), 1.0)
+    # to 1e-4 of the adapter's norm: Adam's step divides by each coordinate's gradient, so where
+    # one is near 0 a rounding difference becomes a visible one (tests/test_packing.py)
+    for a, b in zip(*(seen[d][1] for d in ("cpu", "cuda")), strict=True):
+        diff = torch.cat([(a[k] - b[k]).flatten() for k in a]).norm()
+        assert float(diff) <= 1e-4 * float(torch.cat([a[k].flatten() for k in a]).norm())

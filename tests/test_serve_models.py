@@ -69,6 +69,9 @@ def test_what_a_recipe_says_about_the_models_it_serves(tiny_llama, tiny_qwen2, t
         served(recipe({"models": [{"model": str(tmp_path / "none")}]}))
     with pytest.raises(RecipeError, match=r"serve.models\[0\].model: .* is served already"):
         served(recipe({"models": [{"model": str(tiny_llama)}]}))
+    ranks = parse_recipe({"model": str(tiny_llama), "trainer": {"devices": ["cpu", "cpu"]}})
+    with pytest.raises(RecipeError, match=r"trainer.devices: \['cpu', 'cpu'\]; orbit serve trains"):
+        served(ranks)
     # a name --name gives the first, given to another too; or another's path
     teacher_t = recipe({"models": [{"model": str(tiny_qwen2), "names": ["t"]}]})
     with pytest.raises(RecipeError, match=r"serve.models\[0\].names: 't' is also a name of model:"):

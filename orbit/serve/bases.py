@@ -52,11 +52,11 @@ class Engines:
 class Base:
     """A served base model: its engines and the trainer's copy of its weights (`shared`)."""
 
-    def __init__(self, engines: Engines, dtype: str) -> None:
+    def __init__(self, engines: Engines, dtype: str, device: str = "cpu") -> None:
         self.model, self.names, self.sampler = engines.model, engines.names, engines.sampler
         self.max_context, self.vocab_size = engines.max_context, engines.vocab_size
         self.limits = engines.limits
-        self.shared = SharedBase(engines.model, dtype)
+        self.shared = SharedBase(engines.model, dtype, device)
 
     def public_names(self) -> list[str]:
         """Its names but its absolute paths."""
@@ -82,10 +82,10 @@ class Bases:
     """Every served base, the first the recipe's own `model:`; a name names one of them (the
     recipe's bases are checked so before they start: command.served)."""
 
-    def __init__(self, served: list[Engines], dtype: str) -> None:
+    def __init__(self, served: list[Engines], dtype: str, device: str = "cpu") -> None:
         if not served:
             raise ValueError("orbit serve serves at least one base model")
-        self._bases = [Base(engines, dtype) for engines in served]
+        self._bases = [Base(engines, dtype, device) for engines in served]
 
     def __iter__(self) -> Iterator[Base]:
         return iter(self._bases)

@@ -213,9 +213,10 @@ class TrainingClient:
         later steps do not change it)."""
         model = self._peft()
         tensors = peft_adapter.adapter_tensors(model, self.name)
-        return {k: v.clone() for k, v in tensors.items()}, peft_adapter.adapter_config_dict(
-            model, self.name
-        )
+        # on the CPU, as every engine (and a checkpoint's file) takes them
+        return {
+            k: v.to("cpu", copy=True) for k, v in tensors.items()
+        }, peft_adapter.adapter_config_dict(model, self.name)
 
     def save(self, directory: Path, optimizer: bool) -> None:
         """The adapter in peft's format (what `orbit eval` and peft load), and with `optimizer` its
@@ -282,7 +283,10 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
             MICRO_BATCH_TOKENS,
             names if packed else None,
         ):
-            inputs = [losses.column(_datum(requests, where[i]).inputs, where[i][2]) for i in chunk]
+            inputs = [
+                _to(losses.column(_datum(requests, where[i]).inputs, where[i][2]), base.device)
+                for i in chunk
+            ]
             logp = target_logprobs(
                 model.model,
                 model.get_output_embeddings(),
@@ -332,6 +336,11 @@ def forward_backward_checked(base: SharedBase, requests: list[Request]) -> list[
     good = [r for i, r in enumerate(requests) if i not in refused]
     scored = iter(forward_backward(base, good, len(good) > 1) if good else [])
     return [refused[i] if i in refused else next(scored) for i in range(len(requests))]
+
+
+def _to(inputs: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """A datum's inputs (decoded on the CPU) where the trainer computes."""
+    return {name: t.to(device) for name, t in inputs.items()}
 
 
 def _datum(requests: list[Request], at: tuple[int, int, int | None]) -> Datum:

@@ -1,6 +1,6 @@
 """`orbit serve RECIPE`: the recipe's engines for its base model (and for each of `serve.models`),
 the Tinker API in front of them and a trainer beside them, until Ctrl-C or SIGTERM. A recipe of
-just `model:` and `engine:` is enough (`trainer.threads` and `trainer.dtype` are the trainer's;
+just `model:` and `engine:` is enough (`trainer.device`, `threads` and `dtype` are the trainer's;
 `adapter.r` and `adapter.target_modules` size what an SGLang engine can load). Its state is in a
 database (store.py) in `--dir` unless `--db` names another; `--keys` makes it a service for several
 tenants."""
@@ -128,6 +128,7 @@ def serving(
             quotas=options.quotas,
             threads=recipe.trainer.threads,
             pack_tokens=options.pack_tokens,
+            device=recipe.trainer.rank_devices()[0],
         )
         api = app(service, options.keys, options.max_body)
         server = ThreadServer(api, options.host, options.port, name="orbit serve").start()
@@ -147,6 +148,11 @@ def served(recipe: Recipe, names: Iterable[str] = ()) -> list[tuple[Recipe, set[
     with every name it has: as written, its absolute path, and the names given (`names`: the first
     one's besides its serve.names). RecipeError for a checkpoint served twice or a name given to
     two."""
+    if len(recipe.trainer.rank_devices()) > 1:
+        raise RecipeError(
+            f"trainer.devices: {recipe.trainer.rank_devices()}; orbit serve trains every client on "
+            "one device (trainer.device)"
+        )
     bases: list[tuple[Recipe, set[str]]] = []
     for i, (base, given) in enumerate(recipe.bases()):
         where = "" if i == 0 else f"serve.models[{i - 1}]."

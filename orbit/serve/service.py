@@ -78,7 +78,8 @@ class Quotas:
 class Service:
     """The base models `served` (bases.py: each its engines and the trainer's copy of its weights),
     and the state of every tenant's clients, in `store`; checkpoints under `directory`; `threads`:
-    the trainer's torch threads (one trainer thread runs every base's requests, in turns)."""
+    the trainer's torch threads (one trainer thread runs every base's requests, in turns); `device`
+    the trainer's (every base's trainer copy and its clients' adapters)."""
 
     def __init__(
         self,
@@ -89,8 +90,9 @@ class Service:
         quotas: Quotas = Quotas(),
         threads: int = 1,
         pack_tokens: int = PACK_TOKENS,
+        device: str = "cpu",
     ) -> None:
-        self.bases = Bases(served, dtype)
+        self.bases = Bases(served, dtype, device)
         self.directory, self.store, self.quotas = directory, store, quotas
         self.futures = Futures(store)
         self.turns = Turns(threads, pack_tokens, self._run_pack)

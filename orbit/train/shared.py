@@ -67,10 +67,12 @@ class SharedBase:
     """The base model (loaded once, frozen) and the peft model that holds every adapter added to
     it."""
 
-    def __init__(self, model_path: str | Path, dtype: str) -> None:
+    def __init__(self, model_path: str | Path, dtype: str, device: str = "cpu") -> None:
+        # peft puts each adapter added later on its base layer's device
         self.base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype)
-        )
+        ).to(device)
+        self.device = torch.device(device)
         self.model: peft.PeftModel | None = None
         self._active: str | None = None
         self._lock = FirstComeLock()

@@ -365,7 +365,8 @@ def serve(check: Check, figures: dict) -> None:
         }
     )
     options = Options(directory=check.work / "serve", port=free_port())
-    with serving(recipe, options) as (url, _service):
+    with serving(recipe, options) as (url, service):
+        figures["trainer_device"] = str(service.bases[0].shared.device)
         res = subprocess.run(
             [sdk_python(), str(Path(__file__).parent / "sdk_step.py"), url, str(check.model)],
             capture_output=True,
