@@ -9,11 +9,13 @@ process's peak memory; then the packed-over-turns ratios.
 
     .venv/bin/python bench/serve_load.py [--model .cache/smollm2-135m-instruct]
         [--clients 1,2,4,8,16] [--steps 4] [--group 4 --prompt 48 --completion 16] [--samplers]
+        [--device cpu|cuda:0]
 
 A step's batch is RL-shaped (tests/tinker/sdk_service.py `group`): `--group` sequences of one
 `--prompt`-token prompt and `--completion` tokens each, cross-entropy on the completion. Needs
 `make tinker` (the SDK runs in .venv-tinker, its clients in threads of one process). The figures are
-in bench/README.md ("orbit serve under load").
+in bench/README.md ("orbit serve under load"). With `--device cuda:0` the trainer and the embedded
+engine (bf16) are on that GPU (scripts/gpu/check.py's `load` step), and no CPU peak is measured.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from statistics import quantiles
 
 import torch
+from transformers import AutoConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -54,24 +57,32 @@ def one(model: Path, mode: str, clients: int, args: argparse.Namespace) -> dict:
         "group": args.group,
         "prompt": args.prompt,
         "completion": args.completion,
+        # token ids the model has (the GPU check's model has the tiny tokenizer's 384)
+        "vocab": min(1000, AutoConfig.from_pretrained(model).vocab_size),
     }
     script = ROOT / "tests" / "tinker" / "sdk_service.py"
     engine = {"backend": "embedded", "slots": 4, "max_running": 64, "max_context": 1024}
+    trainer = {"device": args.device}
+    if args.device != "cpu":
+        engine.update(device=args.device, dtype="bfloat16")
     with tempfile.TemporaryDirectory() as tmp:
         options = Options(directory=Path(tmp))
         if MODES[mode] is not None:
             options = dataclasses.replace(options, pack_tokens=MODES[mode])
-        with serving(model, Path(tmp), options, engine=engine) as (url, service):
+        with serving(model, Path(tmp), options, engine=engine, trainer=trainer) as (url, service):
             with PeakRss() as rss:
                 seen = sdk(url, model, "load", timeout=3600, script=script, arg=json.dumps(spec))
             packs = list(service.turns.packs)
     return {"seen": seen, "peak_rss": rss.peak, "packs": packs}
 
 
-def figures(out: dict, params: int, peak_gflops: float) -> dict:
+def figures(out: dict, params: int, peak_gflops: float | None) -> dict:
     """What a run shows: trained tokens a second, requests a second, latencies, FLOP rate."""
     seen = out["seen"]
     rows = seen["clients"]
+    failed = {k: c["error"] for k, c in rows.items() if "error" in c}
+    if failed:
+        raise RuntimeError(f"{len(failed)} client(s) failed, e.g. {next(iter(failed.items()))}")
     trainers = {k: c for k, c in rows.items() if k.startswith("train")}
     tokens = sum(sum(c.get("tokens", [])) for c in trainers.values())
     # the training clients' span: from the start to the last one's end (samplers may run longer)
@@ -97,7 +108,7 @@ def figures(out: dict, params: int, peak_gflops: float) -> dict:
         "requests_s": n / seen["seconds"],
         "latency": latency,
         "useful_gflops": 4 * params * tokens / span / 1e9,
-        "of_peak": 4 * params * tokens / span / 1e9 / peak_gflops,
+        "of_peak": 4 * params * tokens / span / 1e9 / peak_gflops if peak_gflops else None,
         "peak_rss_mib": out["peak_rss"] / 2**20,
         "requests_a_pack": sum(p.clients for p in packs) / max(len(packs), 1),
         "seconds": span,
@@ -117,7 +128,7 @@ def report(clients: int, results: dict[str, dict]) -> None:
         lat = " | ".join(f"{r['latency'][k][0]:.2f} / {r['latency'][k][1]:.2f}" for k in kinds)
         print(
             f"| {mode} | {r['tokens_s']:.0f} | {r['requests_s']:.2f} | {lat} | "
-            f"{r['useful_gflops']:.1f} ({r['of_peak']:.2f}) | {r['requests_a_pack']:.2f} | "
+            f"{r['useful_gflops']:.1f} ({_ratio(r['of_peak'])}) | {r['requests_a_pack']:.2f} | "
             f"{r['peak_rss_mib']:.0f} |"
         )
     t, p = results["turns"], results["packed"]
@@ -127,6 +138,10 @@ def report(clients: int, results: dict[str, dict]) -> None:
         f"p99 {fb} {p['latency'][fb][1] / t['latency'][fb][1]:.2f}, "
         f"p99 step {p['latency']['step'][1] / t['latency']['step'][1]:.2f}"
     )
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def main() -> None:
@@ -143,12 +158,15 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=16, help="each sequence's own tokens")
     parser.add_argument("--samplers", action="store_true", help="as many sampling clients too")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--device", default="cpu", help="the trainer's and the engine's")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = args.model.resolve()
     params = matmul_params(model)
-    peak = matmul_peak(1)  # the trainer's threads (recipe default trainer.threads: 1)
-    print(f"matmul peak, 1 thread: {peak:.1f} GFLOP/s; {params / 1e6:.1f} M weights a token")
+    peak = None
+    if args.device == "cpu":
+        peak = matmul_peak(1)  # the trainer's threads (recipe default trainer.threads: 1)
+        print(f"matmul peak, 1 thread: {peak:.1f} GFLOP/s; {params / 1e6:.1f} M weights a token")
     everything = {}
     for clients in (int(c) for c in args.clients.split(",")):
         results = {}
@@ -158,8 +176,16 @@ def main() -> None:
             results[mode]["wall_s"] = time.time() - t0
         report(clients, results)
         everything[clients] = results
-    if args.json:
-        args.json.write_text(json.dumps(everything, indent=1))
+        if args.json:  # after each count: a run stopped by a time limit keeps what it measured
+            args.json.write_text(json.dumps(everything, indent=1))
+    if 1 in everything and len(everything) > 1:
+        print("\nsummed trained tokens/s over one client's:")
+        for mode in MODES:
+            one_s = everything[1][mode]["tokens_s"]
+            ratios = ", ".join(
+                f"{n}: {r[mode]['tokens_s'] / one_s:.2f}" for n, r in everything.items()
+            )
+            print(f"  {mode}: {ratios}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ real `tinker` SDK and tinker-cookbook in .venv-tinker (make tinker), run as proc
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +28,10 @@ CHECKS = Path(__file__).resolve().parent / "tinker" / "sdk_checks.py"
 
 
 def sdk_python() -> Path:
+    """.venv-tinker's interpreter (make tinker); on the lent GPU machine, whose carry brings the SDK
+    into the one Python there, that one."""
+    if not PYTHON.exists() and importlib.util.find_spec("tinker") is not None:
+        return Path(sys.executable)
     if not PYTHON.exists():
         if os.environ.get("CI"):
             pytest.fail("no .venv-tinker: `make tinker` builds it (CI must run the Tinker tests)")

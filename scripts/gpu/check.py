@@ -17,6 +17,8 @@ Each step is timed and logged; a step that fails is written down with its error 
           update_weights, and the seed's ratios (step db/sync 0.29, tokens/s db/aa 1.50)
   serve   `orbit serve` on that engine, and the tinker SDK (scripts/gpu/sdk_step.py):
           forward_backward, optim_step, a snapshot sampler and an inflight one
+  load    (only when named) bench/serve_load.py: 1, 8 and 32 training clients through the SDK,
+          packed against turn by turn, trainer and embedded engine on the device
 Writes OUT/gpu-check.json (every figure, every error), the bench's summary and panels there, and
 prints a table; the model and the runs go to WORK. Exit code 0 when every step passed.
 """
@@ -380,6 +382,25 @@ def serve(check: Check, figures: dict) -> None:
     figures.update(json.loads(lines[-1].removeprefix("RESULT ")))
 
 
+def load(check: Check, figures: dict) -> None:
+    """bench/serve_load.py on the check's model: training clients through the SDK, packed against
+    turn by turn, trainer and embedded engine on the check's device (issue 56's GPU table)."""
+    counts = "1,8,32" if check.cuda else "1,2"
+    out = check.out / "serve-load.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--model", str(check.model)]
+    cmd += ["--device", check.device, "--clients", counts, "--steps", "3", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    print(res.stdout[-4000:], flush=True)
+    if out.exists():
+        for n, modes in json.loads(out.read_text()).items():
+            figures[n] = {
+                mode: {k: r[k] for k in ("tokens_s", "requests_s", "latency", "peak_rss_mib")}
+                for mode, r in modes.items()
+            }
+    if res.returncode != 0:
+        raise RuntimeError(f"serve_load failed:\n{res.stderr[-3000:]}")
+
+
 def sdk_python() -> str:
     """The interpreter with the tinker SDK: this one on the lent GPU (the carry), .venv-tinker
     here (make tinker)."""
@@ -389,6 +410,7 @@ def sdk_python() -> str:
 
 # serve before modes: the five modes take most of the time, and a device command has a limit
 STEPS = {"env": env, "model": build_model, "engine": engine, "serve": serve, "modes": modes}
+STEPS["load"] = load  # not by default (--only ...,load): its own device command
 
 
 def main() -> int:
@@ -399,7 +421,8 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=None, help="model and runs (default OUT/work)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per mode (after 1 warm-up)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs on (SGLang's default)")
-    p.add_argument("--only", default=",".join(STEPS), help="steps to run, of " + ",".join(STEPS))
+    default = "env,model,engine,serve,modes"
+    p.add_argument("--only", default=default, help="steps to run, of " + ",".join(STEPS))
     args = p.parse_args()
     if args.device is None:
         import torch

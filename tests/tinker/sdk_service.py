@@ -266,8 +266,16 @@ def load(service, model, arg):
             timed(name, "asample", c.sample(prompt, spec.get("num_samples", 2), params))
         seen[name]["finished_s"] = time.time() - start
 
-    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(spec["clients"])]
-    threads += [threading.Thread(target=sampler, args=(i,)) for i in range(spec["samplers"])]
+    def noted(fn, i: int) -> None:
+        """A client's thread; what ended it early is in its record (a thread's error is lost)."""
+        try:
+            fn(i)
+        except Exception as err:  # noqa: BLE001 - what the SDK surfaced
+            kind = "train" if fn is trainer else "sample"
+            seen.setdefault(f"{kind}{i}", {})["error"] = f"{type(err).__name__}: {err}"[:2000]
+
+    threads = [threading.Thread(target=noted, args=(trainer, i)) for i in range(spec["clients"])]
+    threads += [threading.Thread(target=noted, args=(sampler, i)) for i in range(spec["samplers"])]
     for t in threads:
         t.start()
     for t in threads:
