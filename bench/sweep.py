@@ -17,9 +17,12 @@ learning-rate sweep (`--lrs`, K = 4 by default). Measured:
   adapter".
 
     .venv/bin/python bench/sweep.py [--lrs 0.005,0.01,0.02,0.04] [--steps 30] [--backend embedded]
-        [--runs-only]
+        [--runs-only] [--one-seed] [--model PATH] [--device cpu|cuda:0]
 
 `--runs-only` measures the two sweeps only (no runs alone): e.g. with 1, 2, 4, 8 and 16 `--lrs`.
+`--one-seed` leaves out the runs alone with a second seed. `--device cuda:0` puts the trainer and
+the engine (bf16) on that GPU (scripts/gpu/check.py's `sweep` step, on its own model: `--model`),
+and measures no CPU peak.
 
 It prints a table and writes runs/bench-sweep/summary.json. With 2 cores, run nothing else
 meanwhile.
@@ -43,9 +46,12 @@ def recipe_data(args: argparse.Namespace, out: Path) -> dict:
     import yaml
 
     data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
-    data["model"] = str(ROOT / data["model"])
+    data["model"] = str(args.model or ROOT / data["model"])
     # room for every run
     data["engine"].update({"backend": args.backend, "max_running": 32 * len(args.lrs)})
+    if args.device != "cpu":
+        data["engine"].update(device=args.device, dtype="bfloat16")
+        data["trainer"]["device"] = args.device
     data["trainer"].update({"steps": args.steps, "save_every": args.steps})
     data["rollout"]["max_new_tokens"] = args.max_new_tokens
     data["out"] = str(out)
@@ -95,7 +101,9 @@ def swept(args: argparse.Namespace, out: Path, pack: bool):
     return time.perf_counter() - t0, result, rss.peak
 
 
-def trainer_figures(result, wall_s: float, params: int, peak_gflops: float, rss: int) -> dict:
+def trainer_figures(
+    result, wall_s: float, params: int, peak_gflops: float | None, rss: int
+) -> dict:
     """The sweep's trainer: tokens trained a second over all runs, step times, packs, FLOP rate."""
     from statistics import quantiles
 
@@ -113,7 +121,7 @@ def trainer_figures(result, wall_s: float, params: int, peak_gflops: float, rss:
         "step_p99": q[98],
         "packed": fmean(r.get("trainer_packed", 1) for r in rows),
         "useful_gflops": 4 * params * tokens / wall_s / 1e9,
-        "of_peak": 4 * params * tokens / wall_s / 1e9 / peak_gflops,
+        "of_peak": 4 * params * tokens / wall_s / 1e9 / peak_gflops if peak_gflops else None,
         "peak_rss_mib": rss / 2**20,
     }
 
@@ -132,6 +140,9 @@ def main() -> None:
     parser.add_argument("--backend", default="embedded", choices=["embedded", "sglang"])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-sweep")
     parser.add_argument("--runs-only", action="store_true", help="the two sweeps, no runs alone")
+    parser.add_argument("--one-seed", action="store_true", help="no runs alone with seed 1")
+    parser.add_argument("--model", type=Path, default=None, help="default: tiny.yaml's")
+    parser.add_argument("--device", default="cpu", help="the trainer's and the engine's")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
@@ -139,7 +150,7 @@ def main() -> None:
     from orbit.measure.flops import matmul_params, matmul_peak
 
     params = matmul_params(recipe_data(args, args.out)["model"])
-    peak = matmul_peak(1)
+    peak = matmul_peak(1) if args.device == "cpu" else None
     # a short sweep first: whichever sweep ran first would pay the process's first start-ups
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "lrs": args.lrs[:2]})
     swept(warm, args.out / "warm-up", True)
@@ -154,7 +165,8 @@ def main() -> None:
         print(
             f"| {name} | {wall:.1f} | {f['tokens_s']:.0f} | {f['step_p50']:.3f} / "
             f"{f['step_p99']:.3f} | {f['packed']:.2f} | {f['useful_gflops']:.2f} "
-            f"({f['of_peak']:.3f}) | {f['peak_rss_mib']:.0f} |"
+            f"({'-' if f['of_peak'] is None else format(f['of_peak'], '.3f')}) | "
+            f"{f['peak_rss_mib']:.0f} |"
         )
     packed_s, turns_s = sweeps["packed"][0], sweeps["turns"][0]
     print(
@@ -170,7 +182,8 @@ def main() -> None:
     alone, second = [], []
     for lr in args.lrs:
         alone.append(solo(args, args.out / f"alone-lr={lr:g}", lr, seed=0))
-        second.append(solo(args, args.out / f"alone-seed1-lr={lr:g}", lr, seed=1))
+        if not args.one_seed:
+            second.append(solo(args, args.out / f"alone-seed1-lr={lr:g}", lr, seed=1))
     alone_s = sum(s for s, _ in alone)
     alone_busy = sum(total(d, "engine_busy_s") for _, d in alone) / alone_s
     # What no sweep can beat here: one start-up (the sweep's wall time outside its runs' steps),
@@ -184,16 +197,15 @@ def main() -> None:
     floor_s = startup_s + max(work.values())
 
     rows = []
-    for lr, status, (_, one), (_, two) in zip(
-        args.lrs, result.statuses, alone, second, strict=True
-    ):
+    seconds = second or [None] * len(alone)
+    for lr, status, (_, one), two in zip(args.lrs, result.statuses, alone, seconds, strict=True):
         rows.append(
             {
                 "lr": lr,
                 "state": status.state,
                 "sweep": final_reward(status.run_dir),
                 "alone": final_reward(one),
-                "alone_seed1": final_reward(two),
+                "alone_seed1": final_reward(two[1]) if two else None,
             }
         )
     summary = {
@@ -226,6 +238,10 @@ def main() -> None:
         f"training {work['trainer']:.1f} s) = {floor_s:.1f} s, {floor_s / alone_s:.2f}x of one "
         "after another"
     )
+    if args.one_seed:
+        for r in rows:
+            print(f"  lr {r['lr']:g}: in the sweep {r['sweep']:.3f}, alone {r['alone']:.3f}")
+        return
     print(
         f"\n  {'lr':>8} {'in the sweep':>13} {'alone':>8} {'alone, seed 1':>14} "
         f"{'|sweep-alone|':>14} {'|seed 1-alone|':>15}"

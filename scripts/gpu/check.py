@@ -19,6 +19,8 @@ Each step is timed and logged; a step that fails is written down with its error 
           forward_backward, optim_step, a snapshot sampler and an inflight one
   load    (only when named) bench/serve_load.py: 1, 8 and 32 training clients through the SDK,
           packed against turn by turn, trainer and embedded engine on the device
+  sweep   (only when named) bench/sweep.py: a sweep of 4 learning rates, packed and turn by turn,
+          against the 4 runs one after another, on the device
 Writes OUT/gpu-check.json (every figure, every error), the bench's summary and panels there, and
 prints a table; the model and the runs go to WORK. Exit code 0 when every step passed.
 """
@@ -401,6 +403,23 @@ def load(check: Check, figures: dict) -> None:
         raise RuntimeError(f"serve_load failed:\n{res.stderr[-3000:]}")
 
 
+def sweep(check: Check, figures: dict) -> None:
+    """bench/sweep.py on the check's model: a sweep of 4 learning rates, packed and turn by turn,
+    against the 4 runs one after another (one seed), trainer and engine on the check's device."""
+    out = check.work / "sweep"
+    cmd = [sys.executable, str(ROOT / "bench" / "sweep.py"), "--model", str(check.model)]
+    cmd += ["--device", check.device, "--one-seed", "--out", str(out)]
+    cmd += ["--steps", "10" if check.cuda else "3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    print(res.stdout[-4000:], flush=True)
+    if (out / "summary.json").exists():
+        summary = json.loads((out / "summary.json").read_text())
+        shutil.copy(out / "summary.json", check.out / "sweep-summary.json")
+        figures.update({k: summary.get(k) for k in ("sweep_s", "turns_s", "alone_s", "ratio")})
+    if res.returncode != 0:
+        raise RuntimeError(f"sweep.py failed:\n{res.stderr[-3000:]}")
+
+
 def sdk_python() -> str:
     """The interpreter with the tinker SDK: this one on the lent GPU (the carry), .venv-tinker
     here (make tinker)."""
@@ -410,7 +429,8 @@ def sdk_python() -> str:
 
 # serve before modes: the five modes take most of the time, and a device command has a limit
 STEPS = {"env": env, "model": build_model, "engine": engine, "serve": serve, "modes": modes}
-STEPS["load"] = load  # not by default (--only ...,load): its own device command
+# not by default (--only env,model,load,sweep): a device command of their own
+STEPS.update(load=load, sweep=sweep)
 
 
 def main() -> int:
