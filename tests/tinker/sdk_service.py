@@ -248,6 +248,7 @@ def load(service, model, arg):
         name = f"train{i}"
         seen[name] = {}
         c = service.create_lora_training_client(base_model=model, rank=4, seed=i).result()
+        seen[name]["created_s"] = time.time() - start
         for step in range(spec["steps"]):
             data = group(i, step, spec) if "group" in spec else ce(step + i)
             seen[name].setdefault("tokens", []).append(sum(d.model_input.length for d in data))
