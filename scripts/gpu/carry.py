@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import csv
 import hashlib
+import io
 import shutil
 import subprocess
 import sys
@@ -69,14 +71,16 @@ def cut_sglang(wheel: Path) -> Path:
             and not info.filename.endswith(".so")
             and not info.filename.startswith(SGLANG_CUT)
         ]
-        record = []
+        # RECORD is CSV: some of sglang's file names hold commas (its MoE configs), quoted there
+        record = io.StringIO()
+        rows = csv.writer(record, lineterminator="\n")
         for info in kept:
             data = src.read(info)
             dst.writestr(info, data)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            record.append(f"{info.filename},sha256={digest},{len(data)}")
-        record.append(f"{record_name},,")
-        dst.writestr(record_name, "\n".join(record) + "\n")
+            rows.writerow([info.filename, f"sha256={digest}", len(data)])
+        rows.writerow([record_name, "", ""])
+        dst.writestr(record_name, record.getvalue())
     # the cut wheel keeps the real name (pip reads name and version from it)
     wheel.unlink()
     return cut.rename(wheel)
