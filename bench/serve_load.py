@@ -15,7 +15,8 @@ A step's batch is RL-shaped (tests/tinker/sdk_service.py `group`): `--group` seq
 `--prompt`-token prompt and `--completion` tokens each, cross-entropy on the completion. Needs
 `make tinker` (the SDK runs in .venv-tinker, its clients in threads of one process). The figures are
 in bench/README.md ("orbit serve under load"). With `--device cuda:0` the trainer and the embedded
-engine (bf16) are on that GPU (scripts/gpu/check.py's `load` step), and no CPU peak is measured.
+engine (bf16) are on that GPU (scripts/gpu/check.py's `load` step), and no CPU matmul peak is
+measured (no FLOP fraction).
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def main() -> None:
     for name, pack in (("packed", True), ("turns", False)):
         wall, res, rss = swept(args, args.out / f"sweep-{name}", pack)
         sweeps[name] = (wall, res, trainer_figures(res, wall, params, peak, rss))
-    print(f"\n{len(args.lrs)} runs × {args.steps} steps, {args.backend} engine, tiny model")
+    model = "tiny model" if args.model is None else str(args.model)
+    print(f"\n{len(args.lrs)} runs × {args.steps} steps, {args.backend} engine, {model}")
     print("| sweep | wall s | tokens trained/s | step p50 / p99 s | runs a pack | useful GFLOP/s "
           "(of 1-thread peak) | peak RSS MiB |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for name, (wall, _, f) in sweeps.items():
@@ -173,10 +174,11 @@ def main() -> None:
         f"packed / turns: wall {packed_s / turns_s:.2f}, tokens trained/s "
         f"{sweeps['packed'][2]['tokens_s'] / sweeps['turns'][2]['tokens_s']:.2f}"
     )
+    # the two sweeps' figures now: the runs alone below may not finish (a device command's limit)
+    (args.out / "summary.json").write_text(
+        json.dumps({k: {"wall_s": v[0], **v[2]} for k, v in sweeps.items()}, indent=1)
+    )
     if args.runs_only:
-        (args.out / "summary.json").write_text(
-            json.dumps({k: {"wall_s": v[0], **v[2]} for k, v in sweeps.items()}, indent=1)
-        )
         return
     sweep_s, result, _ = sweeps["packed"]
     alone, second = [], []

@@ -276,10 +276,11 @@ def test_each_mode_on_sglang_on_the_gpu(model, tmp_path, mode):
 # ---- orbit serve's trainer --------------------------------------------------------------------
 
 
-def test_service_clients_train_on_the_gpu_as_on_the_cpu(model):
+def test_service_clients_train_on_the_gpu_as_on_the_cpu(model, tmp_path):
     """`orbit serve`'s trainer on trainer.device: several clients' packed forward_backward and their
     optimizer steps on CUDA give the CPU's logprobs, losses and adapters (fp32; CUDA's kernels sum
-    in other orders, hence 1e-4), and the adapter goes to the engines from the CPU."""
+    in other orders, hence 1e-4), the adapter goes to the engines from the CPU, and a saved state
+    loads back on the GPU where it left off (its optimizer's too)."""
     from test_packing import CLIENTS, _data
 
     from orbit.serve.clients import AdamParams, Request, TrainingClient, forward_backward
@@ -308,6 +309,18 @@ def test_service_clients_train_on_the_gpu_as_on_the_cpu(model):
         adapters = [c.adapter()[0] for c in clients]
         assert all(t.device.type == "cpu" for a in adapters for t in a.values())
         seen[device] = (scored, adapters)
+    # the last client's state, saved from the GPU and loaded into a fresh client there
+    saved = tmp_path / "state"
+    clients[-1].save(saved, optimizer=True)
+    again = TrainingClient("m", "again", base, CLIENTS[-1][0])
+    again.load(saved, optimizer=True)
+    assert again.steps == 1 and all(p.device.type == "cuda" for p in again.params)
+    mine, theirs = again.adapter()[0], adapters[-1]  # peft's names without the adapter's
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    state = again.optimizer.state_dict()["state"]
+    assert state and all(
+        t.device.type == "cuda" for s in state.values() for t in s.values() if torch.is_tensor(t)
+    )
     for cpu, gpu in zip(*(seen[d][0] for d in ("cpu", "cuda")), strict=True):
         assert abs(cpu.loss - gpu.loss) <= 1e-4 * max(abs(cpu.loss), 1.0)
         for a, b in zip(cpu.logprobs, gpu.logprobs, strict=True):

@@ -47,6 +47,9 @@ class Engines:
     max_context: int
     vocab_size: int
     limits: EngineLimits = EngineLimits()
+    # the trainer's copy, when loaded as soon as these engines were up (command.py: on a shared
+    # GPU the next base's engines are then planned on the memory it took); else Base loads it
+    shared: SharedBase | None = None
 
 
 class Base:
@@ -56,7 +59,7 @@ class Base:
         self.model, self.names, self.sampler = engines.model, engines.names, engines.sampler
         self.max_context, self.vocab_size = engines.max_context, engines.vocab_size
         self.limits = engines.limits
-        self.shared = SharedBase(engines.model, dtype, device)
+        self.shared = engines.shared or SharedBase(engines.model, dtype, device)
 
     def public_names(self) -> list[str]:
         """Its names but its absolute paths."""

@@ -212,11 +212,9 @@ class TrainingClient:
         """A copy of the adapter as the engines take it: peft's tensors and config (a snapshot:
         later steps do not change it)."""
         model = self._peft()
+        # CPU copies (adapter_tensors), as every engine and a checkpoint's file take them
         tensors = peft_adapter.adapter_tensors(model, self.name)
-        # on the CPU, as every engine (and a checkpoint's file) takes them
-        return {
-            k: v.to("cpu", copy=True) for k, v in tensors.items()
-        }, peft_adapter.adapter_config_dict(model, self.name)
+        return tensors, peft_adapter.adapter_config_dict(model, self.name)
 
     def save(self, directory: Path, optimizer: bool) -> None:
         """The adapter in peft's format (what `orbit eval` and peft load), and with `optimizer` its
@@ -283,10 +281,7 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
             MICRO_BATCH_TOKENS,
             names if packed else None,
         ):
-            inputs = [
-                _to(losses.column(_datum(requests, where[i]).inputs, where[i][2]), base.device)
-                for i in chunk
-            ]
+            on_cpu = [losses.column(_datum(requests, where[i]).inputs, where[i][2]) for i in chunk]
             logp = target_logprobs(
                 model.model,
                 model.get_output_embeddings(),
@@ -294,18 +289,27 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
                 [_column(targets[where[i][0]][where[i][1]], where[i][2]) for i in chunk],
                 [
                     losses.weighted(requests[where[i][0]].loss_fn, x)
-                    for i, x in zip(chunk, inputs, strict=True)
+                    for i, x in zip(chunk, on_cpu, strict=True)
                 ],
                 Route(router, [names[i] for i in chunk]) if router is not None else None,
             )
-            loss = logp.new_zeros(())
+            inputs = [_to(x, base.device) for x in on_cpu]
+            datums = [
+                losses.datum_loss(
+                    requests[where[i][0]].loss_fn,
+                    logp[row, : len(rows[i])],
+                    inputs[row],
+                    cfgs[where[i][0]],
+                )
+                for row, i in enumerate(chunk)
+            ]
+            loss = torch.stack(datums).sum()
+            # back to the CPU once a pass (on a GPU each .cpu() or float() waits for it)
+            values, logp_cpu = torch.stack(datums).detach().cpu().tolist(), logp.detach().cpu()
             for row, i in enumerate(chunk):
                 r, d, k = where[i]
-                n = len(rows[i])
-                datum = losses.datum_loss(requests[r].loss_fn, logp[row, :n], inputs[row], cfgs[r])
-                loss = loss + datum
-                totals[r] += float(datum.detach())
-                out[r][d][k] = logp[row, :n].detach().cpu()
+                totals[r] += values[row]
+                out[r][d][k] = logp_cpu[row, : len(rows[i])]
             # a chunk whose every weight (advantage) is 0 has no gradient to add
             if not forward_only and loss.requires_grad:
                 loss.backward()

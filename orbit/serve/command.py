@@ -30,6 +30,7 @@ from orbit.serve.keys import Keys
 from orbit.serve.samplers import Sampler
 from orbit.serve.service import PACK_TOKENS, Quotas, Service
 from orbit.serve.store import Store, default_url, instance
+from orbit.train.shared import SharedBase
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ def _start(
     engines = start_engines(starter)
     started.append(engines)
     info = engines[0].info
+    # the trainer's copy now, before the next base's engines are planned on what memory is left
+    shared = SharedBase(model, recipe.trainer.dtype, recipe.trainer.rank_devices()[0])
     return Engines(
         model,
         names,
@@ -216,6 +219,7 @@ def _start(
         info.max_context,
         info.vocab_size,
         limits(recipe),
+        shared,
     )
 
 

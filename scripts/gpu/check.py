@@ -391,16 +391,15 @@ def load(check: Check, figures: dict) -> None:
     out = check.out / "serve-load.json"
     cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--model", str(check.model)]
     cmd += ["--device", check.device, "--clients", counts, "--steps", "3", "--json", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    print(res.stdout[-4000:], flush=True)
-    if out.exists():
-        for n, modes in json.loads(out.read_text()).items():
-            figures[n] = {
-                mode: {k: r[k] for k in ("tokens_s", "requests_s", "latency", "peak_rss_mib")}
-                for mode, r in modes.items()
-            }
-    if res.returncode != 0:
-        raise RuntimeError(f"serve_load failed:\n{res.stderr[-3000:]}")
+    try:
+        _logged(cmd, check.out / "load.log")
+    finally:  # what it measured before it failed or the device command's limit stopped it
+        if out.exists():
+            for n, by_mode in json.loads(out.read_text()).items():
+                figures[n] = {
+                    mode: {k: r[k] for k in ("tokens_s", "requests_s", "latency", "peak_rss_mib")}
+                    for mode, r in by_mode.items()
+                }
 
 
 def sweep(check: Check, figures: dict) -> None:
@@ -410,14 +409,25 @@ def sweep(check: Check, figures: dict) -> None:
     cmd = [sys.executable, str(ROOT / "bench" / "sweep.py"), "--model", str(check.model)]
     cmd += ["--device", check.device, "--one-seed", "--out", str(out)]
     cmd += ["--steps", "10" if check.cuda else "3"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    print(res.stdout[-4000:], flush=True)
-    if (out / "summary.json").exists():
-        summary = json.loads((out / "summary.json").read_text())
-        shutil.copy(out / "summary.json", check.out / "sweep-summary.json")
-        figures.update({k: summary.get(k) for k in ("sweep_s", "turns_s", "alone_s", "ratio")})
+    try:
+        _logged(cmd, check.out / "sweep.log")
+    finally:
+        if (out / "summary.json").exists():
+            summary = json.loads((out / "summary.json").read_text())
+            shutil.copy(out / "summary.json", check.out / "sweep-summary.json")
+            keys = ("sweep_s", "turns_s", "alone_s", "ratio")  # the whole run's; else the sweeps'
+            figures.update({k: summary[k] for k in keys if k in summary} or {"sweeps": summary})
+
+
+def _logged(cmd: list[str], log: Path) -> None:
+    """Run a bench script with its output in `log` (in OUT: what it printed comes back even when
+    the device command's limit stops it); RuntimeError with the log's end if it failed."""
+    with log.open("w") as f:
+        res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"sweep.py failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{Path(cmd[1]).name} exited {res.returncode}:\n{log.read_text()[-3000:]}"
+        )
 
 
 def sdk_python() -> str:
