@@ -39,27 +39,26 @@ class EngineLimits:
 @dataclass
 class Engines:
     """One base model's engines, as `orbit serve` started them: `model` its checkpoint, `names`
-    what clients may call it."""
+    what clients may call it; `shared` the trainer's copy of its weights, loaded as soon as the
+    engines were up (command.py: on a shared GPU the next base's engines are planned on what it
+    left)."""
 
     model: Path
     names: set[str]
     sampler: Sampler
     max_context: int
     vocab_size: int
+    shared: SharedBase
     limits: EngineLimits = EngineLimits()
-    # the trainer's copy, when loaded as soon as these engines were up (command.py: on a shared
-    # GPU the next base's engines are then planned on the memory it took); else Base loads it
-    shared: SharedBase | None = None
 
 
 class Base:
     """A served base model: its engines and the trainer's copy of its weights (`shared`)."""
 
-    def __init__(self, engines: Engines, dtype: str, device: str = "cpu") -> None:
+    def __init__(self, engines: Engines) -> None:
         self.model, self.names, self.sampler = engines.model, engines.names, engines.sampler
         self.max_context, self.vocab_size = engines.max_context, engines.vocab_size
-        self.limits = engines.limits
-        self.shared = engines.shared or SharedBase(engines.model, dtype, device)
+        self.limits, self.shared = engines.limits, engines.shared
 
     def public_names(self) -> list[str]:
         """Its names but its absolute paths."""
@@ -85,10 +84,10 @@ class Bases:
     """Every served base, the first the recipe's own `model:`; a name names one of them (the
     recipe's bases are checked so before they start: command.served)."""
 
-    def __init__(self, served: list[Engines], dtype: str, device: str = "cpu") -> None:
+    def __init__(self, served: list[Engines]) -> None:
         if not served:
             raise ValueError("orbit serve serves at least one base model")
-        self._bases = [Base(engines, dtype, device) for engines in served]
+        self._bases = [Base(engines) for engines in served]
 
     def __iter__(self) -> Iterator[Base]:
         return iter(self._bases)

@@ -303,9 +303,10 @@ def forward_backward(base: SharedBase, requests: list[Request], packed: bool) ->
                 )
                 for row, i in enumerate(chunk)
             ]
-            loss = torch.stack(datums).sum()
+            per_datum = torch.stack(datums)
+            loss = per_datum.sum()
             # back to the CPU once a pass (on a GPU each .cpu() or float() waits for it)
-            values, logp_cpu = torch.stack(datums).detach().cpu().tolist(), logp.detach().cpu()
+            values, logp_cpu = per_datum.detach().cpu().tolist(), logp.detach().cpu()
             for row, i in enumerate(chunk):
                 r, d, k = where[i]
                 totals[r] += values[row]

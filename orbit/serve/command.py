@@ -125,11 +125,9 @@ def serving(
             engines,
             directory,
             store,
-            dtype=recipe.trainer.dtype,
             quotas=options.quotas,
             threads=recipe.trainer.threads,
             pack_tokens=options.pack_tokens,
-            device=recipe.trainer.rank_devices()[0],
         )
         api = app(service, options.keys, options.max_body)
         server = ThreadServer(api, options.host, options.port, name="orbit serve").start()
@@ -218,8 +216,8 @@ def _start(
         Sampler(engines, engine_cfg.slots, lambda ids: tokenizer.decode(ids)),
         info.max_context,
         info.vocab_size,
-        limits(recipe),
         shared,
+        limits(recipe),
     )
 
 

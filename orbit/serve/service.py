@@ -78,21 +78,18 @@ class Quotas:
 class Service:
     """The base models `served` (bases.py: each its engines and the trainer's copy of its weights),
     and the state of every tenant's clients, in `store`; checkpoints under `directory`; `threads`:
-    the trainer's torch threads (one trainer thread runs every base's requests, in turns); `device`
-    the trainer's (every base's trainer copy and its clients' adapters)."""
+    the trainer's torch threads (one trainer thread runs every base's requests, in turns)."""
 
     def __init__(
         self,
         served: list[Engines],
         directory: Path,
         store: Store,
-        dtype: str = "float32",
         quotas: Quotas = Quotas(),
         threads: int = 1,
         pack_tokens: int = PACK_TOKENS,
-        device: str = "cpu",
     ) -> None:
-        self.bases = Bases(served, dtype, device)
+        self.bases = Bases(served)
         self.directory, self.store, self.quotas = directory, store, quotas
         self.futures = Futures(store)
         self.turns = Turns(threads, pack_tokens, self._run_pack)

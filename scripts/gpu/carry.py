@@ -92,8 +92,7 @@ def missing_requirements(wheels: list[Path]) -> list[str]:
     imports it. sglang's own list is not followed: the carry leaves its CUDA stack out on purpose
     (../shared/notes/gpu-sglang.md). An extra of a package in the image (httpx[http2]) is read from
     the package's metadata here."""
-    env = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3"}
-    image = {canonicalize_name(x) for x in IMAGE.read_text().split() if not x.startswith("#")}
+    env, image = _lent_python(), _image()
     carried, needs = set(), []
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
@@ -124,23 +123,27 @@ def orbit_requirements_uncovered() -> list[str]:
     """Orbit's own requirements that neither requirements/gpu-carry.txt pins nor the image has:
     the same check as `missing_requirements` for Orbit's part, without downloading the carry (a
     test runs it, so a new dependency is named here, not in a device minute)."""
-    env = {
-        **default_environment(),
-        "python_version": "3.12",
-        "python_full_version": "3.12.3",
-        "extra": "",
-    }
-    image = {canonicalize_name(x) for x in IMAGE.read_text().split() if not x.startswith("#")}
+    env = {**_lent_python(), "extra": ""}
     lines = [x.split("#")[0].strip() for x in REQUIREMENTS.read_text().splitlines()]
-    pinned = {canonicalize_name(Requirement(x).name) for x in lines if x}
+    have = {canonicalize_name(Requirement(x).name) for x in lines if x} | _image()
     missing = []
     for text in metadata.requires("orbit-rl") or []:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate(env):
             continue
-        if canonicalize_name(req.name) not in pinned | image:
+        if canonicalize_name(req.name) not in have:
             missing.append(req.name)
     return sorted(missing)
+
+
+def _lent_python() -> dict[str, str]:
+    """The environment markers of the lent machine's Python (3.12 on x86-64 Linux)."""
+    return {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3"}
+
+
+def _image() -> set[str]:
+    """The packages the lent machine has already (image-packages.txt), by canonical name."""
+    return {canonicalize_name(x) for x in IMAGE.read_text().split() if not x.startswith("#")}
 
 
 def python312() -> str:
